@@ -1,0 +1,211 @@
+"""``preprocess``: local text/json/parquet/csv/saved datasets -> sentencepiece -> token files.
+
+Writes into ``--destdir``:
+
+* ``{split}.bin`` / ``{split}.idx``: fairseq's MMIDIDX format (``data/indexed_dataset.py``),
+  one sequence per input line (text) or row (json, parquet, csv, arrow, saved), each
+  ending in ``</s>``;
+* ``tokenizer.model``: the sentencepiece model;
+* ``metadata.json``: vocabulary size, dtype, special ids, per-split counts and sources.
+
+Everything is built in a temp dir inside destdir and moved into place at the end,
+``metadata.json`` last, so a crash or Ctrl-C leaves no half-written split behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from data.errors import DataError
+from data.indexed_dataset import best_fitting_dtype
+from data.sources import INPUT_FORMATS, Source, load_text_dataset, resolve_sources, split_specs
+from data.tokenizer import SPECIAL_IDS, SentencePieceTokenizer, train_sentencepiece
+
+METADATA_FORMAT = "shardlm-mmidx-1"
+TOKENIZER_FILE = "tokenizer.model"
+METADATA_FILE = "metadata.json"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="preprocess",
+        description="Tokenize local text, jsonl, parquet or csv files (or a saved HF dataset) "
+        "into memory-mapped token files for train.",
+    )
+    inputs = "a path, a glob, or a comma-separated list of them"
+    parser.add_argument("--trainpref", metavar="FP", help=f"train input: {inputs}")
+    parser.add_argument(
+        "--validpref", metavar="FP",
+        help=f"valid input: {inputs}; comma-separated parts become splits valid, valid1, ...",
+    )
+    parser.add_argument(
+        "--testpref", metavar="FP",
+        help=f"test input: {inputs}; comma-separated parts become splits test, test1, ...",
+    )
+    parser.add_argument("--destdir", metavar="DIR", default="data-bin", help="output dir (default: data-bin)")
+    parser.add_argument(
+        "--text-column", default="text",
+        help="column holding the text in json/parquet/csv/saved inputs (default: text)",
+    )
+    parser.add_argument(
+        "--input-format", choices=INPUT_FORMATS, default="auto",
+        help="input file format; auto picks by extension: .txt/.tokens/.raw/none -> text, "
+        ".json/.jsonl -> json, .parquet, .csv, .arrow; a save_to_disk dir is always read as saved",
+    )
+    parser.add_argument("--vocab-size", type=int, default=8000, help="sentencepiece vocabulary size (default: 8000)")
+    parser.add_argument(
+        "--spm-model-type", choices=("bpe", "unigram"), default="bpe", help="sentencepiece model type (default: bpe)"
+    )
+    parser.add_argument(
+        "--spm-model", metavar="PATH",
+        help="reuse this sentencepiece .model instead of training one (needs ids bos=0 pad=1 eos=2 unk=3)",
+    )
+    parser.add_argument("--workers", type=int, default=1, help="encoding processes (default: 1)")
+    parser.add_argument("--seed", type=int, default=1, help="seed for sentencepiece's sentence sampling (default: 1)")
+    return parser
+
+
+def _check_args(args) -> None:
+    if args.workers < 1:
+        raise DataError(f"--workers must be at least 1, got {args.workers}")
+    if not args.spm_model and args.vocab_size <= len(SPECIAL_IDS):
+        raise DataError(f"--vocab-size must be larger than the {len(SPECIAL_IDS)} special symbols, got {args.vocab_size}")
+    if not (args.trainpref or args.validpref or args.testpref):
+        raise DataError("nothing to preprocess; pass --trainpref and/or --validpref/--testpref")
+    if not args.trainpref and not args.spm_model:
+        raise DataError("--trainpref is needed to train the tokenizer; pass it, or reuse a model with --spm-model")
+
+
+def _load_spm_model(path: str) -> SentencePieceTokenizer:
+    tokenizer = SentencePieceTokenizer(path)
+    if tokenizer.special_ids() != SPECIAL_IDS:
+        found = " ".join(f"{k}={v}" for k, v in tokenizer.special_ids().items())
+        raise DataError(
+            f"{path} has special ids {found}, shardlm needs bos=0 pad=1 eos=2 unk=3 (fairseq's); "
+            "leave out --spm-model to train a matching one"
+        )
+    return tokenizer
+
+
+def _outputs(splits) -> list[str]:
+    names = [METADATA_FILE, TOKENIZER_FILE]
+    for split in splits:
+        names += [f"{split}.bin", f"{split}.idx"]
+    return names
+
+
+def _refuse_overwrite(destdir: Path, splits) -> None:
+    if destdir.exists() and not destdir.is_dir():
+        raise DataError(f"--destdir {destdir} is a file; choose a directory")
+    for name in _outputs(splits):
+        if (destdir / name).exists():
+            raise DataError(f"{destdir / name} already exists; choose another --destdir or delete it")
+
+
+def _write_training_text(dataset, column: str, path: Path) -> int:
+    """The train split as one sentence per line, for sentencepiece; returns the line count."""
+    lines = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for batch in dataset.iter(batch_size=10_000):
+            for text in batch[column]:
+                if text:
+                    # Newlines inside a json/parquet document just make more lines,
+                    # which is what sentencepiece wants.
+                    f.write(text)
+                    f.write("\n")
+                    lines += 1
+    return lines
+
+
+def _build(args, sources: dict[str, list[Source]], work: Path, out: Path) -> dict:
+    from data.encode import encode_dataset
+
+    datasets = {
+        split: load_text_dataset(split_sources, args.text_column, work / "hf-cache")
+        for split, split_sources in sources.items()
+    }
+    model_path = out / TOKENIZER_FILE
+    if args.spm_model:
+        shutil.copyfile(args.spm_model, model_path)
+    else:
+        text_file = work / "spm-train.txt"
+        lines = _write_training_text(datasets["train"], args.text_column, text_file)
+        print(
+            f"training sentencepiece {args.spm_model_type} (vocab {args.vocab_size:,}) on {lines:,} lines",
+            file=sys.stderr, flush=True,
+        )
+        trained = train_sentencepiece(text_file, work / "spm", args.vocab_size, args.spm_model_type, seed=args.seed)
+        shutil.copyfile(trained, model_path)
+    tokenizer = SentencePieceTokenizer(model_path)
+    dtype = best_fitting_dtype(tokenizer.vocab_size)
+
+    shard_dir = work / "shards"
+    shard_dir.mkdir()
+    splits = {}
+    for split, dataset in datasets.items():
+        stats = encode_dataset(
+            dataset, args.text_column, model_path, out / split, dtype, args.workers, shard_dir, split
+        )
+        print(
+            f"{split}: {stats.documents:,} documents, {stats.tokens:,} tokens, "
+            f"{stats.tokens_per_second:,.0f} tokens/s",
+            flush=True,
+        )
+        splits[split] = {
+            "documents": stats.documents,
+            "tokens": stats.tokens,
+            "sources": [os.fspath(source.path) for source in sources[split]],
+        }
+    return {
+        "format": METADATA_FORMAT,
+        "tokenizer": TOKENIZER_FILE,
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": dtype.name,
+        "special_ids": tokenizer.special_ids(),
+        "splits": splits,
+    }
+
+
+def preprocess(args: argparse.Namespace) -> Path:
+    """Run preprocess as parsed by ``build_parser()``; returns the data dir it wrote."""
+    _check_args(args)
+    destdir = Path(args.destdir)
+    # Every input is checked before anything is written.
+    sources = {
+        split: resolve_sources(spec, args.input_format)
+        for split, spec in split_specs(args.trainpref, args.validpref, args.testpref).items()
+    }
+    if args.spm_model:
+        _load_spm_model(args.spm_model)
+    _refuse_overwrite(destdir, sources)
+
+    created = not destdir.exists()
+    destdir.mkdir(parents=True, exist_ok=True)
+    try:
+        # Inside destdir so the final moves are renames on one filesystem; datasets'
+        # cache lives here too, so nothing lands in the user's home.
+        with tempfile.TemporaryDirectory(dir=destdir, prefix=".preprocess-") as tmp:
+            work, out = Path(tmp) / "work", Path(tmp) / "out"
+            work.mkdir()
+            out.mkdir()
+            metadata = _build(args, sources, work, out)
+            with open(out / METADATA_FILE, "w", encoding="utf-8") as f:
+                json.dump(metadata, f, indent=2)
+                f.write("\n")
+            _refuse_overwrite(destdir, sources)  # someone may have written there meanwhile
+            # metadata.json last: its presence says the data dir is complete.
+            for name in _outputs(sources):
+                if name != METADATA_FILE:
+                    os.replace(out / name, destdir / name)
+            os.replace(out / METADATA_FILE, destdir / METADATA_FILE)
+    except BaseException:
+        if created and destdir.is_dir() and not any(destdir.iterdir()):
+            destdir.rmdir()
+        raise
+    return destdir

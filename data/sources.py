@@ -1,0 +1,180 @@
+"""Finding preprocess inputs on disk and reading them through HF ``datasets``.
+
+Two steps, so that every input is checked before anything is written:
+``resolve_split_sources`` only looks at the filesystem; ``load_text_dataset`` imports
+``datasets`` (1.7 s) and reads.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from data.errors import DataError
+
+INPUT_FORMATS = ("auto", "text", "json", "parquet", "csv", "arrow")
+
+_EXTENSION_FORMATS = {
+    "": "text",
+    ".txt": "text",
+    ".tokens": "text",
+    ".raw": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+}
+# datasets decompresses these itself; the format is the extension underneath.
+_COMPRESSION_EXTENSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+# A directory written by Dataset.save_to_disk holds these.
+_SAVED_DATASET_FILES = ("state.json", "dataset_info.json")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input: a file and the ``datasets`` builder that reads it, or a saved dataset dir."""
+
+    path: Path
+    format: str  # "text" | "json" | "parquet" | "csv" | "arrow" | "saved"
+
+
+def _not_found(spec: str) -> DataError:
+    return DataError(
+        f"no local file or saved dataset at {spec}; preprocess reads local files only "
+        "(download the dataset first, or point at a saved copy)"
+    )
+
+
+def _format_of(path: Path, input_format: str) -> str:
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            raise DataError(
+                f"{path} is a saved DatasetDict; point at one of its splits, e.g. {path / 'train'}"
+            )
+        if not any((path / name).is_file() for name in _SAVED_DATASET_FILES):
+            raise DataError(
+                f"{path} is a directory but not a dataset saved with save_to_disk; "
+                f"pass its files or a glob such as '{path}/*.jsonl'"
+            )
+        return "saved"
+    if input_format != "auto":
+        return input_format
+    name = path.name.lower()
+    for compression in _COMPRESSION_EXTENSIONS:
+        if name.endswith(compression):
+            name = name[: -len(compression)]
+    suffix = Path(name).suffix
+    if suffix not in _EXTENSION_FORMATS:
+        raise DataError(
+            f"cannot tell the format of {path} from its extension {suffix!r}; pass --input-format "
+            f"({', '.join(INPUT_FORMATS[1:])})"
+        )
+    return _EXTENSION_FORMATS[suffix]
+
+
+def resolve_sources(spec: str, input_format: str = "auto") -> list[Source]:
+    """Files named by one spec: a path, a glob, or a comma-separated list of them, in order.
+
+    Globs expand sorted, so the same command always reads files in the same order.
+    """
+    sources = []
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        if Path(item).exists():
+            paths = [Path(item)]
+        elif glob.has_magic(item):
+            paths = [Path(p) for p in sorted(glob.glob(item, recursive=True)) if Path(p).is_file()]
+            if not paths:
+                raise DataError(f"the pattern {item} matched no files; check the path (preprocess reads local files only)")
+        else:
+            raise _not_found(item)
+        sources.extend(Source(p.absolute(), _format_of(p, input_format)) for p in paths)
+    if not sources:
+        raise DataError(f"no input files in {spec!r}; pass a path, a glob or a comma-separated list")
+    return sources
+
+
+def split_specs(trainpref: str | None, validpref: str | None, testpref: str | None) -> dict[str, str]:
+    """Split name -> input spec, fairseq's way: ``--validpref a,b`` makes valid and valid1.
+
+    For train every comma-separated part goes into the one train split.
+    """
+    specs = {}
+    if trainpref:
+        specs["train"] = trainpref
+    for name, pref in (("valid", validpref), ("test", testpref)):
+        parts = [part.strip() for part in (pref or "").split(",") if part.strip()]
+        for k, part in enumerate(parts):
+            specs[name if k == 0 else f"{name}{k}"] = part
+    return specs
+
+
+def _import_datasets_offline():
+    # Set before the import (datasets reads them then) and on the config after, in case
+    # something imported datasets earlier: preprocess must never reach the network.
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import datasets
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if hasattr(datasets.config, name):
+            setattr(datasets.config, name, True)
+    # Our own progress bar covers encoding; datasets' "Generating train split" bars
+    # would name the wrong split.
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    return datasets
+
+
+def _load_group(datasets, fmt: str, paths: list[Path], cache_dir: Path):
+    if fmt == "saved":
+        (path,) = paths
+        loaded = datasets.load_from_disk(os.fspath(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            raise DataError(f"{path} is a saved DatasetDict; point at one of its splits ({', '.join(loaded)})")
+        return loaded
+    return datasets.load_dataset(
+        fmt, data_files=[os.fspath(p) for p in paths], split="train", cache_dir=os.fspath(cache_dir)
+    )
+
+
+def load_text_dataset(sources: list[Source], text_column: str, cache_dir: Path):
+    """One ``datasets.Dataset`` with a single string column ``text_column``, rows in input order.
+
+    ``cache_dir`` receives datasets' Arrow cache (preprocess passes a temp dir inside
+    destdir, so nothing lands in the user's home and workers can memory-map it).
+    """
+    datasets = _import_datasets_offline()
+    # Consecutive files of one format are read by one load_dataset call (a glob over
+    # 1,000 shards is one call, not 1,000); each saved dataset dir is its own call.
+    groups: list[tuple[str, list[Path]]] = []
+    for source in sources:
+        if groups and groups[-1][0] == source.format != "saved":
+            groups[-1][1].append(source.path)
+        else:
+            groups.append((source.format, [source.path]))
+    parts = []
+    for fmt, paths in groups:
+        ds = _load_group(datasets, fmt, paths, cache_dir)
+        where = paths[0] if len(paths) == 1 else f"{paths[0]} (and {len(paths) - 1} more)"
+        if text_column not in ds.column_names:
+            raise DataError(
+                f"{where} has no column {text_column!r}; its columns are {', '.join(ds.column_names)}; "
+                "pass --text-column"
+            )
+        feature = ds.features[text_column]
+        if getattr(feature, "dtype", None) not in ("string", "large_string"):
+            raise DataError(
+                f"column {text_column!r} of {where} holds {feature}, not text; pass --text-column naming a text column"
+            )
+        parts.append(ds.select_columns([text_column]))
+    if len(parts) == 1:
+        return parts[0]
+    # concatenate_datasets needs one type; large_string holds any size.
+    if len({part.features[text_column].dtype for part in parts}) > 1:
+        parts = [part.cast_column(text_column, datasets.Value("large_string")) for part in parts]
+    return datasets.concatenate_datasets(parts)

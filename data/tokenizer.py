@@ -1,0 +1,135 @@
+"""Text <-> token ids: a sentencepiece model (our data dirs) or a fairseq dict.txt (theirs).
+
+Both tokenizers use fairseq's special ids, so a model trained on either kind of data
+dir sees the same ``<pad>`` and ``</s>``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from data.dictionary import Dictionary
+from data.errors import DataError
+
+SPECIAL_IDS = dict(bos=0, pad=1, eos=2, unk=3)
+
+
+def train_sentencepiece(
+    input_text_file: str | os.PathLike,
+    model_prefix: str | os.PathLike,
+    vocab_size: int,
+    model_type: str = "bpe",
+    seed: int = 1,
+) -> Path:
+    """Train a sentencepiece model on a one-sentence-per-line file; returns ``<prefix>.model``."""
+    import sentencepiece as spm
+
+    if model_type not in ("bpe", "unigram"):
+        raise DataError(f"unknown sentencepiece model type {model_type!r}; use bpe or unigram")
+    # The seed drives sentencepiece's sentence sampling; with one thread the result is
+    # the same bytes run after run.
+    spm.set_random_generator_seed(seed)
+    try:
+        spm.SentencePieceTrainer.train(
+            input=os.fspath(input_text_file),
+            model_prefix=os.fspath(model_prefix),
+            vocab_size=vocab_size,
+            model_type=model_type,
+            bos_id=SPECIAL_IDS["bos"],
+            pad_id=SPECIAL_IDS["pad"],
+            eos_id=SPECIAL_IDS["eos"],
+            unk_id=SPECIAL_IDS["unk"],
+            character_coverage=1.0,
+            # A small corpus may not support the requested vocabulary: take fewer pieces
+            # instead of failing.
+            hard_vocab_limit=False,
+            # Lossless: decode(encode(text)) == text for every character seen in training
+            # (no NFKC rewriting, no collapsing of spaces, which would corrupt e.g. code).
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            # The training file has one sentence per line, so a newline inside a document
+            # (json/parquet rows) would otherwise never get a piece.
+            user_defined_symbols=["\n"],
+            # Bound memory on huge corpora: sample this many sentences (seeded above).
+            input_sentence_size=10_000_000,
+            shuffle_input_sentence=True,
+            max_sentence_length=1 << 16,
+            num_threads=1,
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        raise DataError(
+            f"sentencepiece training failed: {first_line}; check the training text and --vocab-size"
+        ) from None
+    return Path(f"{os.fspath(model_prefix)}.model")
+
+
+class SentencePieceTokenizer:
+    def __init__(self, model_path: str | os.PathLike):
+        import sentencepiece as spm
+
+        path = Path(model_path)
+        if not path.is_file():
+            raise DataError(f"missing sentencepiece model {path}; re-run preprocess or pass an existing --spm-model")
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=os.fspath(path))
+        except (RuntimeError, OSError) as e:
+            raise DataError(f"{path} is not a sentencepiece model ({e}); pass a .model file written by sentencepiece") from None
+        self.model_path = path
+        self.vocab_size = self._sp.get_piece_size()
+        self.bos, self.pad, self.eos, self.unk = (
+            self._sp.bos_id(), self._sp.pad_id(), self._sp.eos_id(), self._sp.unk_id()
+        )
+        self._skip_on_decode = {self.bos, self.pad, self.eos}
+
+    def special_ids(self) -> dict[str, int]:
+        return dict(bos=self.bos, pad=self.pad, eos=self.eos, unk=self.unk)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without ``</s>`` (preprocess appends it per sequence)."""
+        return self._sp.encode(text, out_type=int)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # One thread: parallelism comes from preprocess --workers processes, and nested
+        # thread pools would oversubscribe the cores.
+        return self._sp.encode(list(texts), out_type=int, num_threads=1)
+
+    def decode(self, ids) -> str:
+        return self._sp.decode([int(i) for i in ids if int(i) not in self._skip_on_decode])
+
+
+class DictionaryTokenizer:
+    """fairseq data dirs: whitespace-split words looked up in dict.txt."""
+
+    def __init__(self, dictionary: Dictionary):
+        self.dictionary = dictionary
+        self.vocab_size = len(dictionary)
+        self.bos, self.pad, self.eos, self.unk = (
+            dictionary.bos(), dictionary.pad(), dictionary.eos(), dictionary.unk()
+        )
+
+    def special_ids(self) -> dict[str, int]:
+        return dict(bos=self.bos, pad=self.pad, eos=self.eos, unk=self.unk)
+
+    def encode(self, text: str) -> list[int]:
+        return [self.dictionary.index(word) for word in text.split()]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    def decode(self, ids) -> str:
+        return self.dictionary.string(ids)
+
+
+def load_tokenizer(data_dir: str | os.PathLike) -> SentencePieceTokenizer | DictionaryTokenizer:
+    """The tokenizer of a data dir: ``tokenizer.model`` (ours) or ``dict.txt`` (fairseq's)."""
+    data_dir = Path(data_dir)
+    if (data_dir / "tokenizer.model").is_file():
+        return SentencePieceTokenizer(data_dir / "tokenizer.model")
+    if (data_dir / "dict.txt").is_file():
+        return DictionaryTokenizer(Dictionary.load(data_dir / "dict.txt"))
+    raise DataError(
+        f"{data_dir} has neither tokenizer.model nor dict.txt; run preprocess to create a data dir"
+    )

@@ -1,0 +1,83 @@
+"""The transformer LM's options (fairseq's names and defaults) and its presets.
+
+Torch-free on purpose: `train --help` builds its flags from this dataclass and
+must answer before torch is imported.
+"""
+from dataclasses import dataclass, field
+from typing import Optional
+
+ACTIVATIONS = ("relu", "gelu")
+
+
+@dataclass
+class TransformerLMConfig:
+    _name: str = field(default="transformer_lm", metadata={
+        "help": "model preset (fairseq --arch); also `model=NAME`", "flag": "--arch", "short": "-a"})
+    decoder_embed_dim: int = field(default=512, metadata={"help": "decoder embedding dimension"})
+    decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "decoder feed-forward dimension"})
+    decoder_layers: int = field(default=6, metadata={"help": "number of decoder layers"})
+    decoder_attention_heads: int = field(default=8, metadata={"help": "number of attention heads"})
+    decoder_normalize_before: bool = field(default=True, metadata={
+        "help": "pre-LN: normalize before each sublayer (fairseq forces it on for LMs)"})
+    no_decoder_final_norm: bool = field(default=False, metadata={"help": "drop the final layer norm"})
+    decoder_learned_pos: bool = field(default=False, metadata={
+        "help": "learned positional embeddings (default: sinusoidal)"})
+    no_token_positional_embeddings: bool = field(default=False, metadata={
+        "help": "no positional embeddings at all"})
+    share_decoder_input_output_embed: bool = field(default=False, metadata={
+        "help": "tie the input embedding and the output projection"})
+    no_scale_embedding: bool = field(default=False, metadata={
+        "help": "do not scale token embeddings by sqrt(embed_dim)"})
+    layernorm_embedding: bool = field(default=False, metadata={"help": "layer norm after the embeddings"})
+    activation_fn: str = field(default="relu", metadata={"help": "activation function", "choices": ACTIVATIONS})
+    dropout: float = field(default=0.1, metadata={"help": "dropout probability"})
+    attention_dropout: float = field(default=0.0, metadata={"help": "dropout on attention weights"})
+    activation_dropout: float = field(default=0.0, metadata={
+        "help": "dropout after the FFN activation", "alias": "--relu-dropout"})
+    max_target_positions: Optional[int] = field(default=None, metadata={
+        "help": "longest sequence the model accepts (default: --tokens-per-sample)"})
+    checkpoint_activations: bool = field(default=False, metadata={
+        "help": "recompute each layer's activations in backward instead of storing them"})
+    offload_activations: bool = field(default=False, metadata={
+        "help": "keep checkpointed activations on the CPU; implies --checkpoint-activations"})
+    min_params_to_wrap: int = field(default=0, metadata={
+        "help": "FSDP: a decoder layer with at least this many parameters is its own shard unit "
+                "(fairseq's 1e8 left most layers unwrapped; 0 wraps every layer)"})
+
+
+def _gpt3(layers, dim, heads):
+    # fairseq's base_gpt3_architecture: learned positions, tied embeddings, gelu, no dropout.
+    return dict(decoder_layers=layers, decoder_embed_dim=dim, decoder_ffn_embed_dim=4 * dim,
+                decoder_attention_heads=heads, decoder_learned_pos=True,
+                share_decoder_input_output_embed=True, activation_fn="gelu",
+                dropout=0.0, attention_dropout=0.0)
+
+
+def _gpt2(layers, dim, ffn, heads):
+    # fairseq's transformer_lm_gpt2_*: gelu, dropout 0.1, attention dropout 0.1.
+    return dict(decoder_layers=layers, decoder_embed_dim=dim, decoder_ffn_embed_dim=ffn,
+                decoder_attention_heads=heads, activation_fn="gelu",
+                dropout=0.1, attention_dropout=0.1)
+
+
+# fairseq/models/transformer_lm.py architectures: only the keys each one sets.
+# Selecting a preset sets these keys; every other key keeps its current value.
+PRESETS = {
+    "transformer_lm": dict(decoder_layers=6, decoder_embed_dim=512, decoder_ffn_embed_dim=2048,
+                           decoder_attention_heads=8, activation_fn="relu"),
+    "transformer_lm_big": dict(decoder_layers=12, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096,
+                               decoder_attention_heads=16),
+    "transformer_lm_gpt": _gpt2(12, 768, 3072, 12),
+    "transformer_lm_gpt2_tiny": _gpt2(2, 64, 64, 1),
+    "transformer_lm_gpt2_small": _gpt2(24, 1024, 4096, 16),
+    "transformer_lm_gpt2_medium": _gpt2(36, 1280, 5120, 20),
+    "transformer_lm_gpt2_big": _gpt2(48, 1600, 6400, 25),
+    "transformer_lm_gpt3_small": _gpt3(12, 768, 12),
+    "transformer_lm_gpt3_medium": _gpt3(24, 1024, 16),
+    "transformer_lm_gpt3_large": _gpt3(24, 1536, 16),
+    "transformer_lm_gpt3_xl": _gpt3(24, 2048, 32),
+    "transformer_lm_gpt3_2_7": _gpt3(32, 2560, 32),
+    "transformer_lm_gpt3_6_7": _gpt3(32, 4096, 32),
+    "transformer_lm_gpt3_13": _gpt3(40, 5120, 40),
+    "transformer_lm_gpt3_175": _gpt3(96, 12288, 96),
+}

@@ -1,0 +1,141 @@
+"""A decoder-only transformer language model with fairseq's transformer_lm options.
+
+Reads top to bottom: embeddings → N decoder layers → final norm → output projection.
+It holds no parallelism: sharding, activation checkpointing and mixed precision are
+applied from the outside by trainer/parallelize.py, one `DecoderLayer` at a time.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ACTIVATION_FNS = {"relu": F.relu, "gelu": F.gelu}
+
+
+def _dropout(x, p, training):
+    # Skip the op entirely at p=0: it still costs a pass over x in training mode.
+    return F.dropout(x, p, training) if training and p > 0 else x
+
+
+class DecoderLayer(nn.Module):
+    """Causal self-attention + feed-forward, each in a residual branch (pre-LN by default)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        d, ffn = cfg.decoder_embed_dim, cfg.decoder_ffn_embed_dim
+        self.num_heads = cfg.decoder_attention_heads
+        self.normalize_before = cfg.decoder_normalize_before
+        self.dropout, self.attention_dropout = cfg.dropout, cfg.attention_dropout
+        self.activation_dropout = cfg.activation_dropout
+        self.activation_fn = ACTIVATION_FNS[cfg.activation_fn]
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.qkv_proj = nn.Linear(d, 3 * d)  # one matmul for q, k and v
+        self.out_proj = nn.Linear(d, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, ffn)
+        self.fc2 = nn.Linear(ffn, d)
+
+    def attention(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv_proj(x).view(B, T, 3, self.num_heads, C // self.num_heads).transpose(1, 3).unbind(2)
+        # Right padding only: a causal mask already keeps every real token off the pads.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.attention_dropout if self.training else 0.0)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def feed_forward(self, x):
+        x = _dropout(self.activation_fn(self.fc1(x)), self.activation_dropout, self.training)
+        return self.fc2(x)
+
+    def forward(self, x):
+        for norm, sublayer in ((self.self_attn_layer_norm, self.attention),
+                               (self.final_layer_norm, self.feed_forward)):
+            h = sublayer(norm(x) if self.normalize_before else x)
+            x = x + _dropout(h, self.dropout, self.training)
+            if not self.normalize_before:
+                x = norm(x)
+        return x
+
+
+def sinusoidal_positions(num_positions, dim, device, dtype):
+    """fairseq's sinusoidal table: sin on the first half of the channels, cos on the second."""
+    half = dim // 2
+    freq = torch.exp(torch.arange(half, device=device, dtype=torch.float32) * -(math.log(10000.0) / (half - 1)))
+    angles = torch.arange(num_positions, device=device, dtype=torch.float32)[:, None] * freq[None, :]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if dim % 2:
+        table = F.pad(table, (0, 1))
+    return table.to(dtype)
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, cfg, vocab_size, max_positions, padding_idx=1):
+        super().__init__()
+        d = cfg.decoder_embed_dim
+        self.vocab_size, self.max_positions, self.padding_idx = vocab_size, max_positions, padding_idx
+        self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(d)
+        self.dropout = cfg.dropout
+        self.positions = None if cfg.no_token_positional_embeddings else (
+            "learned" if cfg.decoder_learned_pos else "sinusoidal")
+        self.embed_tokens = nn.Embedding(vocab_size, d, padding_idx=padding_idx)
+        self.embed_positions = nn.Embedding(max_positions, d) if self.positions == "learned" else None
+        self.layernorm_embedding = nn.LayerNorm(d) if cfg.layernorm_embedding else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        final_norm = cfg.decoder_normalize_before and not cfg.no_decoder_final_norm
+        self.layer_norm = nn.LayerNorm(d) if final_norm else None
+        self.output_projection = None if cfg.share_decoder_input_output_embed else nn.Linear(d, vocab_size, bias=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """fairseq's init; also what materializes a model built on the meta device."""
+        d = self.embed_tokens.embedding_dim
+        nn.init.normal_(self.embed_tokens.weight, std=d ** -0.5)
+        self.embed_tokens.weight[self.padding_idx].zero_()
+        if self.embed_positions is not None:
+            nn.init.normal_(self.embed_positions.weight, std=d ** -0.5)
+        if self.output_projection is not None:
+            nn.init.normal_(self.output_projection.weight, std=d ** -0.5)
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module is not self.output_projection:
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def embed(self, tokens):
+        T = tokens.shape[1]
+        if T > self.max_positions:
+            raise ValueError(f"sequence of {T} tokens exceeds the model's {self.max_positions} positions")
+        x = self.embed_scale * self.embed_tokens(tokens)
+        if self.positions == "learned":
+            x = x + self.embed_positions(torch.arange(T, device=tokens.device))
+        elif self.positions == "sinusoidal":
+            x = x + sinusoidal_positions(T, x.shape[-1], x.device, x.dtype)
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
+        return _dropout(x, self.dropout, self.training)
+
+    def forward(self, tokens):
+        """tokens: B×T token ids → B×T×V logits."""
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        if self.output_projection is None:
+            return F.linear(x, self.embed_tokens.weight)
+        return self.output_projection(x)
+
+
+def build_model(cfg, vocab_size, max_positions, device=None, padding_idx=1):
+    """Build on `device`; device="meta" allocates nothing (to count or shard before init)."""
+    with torch.device(device or "cpu"):
+        return TransformerLM(cfg, vocab_size, max_positions, padding_idx)
+
+
+def num_parameters(model):
+    # Tied weights are one Parameter, so counting unique parameters counts them once.
+    return sum(p.numel() for p in model.parameters())

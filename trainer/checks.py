@@ -1,0 +1,73 @@
+"""Checks of a composed config, before anything is built or written.
+
+Each problem is one UsageError line that names the fix. Runs on the config, so a bad
+value is caught the same way whether it came from a flag, a file or an override.
+"""
+from trainer.config import SHARDED_BACKENDS
+from trainer.flags import UsageError, flag_name, iter_fields
+
+
+def check_config(cfg):
+    for group, f in iter_fields():
+        value = cfg[group][f.name]
+        choices = f.metadata.get("choices")
+        if choices and value is not None and value not in choices:
+            raise UsageError(f"{flag_name(f)} {value!r} is not one of: {', '.join(choices)}")
+    m, d, o, t = cfg.model, cfg.distributed_training, cfg.optimization, cfg.task
+    _positive(cfg, "model.decoder_layers", "model.decoder_embed_dim", "model.decoder_ffn_embed_dim",
+              "model.decoder_attention_heads", "task.tokens_per_sample", "optimization.update_freq",
+              "common.log_interval", "distributed_training.distributed_world_size", "task.dict_size",
+              "task.dataset_size", "dataset.validate_interval")
+    _positive(cfg, "dataset.batch_size", "dataset.max_tokens", "dataset.batch_size_valid",
+              "dataset.max_tokens_valid", "model.max_target_positions", optional=True)
+    _non_negative(cfg, "optimization.lr", "optimization.max_update", "optimization.max_epoch",
+                  "optimization.clip_norm", "optimizer.weight_decay", "dataset.validate_interval_updates",
+                  "lr_scheduler.warmup_updates", "model.min_params_to_wrap")
+    for key in ("model.dropout", "model.attention_dropout", "model.activation_dropout"):
+        if not 0.0 <= _get(cfg, key) < 1.0:
+            raise UsageError(f"{key} must be in [0, 1), got {_get(cfg, key)}")
+    if m.decoder_embed_dim % m.decoder_attention_heads:
+        raise UsageError(f"--decoder-attention-heads {m.decoder_attention_heads} does not divide "
+                         f"--decoder-embed-dim {m.decoder_embed_dim}; pick heads that divide it")
+    if len(cfg.optimizer.adam_betas) != 2:
+        raise UsageError(f"--adam-betas needs two numbers like \"(0.9, 0.98)\", got {list(cfg.optimizer.adam_betas)}")
+    if cfg.common.fp16 and cfg.common.bf16:
+        raise UsageError("--fp16 and --bf16 are exclusive; pick one")
+    sharded = d.ddp_backend in SHARDED_BACKENDS
+    for flag, on in (("--cpu-offload", d.cpu_offload), ("--no-reshard-after-forward", d.no_reshard_after_forward),
+                     ("--fp32-reduce-scatter", d.fp32_reduce_scatter)):
+        if on and not sharded:
+            raise UsageError(f"{flag} needs --ddp-backend fully_sharded or hybrid_shard "
+                             f"(got {d.ddp_backend})")
+    if d.distributed_port != -1 and not 0 < d.distributed_port < 65536:
+        raise UsageError(f"--distributed-port {d.distributed_port} is not a port; use 1-65535 or -1 for any free port")
+    if d.distributed_world_size > 1:
+        raise UsageError(f"--distributed-world-size {d.distributed_world_size}: more than one rank is not "
+                         "available yet in this version; run with --distributed-world-size 1")
+    if cfg.dataset.batch_size is None and cfg.dataset.max_tokens is None:
+        raise UsageError("set --batch-size or --max-tokens (sequences or tokens per batch per rank)")
+    if cfg.lr_scheduler._name == "polynomial_decay" and not (cfg.lr_scheduler.total_num_update or o.max_update):
+        raise UsageError("--lr-scheduler polynomial_decay needs --total-num-update or --max-update")
+    if m.max_target_positions is not None and t.tokens_per_sample > m.max_target_positions:
+        raise UsageError(f"--tokens-per-sample {t.tokens_per_sample} exceeds the model's "
+                         f"--max-target-positions {m.max_target_positions}; lower one or raise the other")
+
+
+def _get(cfg, key):
+    group, name = key.split(".")
+    return cfg[group][name]
+
+
+def _positive(cfg, *keys, optional=False):
+    for key in keys:
+        v = _get(cfg, key)
+        if v is None and optional:
+            continue
+        if v is None or v <= 0:
+            raise UsageError(f"{key} must be positive, got {v}")
+
+
+def _non_negative(cfg, *keys):
+    for key in keys:
+        if _get(cfg, key) < 0:
+            raise UsageError(f"{key} must be >= 0, got {_get(cfg, key)}")

@@ -1,0 +1,106 @@
+"""The epoch loop: group micro-batches, step, log, validate, stop (fairseq_cli/train.py)."""
+import logging
+import math
+import time
+
+from trainer.distributed import all_reduce_sum
+from trainer.meters import LN2, TrainMeters, peak_memory_gb, perplexity
+
+log = logging.getLogger("shardlm")
+
+
+def grouped(iterable, n):
+    """Lists of n consecutive items; the last list may be shorter (fairseq's GroupedIterator)."""
+    group = []
+    for item in iterable:
+        group.append(item)
+        if len(group) == n:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+class TrainLoop:
+    def __init__(self, cfg, trainer, task, progress, env, flops_per_token=0.0):
+        self.cfg, self.trainer, self.task, self.progress, self.env = cfg, trainer, task, progress, env
+        self.flops_per_token = flops_per_token
+        self.start = time.perf_counter()
+        self.best_valid_loss = math.inf
+        self.valid_subsets = [s for s in cfg.dataset.valid_subset.split(",") if s]
+
+    def should_stop(self, epoch):
+        o = self.cfg.optimization
+        if o.max_update and self.trainer.num_updates >= o.max_update:
+            log.info(f"Stopping training due to num_updates: {self.trainer.num_updates} >= max_update: {o.max_update}")
+            return True
+        if o.max_epoch and epoch >= o.max_epoch:
+            return True
+        return False
+
+    def run(self):
+        c, o = self.cfg, self.cfg.optimization
+        itr = self.task.batch_iterator(c.dataset.train_subset, training=True)
+        updates_per_epoch = math.ceil(len(itr) / o.update_freq)
+        stop = False
+        while not stop:
+            batches = itr.next_epoch_itr()
+            epoch = itr.epoch
+            interval, whole_epoch = TrainMeters(), TrainMeters()
+            peak_memory_gb(self.env.device)  # start this epoch's first interval from now
+            for step, samples in enumerate(self.progress.epoch_bar(grouped(batches, o.update_freq), epoch,
+                                                                    updates_per_epoch), start=1):
+                stats = self.trainer.train_step(samples)
+                if stats is None:  # fp16 overflow: skipped, not counted
+                    continue
+                interval.add_update(**stats)
+                whole_epoch.add_update(**stats)
+                n = self.trainer.num_updates
+                if n % c.common.log_interval == 0:
+                    self.log_train("train_inner", interval, epoch, step / updates_per_epoch, step)
+                    interval.reset()
+                stop = o.max_update and n >= o.max_update
+                if c.dataset.validate_interval_updates and n % c.dataset.validate_interval_updates == 0 and not stop:
+                    self.validate(epoch)
+                if stop:
+                    break
+            self.log_train("train", whole_epoch, epoch)
+            stop = self.should_stop(epoch)
+            if stop or epoch % c.dataset.validate_interval == 0:
+                self.validate(epoch)
+        self.progress.close()
+        log.info(f"done training in {time.perf_counter() - self.start:.1f} seconds")
+        return self.best_valid_loss
+
+    def log_train(self, tag, meters, epoch, position=None, step=None):
+        rec = meters.record(self.trainer.num_updates, self.trainer.lr, self.cfg.optimization.clip_norm,
+                            self.trainer.loss_scale, self.flops_per_token)
+        rec["mem_gb"] = peak_memory_gb(self.env.device)
+        rec["wall"] = round(time.perf_counter() - self.start)
+        self.progress.log(tag, rec, step, self.trainer.num_updates, epoch, position)
+
+    def validate(self, epoch):
+        if self.cfg.dataset.disable_validation:
+            return
+        for subset in self.valid_subsets:
+            if not self.task.has_split(subset):
+                log.info(f"no {subset!r} split to validate on: skipping validation")
+                continue
+            start = time.perf_counter()
+            itr = self.task.batch_iterator(subset, training=False)
+            loss_sum = ntokens = nsentences = nbatches = 0.0
+            for batch in itr.next_epoch_itr():
+                if self.cfg.dataset.max_valid_steps and nbatches >= self.cfg.dataset.max_valid_steps:
+                    break
+                l, t, s = self.trainer.valid_step(batch)
+                loss_sum, ntokens, nsentences, nbatches = loss_sum + l, ntokens + t, nsentences + s, nbatches + 1
+            loss_sum, ntokens, nsentences, nbatches = all_reduce_sum([loss_sum, ntokens, nsentences, nbatches],
+                                                                     self.env)
+            loss = loss_sum / max(ntokens, 1) / LN2
+            if subset == self.valid_subsets[0]:
+                self.best_valid_loss = min(self.best_valid_loss, loss)
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            rec = {"loss": round(loss, 3), "ppl": perplexity(loss), "wps": round(ntokens / elapsed),
+                   "wpb": round(ntokens / max(nbatches, 1), 1), "bsz": round(nsentences / max(nbatches, 1), 1),
+                   "num_updates": self.trainer.num_updates, "best_loss": round(self.best_valid_loss, 3)}
+            self.progress.log("valid" if subset == "valid" else subset, rec, None, self.trainer.num_updates, epoch)

@@ -1,0 +1,64 @@
+"""`train` after its config is composed: build everything, print it, train."""
+import logging
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from models.transformer_lm import build_model, num_parameters
+from trainer import distributed
+from trainer.loop import TrainLoop
+from trainer.meters import flops_per_token
+from trainer.parallelize import parallelize, uses_fsdp
+from trainer.progress import Progress, setup_logging
+from trainer.task import LMTask
+from trainer.train_step import Trainer
+
+log = logging.getLogger("shardlm")
+
+
+def set_seed(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def save_config(cfg):
+    """<save-dir>/config.yaml: `train --config-dir <save-dir> --config-name config` reruns it."""
+    save_dir = Path(cfg.checkpoint.save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    tmp = save_dir / "config.yaml.tmp"
+    tmp.write_text(OmegaConf.to_yaml(cfg))
+    os.replace(tmp, save_dir / "config.yaml")
+
+
+def run(cfg):
+    env = distributed.setup(cfg, needs_process_group=uses_fsdp(cfg))
+    try:
+        setup_logging(cfg.common.log_file, env.is_master)
+        log.info("config:\n" + OmegaConf.to_yaml(cfg).rstrip())
+        if env.is_master and not cfg.checkpoint.no_save:
+            save_config(cfg)
+        set_seed(cfg.common.seed)
+        task = LMTask(cfg, env)
+        max_positions = cfg.model.max_target_positions or cfg.task.tokens_per_sample
+        model = build_model(cfg.model, task.vocab_size, max_positions, device=env.device, padding_idx=task.pad)
+        n_params = num_parameters(model)
+        log.info(f"model {cfg.model._name}, {cfg.model.decoder_layers} layers x {cfg.model.decoder_embed_dim}, "
+                 f"vocabulary {task.vocab_size}")
+        log.info(f"num. model params: {n_params:,} (num. trained: "
+                 f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,})")
+        embed_params = sum(m.weight.numel() for m in (model.embed_tokens, model.embed_positions,
+                                                       model.output_projection) if m is not None)
+        fpt = flops_per_token(cfg.model, n_params, task.vocab_size, embed_params, cfg.task.tokens_per_sample)
+        model = parallelize(model, cfg, env)
+        trainer = Trainer(cfg, model, env, task.pad)
+        log.info(f"training on {env.world_size} rank(s), device {env.device}, backend "
+                 f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank")
+        TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt).run()
+        return 0
+    finally:
+        distributed.teardown()

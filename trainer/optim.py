@@ -1,0 +1,71 @@
+"""Optimizers (adam, adamw, sgd) and fairseq's learning-rate schedules."""
+import math
+
+import torch
+
+
+def param_groups(model, weight_decay):
+    """No weight decay on biases, norms and embeddings: every parameter with fewer than 2
+    dimensions, and the embedding tables (found by module type, since FSDP2 keeps each
+    parameter's original shape, unlike FSDP1's flat parameters)."""
+    no_decay = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    decay, rest = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (rest if p.ndim < 2 or id(p) in no_decay else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model, cfg, device):
+    o = cfg.optimizer
+    groups = param_groups(model, o.weight_decay)
+    lr = cfg.optimization.lr
+    if o._name in ("adam", "adamw"):
+        # fairseq's adam decouples weight decay, i.e. it is AdamW. The fused kernel is
+        # one pass over all parameters per step, on CPU and GPU alike.
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.adam_betas), eps=o.adam_eps,
+                                 fused=_fused_ok(model))
+    return torch.optim.SGD(groups, lr=lr, momentum=o.momentum)
+
+
+def _fused_ok(model):
+    # Fused kernels take plain tensors; DTensor (FSDP2) parameters take the foreach path.
+    from torch.distributed.tensor import DTensor
+    return not any(isinstance(p, DTensor) for p in model.parameters()) or None
+
+
+class LRSchedule:
+    """lr as a function of num_updates (fairseq's fixed, inverse_sqrt, polynomial_decay,
+    cosine, each with linear warmup); stateless, so resuming needs only num_updates."""
+
+    def __init__(self, cfg):
+        s = cfg.lr_scheduler
+        self.name, self.peak = s._name, cfg.optimization.lr
+        self.warmup = s.warmup_updates
+        self.warmup_init = 0.0 if s.warmup_init_lr < 0 else s.warmup_init_lr
+        self.end_lr, self.power, self.min_lr = s.end_learning_rate, s.power, s.min_lr
+        max_update = cfg.optimization.max_update
+        self.total = s.total_num_update or max_update
+        self.period = s.lr_period_updates if s.lr_period_updates > 0 else max(max_update - self.warmup, 1)
+
+    def lr(self, num_updates):
+        if self.warmup > 0 and num_updates < self.warmup:
+            return self.warmup_init + (self.peak - self.warmup_init) * (num_updates + 1) / self.warmup
+        if self.name == "fixed":
+            return self.peak
+        if self.name == "inverse_sqrt":
+            return self.peak * math.sqrt(max(self.warmup, 1)) / math.sqrt(max(num_updates, 1))
+        if self.name == "polynomial_decay":
+            if num_updates >= self.total:
+                return self.end_lr
+            frac = 1 - (num_updates - self.warmup) / max(self.total - self.warmup, 1)
+            return (self.peak - self.end_lr) * frac ** self.power + self.end_lr
+        t = min(num_updates - self.warmup, self.period) / self.period  # cosine
+        return self.min_lr + 0.5 * (self.peak - self.min_lr) * (1 + math.cos(math.pi * t))
+
+    def apply(self, optimizer, num_updates):
+        lr = self.lr(num_updates)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        return lr
