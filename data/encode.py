@@ -11,6 +11,8 @@ import math
 import multiprocessing
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,28 +42,29 @@ class EncodeStats:
 class _WorkerState:
     """What every chunk in one process needs; set once per process by ``_init_worker``."""
 
-    dataset = None
+    datasets: dict = {}
     column: str = "text"
     tokenizer: SentencePieceTokenizer | None = None
     dtype: np.dtype = np.dtype(np.uint16)
 
 
-def _init_worker(dataset, column: str, model_path: str, dtype: str) -> None:
-    _WorkerState.dataset = dataset
+def _init_worker(datasets: dict, column: str, model_path: str, dtype: str) -> None:
+    _WorkerState.datasets = datasets
     _WorkerState.column = column
     _WorkerState.tokenizer = SentencePieceTokenizer(model_path)
     _WorkerState.dtype = np.dtype(dtype)
 
 
-def _encode_chunk(task: tuple[int, int, int, str]) -> tuple[int, int, int]:
-    index, start, end, shard_prefix = task
+def _encode_chunk(task: tuple[str, int, int, str]) -> tuple[int, int]:
+    """Encode rows [start, end) of one split into a shard; returns (documents, tokens)."""
+    split, start, end, shard_prefix = task
     state = _WorkerState
-    eos = state.tokenizer.eos
+    dataset, eos = state.datasets[split], state.tokenizer.eos
     builder = IndexedDatasetBuilder(shard_prefix, state.dtype)
     tokens = 0
     try:
         for lo in range(start, end, _BATCH_ROWS):
-            texts = state.dataset[lo : min(lo + _BATCH_ROWS, end)][state.column]
+            texts = dataset[lo : min(lo + _BATCH_ROWS, end)][state.column]
             # A missing value or a whitespace-only line is an empty sequence: just </s>,
             # which is how complete_doc finds fairseq's blank-line document boundaries.
             texts = ["" if text is None or text.isspace() else text for text in texts]
@@ -73,7 +76,7 @@ def _encode_chunk(task: tuple[int, int, int, str]) -> tuple[int, int, int]:
         builder.discard()
         raise
     builder.finalize()
-    return index, end - start, tokens
+    return end - start, tokens
 
 
 def _chunks(rows: int, workers: int) -> list[tuple[int, int]]:
@@ -81,47 +84,10 @@ def _chunks(rows: int, workers: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
-def encode_dataset(
-    dataset,
-    column: str,
-    model_path: Path,
-    out_prefix: Path,
-    dtype: np.dtype,
-    workers: int,
-    shard_dir: Path,
-    desc: str,
-) -> EncodeStats:
-    """Encode every row of ``dataset[column]`` (+ ``</s>``) into ``<out_prefix>.bin/.idx``."""
-    from tqdm import tqdm
-
-    started = time.perf_counter()
-    tasks = [
-        (k, start, end, str(shard_dir / f"{desc}-{k:06d}"))
-        for k, (start, end) in enumerate(_chunks(len(dataset), workers))
-    ]
-    initargs = (dataset, column, str(model_path), np.dtype(dtype).name)
-    tokens = 0
-    with tqdm(total=len(dataset), desc=desc, unit="doc", file=sys.stderr, mininterval=0.5) as bar:
-        if workers == 1:
-            _init_worker(*initargs)
-            try:
-                for _, documents, chunk_tokens in map(_encode_chunk, tasks):
-                    tokens += chunk_tokens
-                    bar.update(documents)
-            finally:
-                _WorkerState.dataset = _WorkerState.tokenizer = None
-        else:
-            # spawn, not fork: the parent has pyarrow's and tqdm's threads running, and
-            # forking a threaded process can deadlock.
-            context = multiprocessing.get_context("spawn")
-            with context.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
-                for _, documents, chunk_tokens in pool.imap_unordered(_encode_chunk, tasks):
-                    tokens += chunk_tokens
-                    bar.update(documents)
-
+def _merge_shards(shard_prefixes: list[str], out_prefix: Path, dtype: np.dtype) -> None:
     builder = IndexedDatasetBuilder(out_prefix, dtype)
     try:
-        for _, _, _, shard_prefix in tasks:
+        for shard_prefix in shard_prefixes:
             builder.merge_file(shard_prefix)
             bin_path(shard_prefix).unlink()
             idx_path(shard_prefix).unlink()
@@ -129,4 +95,52 @@ def encode_dataset(
         builder.discard()
         raise
     builder.finalize()
-    return EncodeStats(len(dataset), tokens, time.perf_counter() - started)
+
+
+@contextmanager
+def _chunk_mapper(workers: int, initargs: tuple):
+    """``imap``-like function running ``_encode_chunk`` here (1 worker) or in a process pool."""
+    if workers == 1:
+        _init_worker(*initargs)
+        try:
+            yield lambda tasks: map(_encode_chunk, tasks)
+        finally:
+            _WorkerState.datasets, _WorkerState.tokenizer = {}, None
+        return
+    # spawn, not fork: the parent has pyarrow's and tqdm's threads running, and forking a
+    # threaded process can deadlock. One pool serves every split (start-up costs ~1 s).
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
+        yield lambda tasks: pool.imap(_encode_chunk, tasks)
+
+
+def encode_splits(
+    datasets: dict,
+    column: str,
+    model_path: Path,
+    out_dir: Path,
+    dtype: np.dtype,
+    workers: int,
+    shard_dir: Path,
+) -> Iterator[tuple[str, EncodeStats]]:
+    """Encode each split's rows of ``column`` (+ ``</s>``) into ``<out_dir>/<split>.bin/.idx``.
+
+    Yields ``(split, stats)`` as each split is written, so the caller can report it.
+    """
+    from tqdm import tqdm
+
+    initargs = (datasets, column, str(model_path), np.dtype(dtype).name)
+    with _chunk_mapper(workers, initargs) as imap:
+        for split, dataset in datasets.items():
+            started = time.perf_counter()
+            tasks = [
+                (split, start, end, str(shard_dir / f"{split}-{k:06d}"))
+                for k, (start, end) in enumerate(_chunks(len(dataset), workers))
+            ]
+            tokens = 0
+            with tqdm(total=len(dataset), desc=split, unit="doc", file=sys.stderr, mininterval=0.5) as bar:
+                for documents, chunk_tokens in imap(tasks):
+                    tokens += chunk_tokens
+                    bar.update(documents)
+            _merge_shards([task[3] for task in tasks], out_dir / split, dtype)
+            yield split, EncodeStats(len(dataset), tokens, time.perf_counter() - started)

@@ -124,7 +124,7 @@ def _write_training_text(dataset, column: str, path: Path) -> int:
 
 
 def _build(args, sources: dict[str, list[Source]], work: Path, out: Path) -> dict:
-    from data.encode import encode_dataset
+    from data.encode import encode_splits
 
     datasets = {
         split: load_text_dataset(split_sources, args.text_column, work / "hf-cache")
@@ -148,10 +148,7 @@ def _build(args, sources: dict[str, list[Source]], work: Path, out: Path) -> dic
     shard_dir = work / "shards"
     shard_dir.mkdir()
     splits = {}
-    for split, dataset in datasets.items():
-        stats = encode_dataset(
-            dataset, args.text_column, model_path, out / split, dtype, args.workers, shard_dir, split
-        )
+    for split, stats in encode_splits(datasets, args.text_column, model_path, out, dtype, args.workers, shard_dir):
         print(
             f"{split}: {stats.documents:,} documents, {stats.tokens:,} tokens, "
             f"{stats.tokens_per_second:,.0f} tokens/s",

@@ -92,9 +92,11 @@ def resolve_sources(spec: str, input_format: str = "auto") -> list[Source]:
                 raise DataError(f"the pattern {item} matched no files; check the path (preprocess reads local files only)")
         else:
             raise _not_found(item)
+        # An empty file holds no sequences, and datasets refuses to read one.
+        paths = [p for p in paths if p.is_dir() or p.stat().st_size > 0]
         sources.extend(Source(p.absolute(), _format_of(p, input_format)) for p in paths)
     if not sources:
-        raise DataError(f"no input files in {spec!r}; pass a path, a glob or a comma-separated list")
+        raise DataError(f"no data in {spec!r} (no files, or only empty ones); pass files that hold text")
     return sources
 
 
@@ -159,8 +161,17 @@ def load_text_dataset(sources: list[Source], text_column: str, cache_dir: Path):
             groups.append((source.format, [source.path]))
     parts = []
     for fmt, paths in groups:
-        ds = _load_group(datasets, fmt, paths, cache_dir)
         where = paths[0] if len(paths) == 1 else f"{paths[0]} (and {len(paths) - 1} more)"
+        try:
+            ds = _load_group(datasets, fmt, paths, cache_dir)
+        except DataError:
+            raise
+        except Exception as e:  # datasets wraps parse errors in many types
+            cause = e.__cause__ or e
+            reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+            raise DataError(
+                f"could not read {where} as {fmt}: {reason}; check the file, or pass --input-format"
+            ) from e
         if text_column not in ds.column_names:
             raise DataError(
                 f"{where} has no column {text_column!r}; its columns are {', '.join(ds.column_names)}; "

@@ -6,6 +6,7 @@ dir sees the same ``<pad>`` and ``</s>``.
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -30,40 +31,48 @@ def train_sentencepiece(
     # The seed drives sentencepiece's sentence sampling; with one thread the result is
     # the same bytes run after run.
     spm.set_random_generator_seed(seed)
+    model = io.BytesIO()
     try:
-        spm.SentencePieceTrainer.train(
-            input=os.fspath(input_text_file),
-            model_prefix=os.fspath(model_prefix),
-            vocab_size=vocab_size,
-            model_type=model_type,
-            bos_id=SPECIAL_IDS["bos"],
-            pad_id=SPECIAL_IDS["pad"],
-            eos_id=SPECIAL_IDS["eos"],
-            unk_id=SPECIAL_IDS["unk"],
-            character_coverage=1.0,
-            # A small corpus may not support the requested vocabulary: take fewer pieces
-            # instead of failing.
-            hard_vocab_limit=False,
-            # Lossless: decode(encode(text)) == text for every character seen in training
-            # (no NFKC rewriting, no collapsing of spaces, which would corrupt e.g. code).
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            # The training file has one sentence per line, so a newline inside a document
-            # (json/parquet rows) would otherwise never get a piece.
-            user_defined_symbols=["\n"],
-            # Bound memory on huge corpora: sample this many sentences (seeded above).
-            input_sentence_size=10_000_000,
-            shuffle_input_sentence=True,
-            max_sentence_length=1 << 16,
-            num_threads=1,
-            minloglevel=2,
-        )
+        # Fed through an iterator and written through model_writer, not input= and
+        # model_prefix=, because sentencepiece records those two paths in the model:
+        # two runs would differ by their temp dir names.
+        with open(input_text_file, encoding="utf-8") as lines:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=(line.rstrip("\n") for line in lines),
+                model_writer=model,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                bos_id=SPECIAL_IDS["bos"],
+                pad_id=SPECIAL_IDS["pad"],
+                eos_id=SPECIAL_IDS["eos"],
+                unk_id=SPECIAL_IDS["unk"],
+                character_coverage=1.0,
+                # A small corpus may not support the requested vocabulary: take fewer
+                # pieces instead of failing.
+                hard_vocab_limit=False,
+                # Lossless: decode(encode(text)) == text for every character seen in
+                # training (no NFKC rewriting, no collapsing of spaces, which would
+                # corrupt e.g. code).
+                normalization_rule_name="identity",
+                remove_extra_whitespaces=False,
+                # The training text has one sentence per line, so a newline inside a
+                # document (json/parquet rows) would otherwise never get a piece.
+                user_defined_symbols=["\n"],
+                # Bound memory on huge corpora: sample this many sentences (seeded above).
+                input_sentence_size=10_000_000,
+                shuffle_input_sentence=True,
+                max_sentence_length=1 << 16,
+                num_threads=1,
+                minloglevel=2,
+            )
     except RuntimeError as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
         raise DataError(
             f"sentencepiece training failed: {first_line}; check the training text and --vocab-size"
         ) from None
-    return Path(f"{os.fspath(model_prefix)}.model")
+    path = Path(f"{os.fspath(model_prefix)}.model")
+    path.write_bytes(model.getvalue())
+    return path
 
 
 class SentencePieceTokenizer:

@@ -35,6 +35,24 @@ def save_config(cfg):
     os.replace(tmp, save_dir / "config.yaml")
 
 
+def build(cfg, env):
+    """Task, model (wrapped for its backend) and trainer for a composed config."""
+    set_seed(cfg.common.seed)
+    task = LMTask(cfg, env)
+    max_positions = cfg.model.max_target_positions or cfg.task.tokens_per_sample
+    model = build_model(cfg.model, task.vocab_size, max_positions, device=env.device, padding_idx=task.pad)
+    n_params = num_parameters(model)
+    log.info(f"model {cfg.model._name}, {cfg.model.decoder_layers} layers x {cfg.model.decoder_embed_dim}, "
+             f"vocabulary {task.vocab_size}")
+    log.info(f"num. model params: {n_params:,} (num. trained: "
+             f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,})")
+    embed_params = sum(m.weight.numel() for m in (model.embed_tokens, model.embed_positions,
+                                                   model.output_projection) if m is not None)
+    fpt = flops_per_token(cfg.model, n_params, task.vocab_size, embed_params, cfg.task.tokens_per_sample)
+    model = parallelize(model, cfg, env)
+    return task, Trainer(cfg, model, env, task.pad), fpt
+
+
 def run(cfg):
     env = distributed.setup(cfg, needs_process_group=uses_fsdp(cfg))
     try:
@@ -42,20 +60,7 @@ def run(cfg):
         log.info("config:\n" + OmegaConf.to_yaml(cfg).rstrip())
         if env.is_master and not cfg.checkpoint.no_save:
             save_config(cfg)
-        set_seed(cfg.common.seed)
-        task = LMTask(cfg, env)
-        max_positions = cfg.model.max_target_positions or cfg.task.tokens_per_sample
-        model = build_model(cfg.model, task.vocab_size, max_positions, device=env.device, padding_idx=task.pad)
-        n_params = num_parameters(model)
-        log.info(f"model {cfg.model._name}, {cfg.model.decoder_layers} layers x {cfg.model.decoder_embed_dim}, "
-                 f"vocabulary {task.vocab_size}")
-        log.info(f"num. model params: {n_params:,} (num. trained: "
-                 f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,})")
-        embed_params = sum(m.weight.numel() for m in (model.embed_tokens, model.embed_positions,
-                                                       model.output_projection) if m is not None)
-        fpt = flops_per_token(cfg.model, n_params, task.vocab_size, embed_params, cfg.task.tokens_per_sample)
-        model = parallelize(model, cfg, env)
-        trainer = Trainer(cfg, model, env, task.pad)
+        task, trainer, fpt = build(cfg, env)
         log.info(f"training on {env.world_size} rank(s), device {env.device}, backend "
                  f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank")
         TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt).run()

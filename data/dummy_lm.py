@@ -1,0 +1,43 @@
+"""Random token blocks for benchmarks and smoke tests (fairseq's ``dummy_lm`` task)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from data.errors import DataError
+
+# Ids below this are <s> <pad> </s> <unk>; random blocks never contain them.
+_FIRST_REGULAR_ID = 4
+
+
+class DummyLMDataset:
+    """``num_items`` blocks of ``tokens_per_sample + 1`` uniform random ids in [4, dict_size).
+
+    Item ``i`` depends only on ``(seed, i)``, so any rank or resumed run sees the same
+    block without generating the ones before it.
+    """
+
+    def __init__(self, dict_size: int, tokens_per_sample: int, num_items: int = 100000, seed: int = 1):
+        if dict_size <= _FIRST_REGULAR_ID:
+            raise DataError(f"dummy data needs a dictionary larger than {_FIRST_REGULAR_ID} symbols, got {dict_size}")
+        if tokens_per_sample < 1:
+            raise DataError(f"--tokens-per-sample must be at least 1, got {tokens_per_sample}")
+        self.dict_size = dict_size
+        self.tokens_per_sample = tokens_per_sample
+        self.seed = seed
+        self.sizes = np.full(num_items, tokens_per_sample + 1, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        n = len(self.sizes)
+        if not -n <= i < n:
+            raise IndexError(f"item {i} out of range for {n} items")
+        rng = np.random.default_rng((self.seed, int(i) % n))
+        return rng.integers(_FIRST_REGULAR_ID, self.dict_size, size=self.tokens_per_sample + 1, dtype=np.int64)
+
+    @property
+    def num_tokens(self) -> int:
+        """Targets per epoch, as for ``TokenBlockDataset``."""
+        return len(self.sizes) * self.tokens_per_sample

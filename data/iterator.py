@@ -1,0 +1,145 @@
+"""Batches per epoch, sharded over ranks, resumable mid-epoch (fairseq's EpochBatchIterator)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from data.errors import DataError
+
+
+def collate(items: Sequence[np.ndarray], pad: int) -> dict:
+    """Right-padded ``src_tokens = item[:-1]`` and ``target = item[1:]`` for a list of items."""
+    import torch
+
+    lengths = np.array([len(item) - 1 for item in items], dtype=np.int64).clip(min=0)
+    width = int(lengths.max()) if len(items) else 0
+    src = np.full((len(items), width), pad, dtype=np.int64)
+    target = np.full((len(items), width), pad, dtype=np.int64)
+    for row, (item, n) in enumerate(zip(items, lengths)):
+        src[row, :n] = item[:n]
+        target[row, :n] = item[1 : n + 1]
+    return {
+        "src_tokens": torch.from_numpy(src),
+        "target": torch.from_numpy(target),
+        # Counted from lengths, not from target != pad, so data never gets miscounted.
+        "ntokens": int(lengths.sum()),
+        "nsentences": len(items),
+    }
+
+
+def _batch_by_size(order: np.ndarray, sizes: np.ndarray, batch_size: int | None, max_tokens: int | None) -> list:
+    """Consecutive items of ``order`` while count <= batch_size and longest*count <= max_tokens."""
+    batches, current, longest = [], [], 0
+    for index, size in zip(order.tolist(), sizes[order].tolist()):
+        grown = max(longest, size)
+        full = (batch_size is not None and len(current) + 1 > batch_size) or (
+            max_tokens is not None and grown * (len(current) + 1) > max_tokens
+        )
+        if current and full:
+            batches.append(current)
+            current, grown = [], size
+        current.append(index)
+        longest = grown
+    if current:
+        batches.append(current)
+    return batches
+
+
+class EpochBatchIterator:
+    """Collated batches for epoch 1, 2, …; this rank's share; same batches on every run.
+
+    Epoch ``e``'s batches depend only on ``(seed, e, num_shards, shard_id)``: items are
+    permuted by ``default_rng((seed, e))``, cut into batches, the batch list is truncated
+    to a multiple of ``num_shards`` (every rank runs the same number of steps, or
+    collectives would hang) and rank ``shard_id`` takes ``batches[shard_id::num_shards]``.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        batch_size: int | None,
+        max_tokens: int | None,
+        seed: int,
+        num_shards: int = 1,
+        shard_id: int = 0,
+        shuffle: bool = True,
+        pad: int = 1,
+    ):
+        if batch_size is None and max_tokens is None:
+            raise DataError("set --batch-size or --max-tokens")
+        if batch_size is not None and batch_size < 1:
+            raise DataError(f"--batch-size must be at least 1, got {batch_size}")
+        if max_tokens is not None and max_tokens < 1:
+            raise DataError(f"--max-tokens must be at least 1, got {max_tokens}")
+        if num_shards < 1 or not 0 <= shard_id < num_shards:
+            raise DataError(f"shard {shard_id} of {num_shards} does not exist; need 0 <= shard_id < num_shards")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.max_tokens = max_tokens
+        self.seed = seed
+        self.num_shards = num_shards
+        self.shard_id = shard_id
+        self.shuffle = shuffle
+        self.pad = pad
+        self.epoch = 0
+        self.iterations_in_epoch = 0
+        self._resume_pending = False
+        self._cached_epoch, self._cached_batches = None, None
+
+    def _batches(self, epoch: int) -> list[list[int]]:
+        """This shard's batches (lists of item indices) for ``epoch``."""
+        if self._cached_epoch == epoch:
+            return self._cached_batches
+        sizes = np.asarray(self.dataset.sizes)
+        if self.shuffle:
+            order = np.random.default_rng((self.seed, epoch)).permutation(len(sizes))
+        else:
+            order = np.arange(len(sizes))
+        batches = _batch_by_size(order, sizes, self.batch_size, self.max_tokens)
+        usable = len(batches) // self.num_shards * self.num_shards
+        if usable == 0:
+            raise DataError(
+                f"only {len(batches)} batches for {self.num_shards} ranks; lower --batch-size/--max-tokens "
+                "or use fewer ranks"
+            )
+        self._cached_epoch, self._cached_batches = epoch, batches[self.shard_id : usable : self.num_shards]
+        return self._cached_batches
+
+    def __len__(self) -> int:
+        """Batches per shard in the current epoch (the next one before the first call)."""
+        return len(self._batches(max(self.epoch, 1)))
+
+    def next_epoch_itr(self) -> Iterator[dict]:
+        """Collated batches of the next epoch, or the rest of a restored, unfinished one."""
+        if self._resume_pending:
+            self._resume_pending = False
+        else:
+            self.epoch += 1
+            self.iterations_in_epoch = 0
+        return self._iterate(self.epoch, self.iterations_in_epoch)
+
+    def _iterate(self, epoch: int, offset: int) -> Iterator[dict]:
+        for batch in self._batches(epoch)[offset:]:
+            items = [self.dataset[i] for i in batch]
+            # Counted before the batch is handed out: a checkpoint saved after training
+            # on it records it as consumed.
+            self.iterations_in_epoch += 1
+            yield collate(items, self.pad)
+
+    def end_of_epoch(self) -> bool:
+        """True when the current epoch has no batches left (or none has started)."""
+        if self.epoch == 0:
+            return True
+        return self.iterations_in_epoch >= len(self._batches(self.epoch))
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "iterations_in_epoch": self.iterations_in_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next ``next_epoch_itr()`` yields the rest of that epoch, then epochs go on."""
+        self.epoch = int(state["epoch"])
+        self.iterations_in_epoch = int(state["iterations_in_epoch"])
+        # A finished (or never started) epoch resumes by starting the next one.
+        self._resume_pending = self.epoch > 0 and not self.end_of_epoch()

@@ -1,0 +1,132 @@
+"""Cutting a token file into training blocks, fairseq's ``--sample-break-mode`` way.
+
+Every block is described by the range of stream positions it *predicts*,
+``[target_start, target_end)`` with at most ``tokens_per_sample`` targets. The item is
+``stream[target_start - 1 : target_end]``: the token before the first target is its
+context, so ``input = item[:-1]``, ``target = item[1:]`` and items are at most
+``tokens_per_sample + 1`` long.
+
+* ``none``: the stream is cut every T tokens, targets ``[1 + kT, 1 + kT + T)``; the item
+  is ``stream[kT : kT + T + 1]``, so consecutive blocks overlap by one token and no
+  target is lost (only the stream's first token is never a target).
+* ``complete`` / ``complete_doc`` / ``eos``: blocks start at a sequence boundary, and
+  their context token is the ``</s>`` ending the previous sequence (a virtual ``</s>``
+  before the first one), exactly as fairseq's source starts with eos. So every token
+  of every sequence, its first included, is a target in these modes.
+  ``eos`` makes one block per sequence; ``complete`` packs whole sequences greedily;
+  ``complete_doc`` does too but never across a document boundary, a sequence that is
+  only ``</s>`` (a blank input line), which like in fairseq belongs to no block.
+  A sequence longer than T is cut into pieces of T targets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from data.errors import DataError
+from data.indexed_dataset import IndexedDataset
+
+BREAK_MODES = ("none", "complete", "complete_doc", "eos")
+
+
+def _pieces(starts: np.ndarray, lengths: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut each range ``[start, start + length)`` into pieces of at most ``limit``, in order."""
+    counts = -(-lengths // limit)  # ceil; a zero-length range has no piece
+    first_piece = np.repeat(np.cumsum(counts) - counts, counts)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - first_piece
+    piece_starts = np.repeat(starts, counts) + within * limit
+    piece_ends = np.minimum(piece_starts + limit, np.repeat(starts + lengths, counts))
+    return piece_starts, piece_ends
+
+
+def _pack(piece_starts: np.ndarray, piece_ends: np.ndarray, group: np.ndarray, limit: int):
+    """Greedy packing of consecutive pieces into blocks of at most ``limit`` targets.
+
+    A block never spans two ``group`` values (documents). Returns block target ranges.
+    """
+    n = len(piece_starts)
+    if n == 0:
+        return piece_starts, piece_ends
+    lengths = piece_ends - piece_starts
+    before = np.concatenate([[0], np.cumsum(lengths)])  # targets before piece i
+    # The block starting at piece i ends before the first piece that would overflow it,
+    # or that starts a new document; computed for every i at once.
+    overflow = np.searchsorted(before, before[:-1] + limit, side="right") - 1
+    group_end = np.searchsorted(group, group, side="right")
+    next_start = np.minimum(overflow, group_end).tolist()
+    block_first = []
+    i = 0
+    while i < n:  # one step per block, not per token
+        block_first.append(i)
+        i = next_start[i]
+    block_first = np.asarray(block_first, dtype=np.int64)
+    block_last = np.append(block_first[1:], n) - 1
+    return piece_starts[block_first], piece_ends[block_last]
+
+
+class TokenBlockDataset:
+    """Blocks of at most ``tokens_per_sample + 1`` tokens over an ``IndexedDataset``."""
+
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        tokens_per_sample: int,
+        break_mode: str,
+        pad: int = 1,
+        eos: int = 2,
+    ):
+        if break_mode not in BREAK_MODES:
+            raise DataError(f"unknown --sample-break-mode {break_mode!r}; use one of {', '.join(BREAK_MODES)}")
+        if tokens_per_sample < 1:
+            raise DataError(f"--tokens-per-sample must be at least 1, got {tokens_per_sample}")
+        if not indexed.is_contiguous():
+            raise DataError(
+                f"{indexed.prefix}.idx does not list its sequences back to back; re-run preprocess to rebuild it"
+            )
+        self.indexed = indexed
+        self.tokens_per_sample = tokens_per_sample
+        self.break_mode = break_mode
+        self.pad = pad
+        self.eos = eos
+        self._stream = indexed.tokens
+        self.target_starts, self.target_ends = self._block_ranges()
+        self.sizes = (self.target_ends - self.target_starts + 1).astype(np.int64)
+
+    def _block_ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        T = self.tokens_per_sample
+        lengths = self.indexed.sizes.astype(np.int64)
+        stream_len = int(lengths.sum())
+        if self.break_mode == "none":
+            starts = np.arange(1, stream_len, T, dtype=np.int64)
+            return starts, np.minimum(starts + T, stream_len)
+        seq_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        group = np.zeros(len(lengths), dtype=np.int64)
+        if self.break_mode == "complete_doc":
+            candidates = np.flatnonzero(lengths == 1)
+            separator = np.zeros(len(lengths), dtype=bool)
+            separator[candidates] = self._stream[seq_starts[candidates]] == self.eos
+            group = np.cumsum(separator)
+            keep = ~separator
+            seq_starts, lengths, group = seq_starts[keep], lengths[keep], group[keep]
+        counts = -(-lengths // T)
+        piece_starts, piece_ends = _pieces(seq_starts, lengths, T)
+        if self.break_mode == "eos":
+            return piece_starts, piece_ends
+        return _pack(piece_starts, piece_ends, np.repeat(group, counts), T)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        n = len(self.sizes)
+        if not -n <= i < n:
+            raise IndexError(f"block {i} out of range for {n} blocks")
+        start, end = int(self.target_starts[i]), int(self.target_ends[i])
+        if start == 0:  # the virtual </s> before the stream
+            return np.concatenate([[self.eos], self._stream[:end]]).astype(np.int64)
+        return self._stream[start - 1 : end].astype(np.int64)
+
+    @property
+    def num_tokens(self) -> int:
+        """Targets per epoch (each item contributes ``len(item) - 1``)."""
+        return int((self.target_ends - self.target_starts).sum())

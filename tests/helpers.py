@@ -1,0 +1,66 @@
+"""Shared by the training tests: tiny configs, in-process updates, subprocess runs."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from trainer.checks import check_config
+from trainer.compose import compose_config
+from trainer.flags import build_parser, parse_flags
+
+TINY = ["--arch", "transformer_lm_gpt2_tiny", "--decoder-attention-heads", "2", "--decoder-ffn-embed-dim", "128",
+        "--dropout", "0", "--attention-dropout", "0", "--tokens-per-sample", "32", "--no-save",
+        "--optimizer", "adam", "--lr", "0.003"]
+DUMMY = TINY + ["--task", "dummy_lm", "--dict-size", "256", "--dataset-size", "512"]
+
+
+def compose(argv):
+    ns, settings, overrides = parse_flags(build_parser(), argv)
+    cfg = compose_config(settings, overrides, ns.config_dir, ns.config_name)
+    check_config(cfg)
+    return cfg
+
+
+def update_losses(argv, n_updates):
+    """Per-update mean token loss (nats) of the first n updates, run in this process
+    through the same build and train_step that `train` uses."""
+    from trainer import distributed
+    from trainer.loop import grouped
+    from trainer.main import build
+    from trainer.parallelize import uses_fsdp
+
+    cfg = compose(argv)
+    env = distributed.setup(cfg, needs_process_group=uses_fsdp(cfg))
+    try:
+        task, trainer, _ = build(cfg, env)
+        itr = task.batch_iterator(cfg.dataset.train_subset, training=True)
+        losses = []
+        for samples in grouped(itr.next_epoch_itr(), cfg.optimization.update_freq):
+            stats = trainer.train_step(samples)
+            losses.append(stats["loss_sum"] / stats["ntokens"])
+            if len(losses) == n_updates:
+                return losses
+        raise AssertionError(f"only {len(losses)} updates in an epoch")
+    finally:
+        distributed.teardown()
+
+
+def run_train(argv, cwd=None, check=True, env=None):
+    """`train` as users run it, in a subprocess; returns (records by tag, completed process)."""
+    cmd = [str(Path(sys.executable).with_name("train"))] + list(argv)
+    full_env = {**os.environ, **(env or {})}
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=600)
+    if check and r.returncode != 0:
+        raise AssertionError(f"train failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return parse_records(r.stdout), r
+
+
+def parse_records(text):
+    """json log lines → {tag: [record, …]}; the object runs from the first `{` to the line end."""
+    records = {}
+    for line in text.splitlines():
+        if "{" in line and line.count(" | ") >= 3:
+            tag = line.split(" | ")[2]
+            records.setdefault(tag, []).append(json.loads(line[line.index("{"):]))
+    return records
