@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data.errors import DataError
+
 VERSION_DIR = "embedded-v1"
 _SEED = 20240611
 _NUM_WORDS = 300
@@ -178,7 +180,9 @@ def prepare_embedded_corpus(cache_dir: Path | None = None) -> Path:
             os.rename(workdir, target)
         except OSError:
             if not (target / "metadata.json").is_file():
-                raise
+                raise DataError(
+                    f"{target} exists but holds no complete corpus; delete it and run again"
+                ) from None
     finally:
         if workdir.exists():
             shutil.rmtree(workdir, ignore_errors=True)

@@ -12,6 +12,7 @@ import multiprocessing
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,10 +109,12 @@ def _chunk_mapper(workers: int, initargs: tuple):
             _WorkerState.datasets, _WorkerState.tokenizer = {}, None
         return
     # spawn, not fork: the parent has pyarrow's and tqdm's threads running, and forking a
-    # threaded process can deadlock. One pool serves every split (start-up costs ~1 s).
+    # threaded process can deadlock. An executor, not multiprocessing.Pool: a worker that
+    # dies raises BrokenProcessPool instead of being respawned forever. One pool serves
+    # every split (start-up costs ~1 s).
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
-        yield lambda tasks: pool.imap(_encode_chunk, tasks)
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=initargs) as pool:
+        yield lambda tasks: pool.map(_encode_chunk, tasks)
 
 
 def encode_splits(

@@ -30,6 +30,8 @@ from data.tokenizer import SPECIAL_IDS, SentencePieceTokenizer, train_sentencepi
 METADATA_FORMAT = "shardlm-mmidx-1"
 TOKENIZER_FILE = "tokenizer.model"
 METADATA_FILE = "metadata.json"
+DEFAULT_VOCAB_SIZE = 8000
+DEFAULT_SPM_MODEL_TYPE = "bpe"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,9 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="input file format; auto picks by extension: .txt/.tokens/.raw/none -> text, "
         ".json/.jsonl -> json, .parquet, .csv, .arrow; a save_to_disk dir is always read as saved",
     )
-    parser.add_argument("--vocab-size", type=int, default=8000, help="sentencepiece vocabulary size (default: 8000)")
+    # These two default to None so that passing them with --spm-model (which they cannot
+    # affect) is refused rather than ignored; _check_args fills in the real defaults.
     parser.add_argument(
-        "--spm-model-type", choices=("bpe", "unigram"), default="bpe", help="sentencepiece model type (default: bpe)"
+        "--vocab-size", type=int, default=None, help=f"sentencepiece vocabulary size (default: {DEFAULT_VOCAB_SIZE})"
+    )
+    parser.add_argument(
+        "--spm-model-type", choices=("bpe", "unigram"), default=None,
+        help=f"sentencepiece model type (default: {DEFAULT_SPM_MODEL_TYPE})",
     )
     parser.add_argument(
         "--spm-model", metavar="PATH",
@@ -74,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_args(args) -> None:
     if args.workers < 1:
         raise DataError(f"--workers must be at least 1, got {args.workers}")
+    if args.spm_model and (args.vocab_size is not None or args.spm_model_type is not None):
+        raise DataError("--vocab-size and --spm-model-type shape a new tokenizer; leave them out with --spm-model")
+    if args.vocab_size is None:
+        args.vocab_size = DEFAULT_VOCAB_SIZE
+    if args.spm_model_type is None:
+        args.spm_model_type = DEFAULT_SPM_MODEL_TYPE
     if not args.spm_model and args.vocab_size <= len(SPECIAL_IDS):
         raise DataError(f"--vocab-size must be larger than the {len(SPECIAL_IDS)} special symbols, got {args.vocab_size}")
     if not (args.trainpref or args.validpref or args.testpref):

@@ -1,7 +1,7 @@
 """Finding preprocess inputs on disk and reading them through HF ``datasets``.
 
 Two steps, so that every input is checked before anything is written:
-``resolve_split_sources`` only looks at the filesystem; ``load_text_dataset`` imports
+``resolve_sources`` only looks at the filesystem; ``load_text_dataset`` imports
 ``datasets`` (1.7 s) and reads.
 """
 
@@ -86,7 +86,7 @@ def resolve_sources(spec: str, input_format: str = "auto") -> list[Source]:
             continue
         if Path(item).exists():
             paths = [Path(item)]
-        elif glob.has_magic(item):
+        elif any(c in item for c in "*?["):
             paths = [Path(p) for p in sorted(glob.glob(item, recursive=True)) if Path(p).is_file()]
             if not paths:
                 raise DataError(f"the pattern {item} matched no files; check the path (preprocess reads local files only)")

@@ -114,6 +114,15 @@ class TokenBlockDataset:
             return piece_starts, piece_ends
         return _pack(piece_starts, piece_ends, np.repeat(group, counts), T)
 
+    # Pickle without the token map (numpy would copy the whole file into the pickle);
+    # the IndexedDataset pickles by path and re-maps it.
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_stream"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._stream = self.indexed.tokens
+
     def __len__(self) -> int:
         return len(self.sizes)
 

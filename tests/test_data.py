@@ -140,6 +140,20 @@ def test_parquet_glob_round_trip(tmp_path):
     assert meta["splits"]["train"]["tokens"] == IndexedDataset(out / "train").num_tokens
 
 
+def test_csv_and_saved_dataset_together(tmp_path):
+    import datasets
+
+    (tmp_path / "a.csv").write_text('id,text\n1,hello there\n2,\n3,"quoted, text"\n', encoding="utf-8")
+    datasets.Dataset.from_dict({"text": ["saved row", "another saved row"]}).save_to_disk(str(tmp_path / "saved"))
+    out = run_preprocess(
+        "--trainpref", f"{tmp_path / 'a.csv'},{tmp_path / 'saved'}", "--destdir", str(tmp_path / "bin"),
+        "--vocab-size", "40",
+    )
+    tokenizer = load_tokenizer(out)
+    decoded = [tokenizer.decode(ids) for ids in sequences(out / "train")]
+    assert decoded == ["hello there", "", "quoted, text", "saved row", "another saved row"]
+
+
 def test_spm_model_reuse(text_corpus, tmp_path):
     root, out, _, valid = text_corpus
     reused = run_preprocess(
@@ -148,6 +162,11 @@ def test_spm_model_reuse(text_corpus, tmp_path):
     )
     assert (reused / "tokenizer.model").read_bytes() == (out / "tokenizer.model").read_bytes()
     assert (reused / "valid.bin").read_bytes() == (out / "valid.bin").read_bytes()
+    with pytest.raises(DataError, match="leave them out with --spm-model"):
+        run_preprocess(
+            "--validpref", str(root / "valid.txt"), "--spm-model", str(out / "tokenizer.model"),
+            "--vocab-size", "100", "--destdir", str(tmp_path / "bin2"),
+        )
 
 
 def test_refuses_to_overwrite(text_corpus):
@@ -317,6 +336,16 @@ def test_token_blocks_every_mode(tmp_path, T):
         if mode == "complete":
             # Greedy: the next block's first sequence piece would not have fit.
             assert len(blocks) <= len(TokenBlockDataset(ds, T, "eos"))
+
+
+def test_token_blocks_pickle_by_path(tmp_path):
+    import pickle
+
+    blocks = TokenBlockDataset(write_sequences(tmp_path / "d", random_sequences(0, 200)), 16, "complete")
+    data = pickle.dumps(blocks)
+    assert len(data) < 20_000  # ranges only: the token file is re-mapped, not copied
+    copy = pickle.loads(data)
+    assert all(np.array_equal(copy[i], blocks[i]) for i in range(len(blocks)))
 
 
 def test_token_block_errors(tmp_path):
