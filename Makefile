@@ -21,8 +21,8 @@ demo: install
 		--decoder-ffn-embed-dim 512 --decoder-attention-heads 4 --dropout 0 --attention-dropout 0 \
 		--share-decoder-input-output-embed --tokens-per-sample 128 --batch-size 16 \
 		--optimizer adam --adam-betas "(0.9, 0.98)" --lr 0.002 --lr-scheduler inverse_sqrt \
-		--warmup-updates 100 --clip-norm 1.0 --max-update 1200 --validate-interval-updates 200 \
-		--log-format simple --log-interval 100 --save-dir checkpoints/demo
+		--warmup-updates 100 --clip-norm 1.0 --max-update 600 --validate-interval-updates 50 \
+		--log-format simple --log-interval 50 --save-dir checkpoints/demo
 
 test: install
 	$(PY) -m pytest -q -rs tests

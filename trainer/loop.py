@@ -69,6 +69,10 @@ class TrainLoop:
             if stop or epoch % c.dataset.validate_interval == 0:
                 self.validate(epoch)
         self.progress.close()
+        floor = getattr(self.task, "valid_loss_floor", None)
+        if floor is not None and self.best_valid_loss < math.inf:
+            log.info(f"best valid loss {self.best_valid_loss:.3f} is {self.best_valid_loss - floor:.3f} bits per "
+                     f"token above the embedded corpus's floor {floor:.3f}")
         log.info(f"done training in {time.perf_counter() - self.start:.1f} seconds")
         return self.best_valid_loss
 

@@ -3,6 +3,7 @@
 `train DATA` reads a directory written by `preprocess` or by fairseq-preprocess (both
 in fairseq's MMIDIDX format); without DATA it prepares the embedded corpus once.
 """
+import json
 import logging
 from pathlib import Path
 
@@ -11,11 +12,21 @@ from data.errors import DataError
 log = logging.getLogger("shardlm")
 
 
+def embedded_loss_floor(data_dir):
+    """Base-2 loss per valid token of the process that generated the embedded corpus."""
+    meta = json.loads((Path(data_dir) / "metadata.json").read_text())
+    floor = meta.get("embedded")
+    if not floor:
+        return None
+    return floor["valid_bits_per_char"] * floor["valid_chars"] / meta["splits"]["valid"]["tokens"]
+
+
 class LMTask:
     def __init__(self, cfg, env):
         self.cfg, self.env = cfg, env
         t = cfg.task
         self.pad = 1
+        self.valid_loss_floor = None
         if t._name == "dummy_lm":
             self.data_dir, self.tokenizer, self.vocab_size = None, None, t.dict_size
             return
@@ -32,6 +43,10 @@ class LMTask:
         self.tokenizer = load_tokenizer(self.data_dir)
         self.vocab_size = self.tokenizer.vocab_size
         self.pad = self.tokenizer.pad
+        self.valid_loss_floor = None if t.data else embedded_loss_floor(self.data_dir)
+        if self.valid_loss_floor is not None:
+            log.info(f"embedded corpus: the true model's valid loss is {self.valid_loss_floor:.3f} "
+                     f"(ppl {2 ** self.valid_loss_floor:.2f}); no model can do better")
 
     def dataset(self, split):
         t = self.cfg.task
