@@ -164,3 +164,12 @@ def test_cli_answers_without_traceback_and_help_lists_every_flag():
     for group in ("common:", "distributed_training:", "dataset:", "optimization:", "model:", "optimizer:"):
         assert group in r.stdout
     assert set(GROUP_OPTIONS["model"]) >= {"transformer_lm_gpt3_175", "transformer_lm_gpt2_tiny"}
+
+
+def test_shardlm_command_dispatches():
+    from pathlib import Path
+    shardlm = Path(sys.executable).with_name("shardlm")
+    r = subprocess.run([shardlm, "train", "--cpu-ofload"], capture_output=True, text=True)
+    assert r.returncode == 2 and "did you mean --cpu-offload" in r.stderr
+    r = subprocess.run([shardlm, "export"], capture_output=True, text=True)
+    assert r.returncode == 2 and "usage: shardlm" in r.stderr

@@ -1,11 +1,8 @@
 """Training behaviour users see: loss falls, seeds repeat, accumulation equals a big
 batch, fp16 scales and skips, logs and TensorBoard carry fairseq's fields."""
-import math
-
 import pytest
-import torch
 
-from helpers import DUMMY, TINY, run_train, update_losses
+from helpers import DUMMY, run_train, update_losses
 
 
 def test_update_freq_equals_larger_batch():
