@@ -25,14 +25,8 @@ def train_main(argv=None):
         check_config(cfg)
     except UsageError as e:
         return _fail("train", e, 2)
-    from data.errors import DataError
-    from trainer.main import run
-    try:
-        return run(cfg)
-    except (DataError, UsageError) as e:
-        return _fail("train", e, 1)
-    except FloatingPointError as e:
-        return _fail("train", e, 1)
+    from trainer.launch import launch
+    return launch(cfg)
 
 
 def preprocess_main(argv=None):

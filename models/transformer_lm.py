@@ -5,6 +5,7 @@ It holds no parallelism: sharding, activation checkpointing and mixed precision 
 applied from the outside by trainer/parallelize.py, one `DecoderLayer` at a time.
 """
 import math
+import zlib
 
 import torch
 import torch.nn as nn
@@ -85,25 +86,46 @@ class TransformerLM(nn.Module):
         final_norm = cfg.decoder_normalize_before and not cfg.no_decoder_final_norm
         self.layer_norm = nn.LayerNorm(d) if final_norm else None
         self.output_projection = None if cfg.share_decoder_input_output_embed else nn.Linear(d, vocab_size, bias=False)
-        self.init_weights()
+        self._param_kinds = self._kinds()
 
     @torch.no_grad()
-    def init_weights(self):
-        """fairseq's init; also what materializes a model built on the meta device."""
+    def init_parameter(self, name, tensor, seed):
+        """Fill `tensor` with parameter `name`'s initial value (fairseq's init).
+
+        Each parameter draws from its own generator, seeded by (seed, name), so its
+        value does not depend on which other parameters were initialized before it —
+        a rank holding only shards can recreate exactly what one process would."""
+        g = torch.Generator(device=tensor.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         d = self.embed_tokens.embedding_dim
-        nn.init.normal_(self.embed_tokens.weight, std=d ** -0.5)
-        self.embed_tokens.weight[self.padding_idx].zero_()
+        kind = self._param_kinds[name]
+        if kind == "embedding":
+            tensor.normal_(0.0, d ** -0.5, generator=g)
+            if name == "embed_tokens.weight":
+                tensor[self.padding_idx].zero_()
+        elif kind == "linear":
+            nn.init.xavier_uniform_(tensor, generator=g)
+        elif kind == "norm_weight":
+            tensor.fill_(1.0)
+        else:  # biases
+            tensor.zero_()
+
+    def init_weights(self, seed=1):
+        for name, p in self.named_parameters():
+            self.init_parameter(name, p.data, seed)
+
+    def _kinds(self):
+        kinds = {"embed_tokens.weight": "embedding"}
         if self.embed_positions is not None:
-            nn.init.normal_(self.embed_positions.weight, std=d ** -0.5)
+            kinds["embed_positions.weight"] = "embedding"
         if self.output_projection is not None:
-            nn.init.normal_(self.output_projection.weight, std=d ** -0.5)
-        for module in self.modules():
+            kinds["output_projection.weight"] = "embedding"  # N(0, d^-0.5), like the tied table
+        for mname, module in self.named_modules():
+            prefix = mname + "." if mname else ""
             if isinstance(module, nn.Linear) and module is not self.output_projection:
-                nn.init.xavier_uniform_(module.weight)
-                nn.init.zeros_(module.bias)
+                kinds[prefix + "weight"], kinds[prefix + "bias"] = "linear", "bias"
             elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+                kinds[prefix + "weight"], kinds[prefix + "bias"] = "norm_weight", "bias"
+        return kinds
 
     def embed(self, tokens):
         T = tokens.shape[1]
@@ -130,10 +152,14 @@ class TransformerLM(nn.Module):
         return self.output_projection(x)
 
 
-def build_model(cfg, vocab_size, max_positions, device=None, padding_idx=1):
-    """Build on `device`; device="meta" allocates nothing (to count or shard before init)."""
+def build_model(cfg, vocab_size, max_positions, device=None, padding_idx=1, seed=1):
+    """Build and initialize on `device`; device="meta" allocates nothing and initializes
+    nothing (to count, or to shard first and initialize each shard after)."""
     with torch.device(device or "cpu"):
-        return TransformerLM(cfg, vocab_size, max_positions, padding_idx)
+        model = TransformerLM(cfg, vocab_size, max_positions, padding_idx)
+    if torch.device(device or "cpu").type != "meta":
+        model.init_weights(seed)
+    return model
 
 
 def num_parameters(model):

@@ -31,7 +31,7 @@ def update_losses(argv, n_updates):
     from trainer.parallelize import uses_fsdp
 
     cfg = compose(argv)
-    env = distributed.setup(cfg, needs_process_group=uses_fsdp(cfg))
+    env = distributed.init_rank(cfg, distributed.Rendezvous("", 1), needs_process_group=uses_fsdp(cfg))
     try:
         task, trainer, _ = build(cfg, env)
         itr = task.batch_iterator(cfg.dataset.train_subset, training=True)

@@ -129,7 +129,7 @@ def test_bad_input_is_one_line(argv, message):
     (["--cpu-offload"], "--cpu-offload needs --ddp-backend fully_sharded"),
     (["--update-freq", "0"], "optimization.update_freq must be positive"),
     (["--decoder-attention-heads", "5"], "does not divide --decoder-embed-dim 512"),
-    (["--distributed-world-size", "2"], "not available yet"),
+    (["--shard-group-size", "2"], "--shard-group-size needs --ddp-backend hybrid_shard"),
     (["--distributed-port", "70000"], "is not a port"),
     ([], "set --batch-size or --max-tokens"),
 ])

@@ -41,9 +41,10 @@ def check_config(cfg):
                              f"(got {d.ddp_backend})")
     if d.distributed_port != -1 and not 0 < d.distributed_port < 65536:
         raise UsageError(f"--distributed-port {d.distributed_port} is not a port; use 1-65535 or -1 for any free port")
-    if d.distributed_world_size > 1:
-        raise UsageError(f"--distributed-world-size {d.distributed_world_size}: more than one rank is not "
-                         "available yet in this version; run with --distributed-world-size 1")
+    if d.shard_group_size is not None and d.shard_group_size < 1:
+        raise UsageError(f"--shard-group-size must be positive, got {d.shard_group_size}")
+    if d.shard_group_size is not None and d.ddp_backend != "hybrid_shard":
+        raise UsageError("--shard-group-size needs --ddp-backend hybrid_shard")
     if cfg.dataset.batch_size is None and cfg.dataset.max_tokens is None:
         raise UsageError("set --batch-size or --max-tokens (sequences or tokens per batch per rank)")
     if cfg.lr_scheduler._name == "polynomial_decay" and not (cfg.lr_scheduler.total_num_update or o.max_update):

@@ -44,7 +44,17 @@ class CommonConfig:
 @dataclass
 class DistributedTrainingConfig:
     distributed_world_size: int = _f(1, "total number of ranks")
-    distributed_port: int = _f(-1, "port for the rendezvous (-1: pick a free one)")
+    distributed_port: int = _f(-1, "port for the rendezvous (-1: a free one locally, derived from "
+                               "SLURM_JOB_ID under SLURM)")
+    distributed_init_method: Optional[str] = _f(None, "rendezvous address, e.g. tcp://host:port "
+                                                "(default: from torchrun or SLURM variables, else local)")
+    distributed_rank: int = _f(0, "rank of the first process started here, with --distributed-init-method")
+    distributed_no_spawn: bool = _f(False, "run one rank in this process (rank --distributed-rank) "
+                                    "instead of spawning --distributed-world-size local ranks")
+    shard_group_size: Optional[int] = _f(None, "hybrid_shard: ranks that shard one copy of the model "
+                                         "(default: ranks per node); copies are replicated across groups")
+    defer_grad_sync: bool = _f(False, "with --update-freq: keep gradients unsynchronized until the last "
+                               "micro-batch (FSDP: unsharded, more memory; DDP: no_sync)")
     ddp_backend: str = _f("pytorch_ddp", "data-parallel backend", choices=DDP_BACKENDS)
     cpu_offload: bool = _f(False, "FSDP: keep parameter shards and the optimizer step on the CPU")
     no_reshard_after_forward: bool = _f(False, "FSDP: keep parameters gathered from forward to "

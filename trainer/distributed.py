@@ -1,14 +1,22 @@
-"""Where this process runs: device, rank, world size, process group.
+"""Where each rank runs: launch, rendezvous, device, threads, process groups.
 
-The only place (with parallelize.py) that decides devices and process groups. CUDA +
-NCCL where a GPU exists, CPU + gloo otherwise — one code path with different devices.
+One code path, four ways in (fairseq's `infer_init_method`):
+1. `--distributed-world-size N` on one host spawns N local ranks itself;
+2. under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) it joins;
+3. under SLURM srun (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST) it joins;
+4. `--distributed-init-method tcp://host:port` with `--distributed-rank` is explicit.
+CUDA + NCCL where a GPU exists, CPU + gloo otherwise.
 """
 import os
 import socket
+import subprocess
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from trainer.flags import UsageError
 
 
 @dataclass
@@ -16,35 +24,104 @@ class DistEnv:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int
     device: torch.device
+    init_method: str = ""
 
     @property
     def is_master(self):
         return self.rank == 0
 
-    @property
-    def initialized(self):
-        return dist.is_available() and dist.is_initialized()
+
+@dataclass
+class Rendezvous:
+    """How this process finds the others; `spawn` > 0 means start that many local ranks."""
+    init_method: str
+    world_size: int
+    rank: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1
+    spawn: int = 0
+
+
+def infer_rendezvous(cfg, environ=None):
+    env = os.environ if environ is None else environ
+    d = cfg.distributed_training
+    if d.distributed_init_method:
+        local = 1 if d.distributed_no_spawn else d.distributed_world_size
+        return Rendezvous(d.distributed_init_method, d.distributed_world_size, rank=d.distributed_rank,
+                          local_world_size=local, spawn=0 if d.distributed_no_spawn else local)
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return Rendezvous(f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}", int(env["WORLD_SIZE"]),
+                          rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)),
+                          local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return slurm_rendezvous(d, env)
+    if d.distributed_world_size > 1:
+        port = d.distributed_port if d.distributed_port > 0 else free_port()
+        return Rendezvous(f"tcp://127.0.0.1:{port}", d.distributed_world_size,
+                          local_world_size=d.distributed_world_size, spawn=d.distributed_world_size)
+    return Rendezvous("", 1)
+
+
+def slurm_rendezvous(d, env):
+    """One task per rank: rank from SLURM_PROCID, master = first host of the job's node list."""
+    ntasks = int(env["SLURM_NTASKS"])
+    if d.distributed_world_size not in (1, ntasks):
+        raise UsageError(f"--distributed-world-size {d.distributed_world_size} disagrees with SLURM_NTASKS="
+                         f"{ntasks}; launch one task per rank or drop the flag")
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise UsageError("SLURM_PROCID is set but SLURM_JOB_NODELIST is not; run under srun or sbatch")
+    port = d.distributed_port if d.distributed_port > 0 else 10000 + int(env.get("SLURM_JOB_ID", "0")) % 50000
+    nnodes = int(env.get("SLURM_NNODES", "1"))
+    return Rendezvous(f"tcp://{first_host(nodelist)}:{port}", ntasks, rank=int(env["SLURM_PROCID"]),
+                      local_rank=int(env.get("SLURM_LOCALID", "0")),
+                      local_world_size=_tasks_per_node(env, ntasks, nnodes))
+
+
+def first_host(nodelist):
+    """`scontrol show hostnames` expands SLURM's compressed list (node[01-04],gpu7); the list
+    is passed as one argument, never through a shell."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                             capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        raise UsageError("SLURM variables are set but `scontrol` is not on PATH; "
+                         "pass --distributed-init-method tcp://HOST:PORT") from None
+    except subprocess.CalledProcessError as e:
+        raise UsageError(f"scontrol could not expand SLURM_JOB_NODELIST={nodelist!r}: "
+                         f"{(e.stderr or '').strip()}") from None
+    hosts = out.split()
+    if not hosts:
+        raise UsageError(f"scontrol expanded SLURM_JOB_NODELIST={nodelist!r} to no hosts")
+    return hosts[0]
+
+
+def _tasks_per_node(env, ntasks, nnodes):
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # "2(x3)" → 2
+    return int(per_node) if per_node.isdigit() else max(ntasks // max(nnodes, 1), 1)
 
 
 def select_device(cfg, local_rank=0):
     if torch.cuda.is_available() and not cfg.common.cpu:
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def setup(cfg, needs_process_group):
-    """Start this rank. A single rank joins a process group only when its backend needs
-    one (FSDP2's fully_shard works on a one-rank mesh, so the sharded path is the same
-    code at every world size)."""
-    device = select_device(cfg)
-    env = DistEnv(rank=0, world_size=1, local_rank=0, device=device)
-    if needs_process_group and not env.initialized:
-        port = cfg.distributed_training.distributed_port
-        store = dist.TCPStore("127.0.0.1", port if port > 0 else free_port(), 1, is_master=True)
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                store=store, rank=0, world_size=1)
+def init_rank(cfg, rdv, needs_process_group):
+    """Join the job as rank `rdv.rank`. One rank joins a (one-rank) group only when its
+    backend needs one: FSDP2 shards on a one-rank mesh with the same code."""
+    device = select_device(cfg, rdv.local_rank)
+    if device.type == "cpu" and rdv.local_world_size > 1:
+        # Ranks on one host share its cores; without a split they fight over them.
+        torch.set_num_threads(max(cpu_count() // rdv.local_world_size, 1))
+    env = DistEnv(rdv.rank, rdv.world_size, rdv.local_rank, rdv.local_world_size, device, rdv.init_method)
+    if rdv.world_size > 1 or (needs_process_group and not dist.is_initialized()):
+        init_method = rdv.init_method or f"tcp://127.0.0.1:{free_port()}"
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", init_method=init_method,
+                                rank=rdv.rank, world_size=rdv.world_size, timeout=timedelta(minutes=30))
     return env
 
 
@@ -60,7 +137,7 @@ def free_port():
 
 
 def all_reduce_sum(values, env):
-    """Sum a list of floats over ranks (one collective); the identity on one rank."""
+    """Sum a list of numbers over ranks (one collective); the identity on one rank."""
     if env.world_size == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=env.device)

@@ -12,7 +12,7 @@ from models.transformer_lm import build_model, num_parameters
 from trainer import distributed
 from trainer.loop import TrainLoop
 from trainer.meters import flops_per_token
-from trainer.parallelize import parallelize, uses_fsdp
+from trainer.parallelize import parallelize, sharded_bytes, uses_fsdp
 from trainer.progress import Progress, setup_logging
 from trainer.task import LMTask
 from trainer.train_step import Trainer
@@ -40,7 +40,10 @@ def build(cfg, env):
     set_seed(cfg.common.seed)
     task = LMTask(cfg, env)
     max_positions = cfg.model.max_target_positions or cfg.task.tokens_per_sample
-    model = build_model(cfg.model, task.vocab_size, max_positions, device=env.device, padding_idx=task.pad)
+    # Sharded models start on the meta device: no rank ever holds the whole model.
+    device = "meta" if uses_fsdp(cfg) else env.device
+    model = build_model(cfg.model, task.vocab_size, max_positions, device=device, padding_idx=task.pad,
+                        seed=cfg.common.seed)
     n_params = num_parameters(model)
     log.info(f"model {cfg.model._name}, {cfg.model.decoder_layers} layers x {cfg.model.decoder_embed_dim}, "
              f"vocabulary {task.vocab_size}")
@@ -49,12 +52,15 @@ def build(cfg, env):
     embed_params = sum(m.weight.numel() for m in (model.embed_tokens, model.embed_positions,
                                                    model.output_projection) if m is not None)
     fpt = flops_per_token(cfg.model, n_params, task.vocab_size, embed_params, cfg.task.tokens_per_sample)
-    model = parallelize(model, cfg, env)
-    return task, Trainer(cfg, model, env, task.pad), fpt
+    model, grad_sync = parallelize(model, cfg, env)
+    log.info(f"rank {env.rank} holds {sharded_bytes(model) / 2 ** 20:,.1f} MiB of parameters "
+             f"({cfg.distributed_training.ddp_backend}, {env.world_size} rank(s))")
+    return task, Trainer(cfg, model, env, task.pad, grad_sync), fpt
 
 
-def run(cfg):
-    env = distributed.setup(cfg, needs_process_group=uses_fsdp(cfg))
+def run(cfg, rdv):
+    """One rank of the job (the whole job when there is one rank)."""
+    env = distributed.init_rank(cfg, rdv, needs_process_group=uses_fsdp(cfg))
     try:
         setup_logging(cfg.common.log_file, env.is_master)
         log.info("config:\n" + OmegaConf.to_yaml(cfg).rstrip())

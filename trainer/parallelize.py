@@ -1,18 +1,27 @@
-"""The one place that wraps the model: activation checkpointing, then FSDP2 per layer.
+"""The one place that wraps the model for its backend, and says how gradients sync.
 
-Order (torchtitan's): checkpoint each decoder layer → `fully_shard` each layer whose
+FSDP order (torchtitan's): checkpoint each decoder layer → `fully_shard` each layer whose
 parameter count reaches --min-params-to-wrap → `fully_shard` the root, which keeps the
-tied embedding/output projection and the final norm in one group.
+tied embedding/output projection and the final norm in one group. Sharded models are
+built on the meta device and each rank initializes only its shards, to exactly the
+values one process with the same --seed would have.
 """
+import contextlib
 import functools
 import logging
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from trainer.config import SHARDED_BACKENDS
+from trainer.flags import UsageError
 
 log = logging.getLogger("shardlm")
+
+
+def uses_fsdp(cfg):
+    return cfg.distributed_training.ddp_backend in SHARDED_BACKENDS
 
 
 def mixed_precision_dtype(cfg):
@@ -44,14 +53,26 @@ def apply_activation_checkpointing(model, offload, device):
         layer.forward = forward
 
 
+def device_mesh(cfg, env):
+    """1-D mesh for fully_sharded; (replicate, shard) for hybrid_shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    d = cfg.distributed_training
+    if d.ddp_backend != "hybrid_shard":
+        return init_device_mesh(env.device.type, (env.world_size,))
+    shard = d.shard_group_size or env.local_world_size
+    if env.world_size % shard:
+        raise UsageError(f"--shard-group-size {shard} does not divide the world size {env.world_size}")
+    return init_device_mesh(env.device.type, (env.world_size // shard, shard),
+                            mesh_dim_names=("replicate", "shard"))
+
+
 def shard_model(model, cfg, env):
     """FSDP2: one unit per decoder layer (above --min-params-to-wrap), then the root."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     d = cfg.distributed_training
-    mesh = init_device_mesh(env.device.type, (env.world_size,))
-    kwargs = dict(mesh=mesh, reshard_after_forward=not d.no_reshard_after_forward)
+    kwargs = dict(mesh=device_mesh(cfg, env), reshard_after_forward=not d.no_reshard_after_forward)
     param_dtype = mixed_precision_dtype(cfg)
     if param_dtype is not None:
         reduce_dtype = torch.float32 if d.fp32_reduce_scatter else param_dtype
@@ -69,15 +90,73 @@ def shard_model(model, cfg, env):
     return model
 
 
+@torch.no_grad()
+def materialize_shards(model, cfg, env):
+    """Allocate this rank's shards and give them their single-process initial values:
+    each parameter is built whole, one at a time, and only the local shard is kept."""
+    from torch.distributed.tensor import distribute_tensor
+
+    model.to_empty(device="cpu" if cfg.distributed_training.cpu_offload else env.device)
+    for name, p in model.named_parameters():
+        full = torch.empty(p.shape, dtype=p.dtype, device=env.device)
+        model.init_parameter(name, full, cfg.common.seed)
+        p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
+
+
+class GradSync:
+    """When gradients cross ranks during --update-freq micro-batches.
+
+    FSDP: reduce-scatter after every micro-batch by default (fairseq's choice: sharded
+    gradients, less memory); --defer-grad-sync keeps them unsharded until the last one.
+    DDP: all-reduce only on the last micro-batch (no_sync). legacy_ddp: one plain
+    all-reduce per parameter after the last backward."""
+
+    def __init__(self, model, cfg, env):
+        self.model, self.env = model, env
+        self.backend = cfg.distributed_training.ddp_backend
+        self.defer = cfg.distributed_training.defer_grad_sync
+        self.world = env.world_size
+
+    def micro_batch(self, is_last):
+        if self.world == 1:
+            return contextlib.nullcontext()
+        if self.backend in SHARDED_BACKENDS:
+            if self.defer:
+                self.model.set_requires_gradient_sync(is_last, recurse=True)
+            return contextlib.nullcontext()
+        if self.backend in ("pytorch_ddp", "c10d") and not is_last:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def after_backward(self):
+        if self.world > 1 and self.backend in ("legacy_ddp", "no_c10d"):
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(self.world)
+
+
 def parallelize(model, cfg, env):
-    """Wrap `model` for the configured backend; returns the model to train."""
+    """Wrap `model` (built on the meta device when sharded) for the configured backend;
+    returns the model to train and its GradSync."""
     m = cfg.model
     if m.checkpoint_activations or m.offload_activations:
         apply_activation_checkpointing(model, m.offload_activations, env.device)
-    if cfg.distributed_training.ddp_backend in SHARDED_BACKENDS:
-        return shard_model(model, cfg, env)
-    return model  # one rank, pytorch_ddp/legacy_ddp: nothing to synchronize
+    backend = cfg.distributed_training.ddp_backend
+    if backend in SHARDED_BACKENDS:
+        model = shard_model(model, cfg, env)
+        materialize_shards(model, cfg, env)
+    elif env.world_size > 1 and backend in ("pytorch_ddp", "c10d"):
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                                        broadcast_buffers=False)
+    return model, GradSync(model, cfg, env)
 
 
-def uses_fsdp(cfg):
-    return cfg.distributed_training.ddp_backend in SHARDED_BACKENDS
+def sharded_bytes(model):
+    """Bytes of parameters this rank holds (its shards under FSDP)."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total

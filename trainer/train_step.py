@@ -20,8 +20,8 @@ log = logging.getLogger("shardlm")
 
 
 class Trainer:
-    def __init__(self, cfg, model, env, pad):
-        self.cfg, self.model, self.env, self.pad = cfg, model, env, pad
+    def __init__(self, cfg, model, env, pad, grad_sync):
+        self.cfg, self.model, self.env, self.pad, self.grad_sync = cfg, model, env, pad, grad_sync
         self.optimizer = build_optimizer(model, cfg, env.device)
         self.schedule = LRSchedule(cfg)
         self.num_updates = 0
@@ -66,11 +66,13 @@ class Trainer:
         # the tokens of the whole update.
         loss_weight = self.env.world_size / max(total_tokens, 1)
         loss_total = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        for batch in samples:
-            loss = self.loss_sum(batch)
-            loss_total += loss.detach()
-            scaled = loss * loss_weight
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        for i, batch in enumerate(samples):
+            with self.grad_sync.micro_batch(is_last=i == len(samples) - 1):
+                loss = self.loss_sum(batch)
+                loss_total += loss.detach()
+                scaled = loss * loss_weight
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        self.grad_sync.after_backward()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         gnorm = self.clip_grad_norm()

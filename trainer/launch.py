@@ -1,0 +1,47 @@
+"""Start the job's ranks: in this process, or spawned locally (fairseq's call_main).
+
+A rank that fails ends the whole job: torch.multiprocessing.spawn terminates the other
+ranks when one exits non-zero, so nobody waits forever in a collective.
+"""
+import dataclasses
+import sys
+
+from data.errors import DataError
+from trainer.flags import UsageError
+
+USER_ERRORS = (DataError, UsageError, FloatingPointError)
+
+
+def launch(cfg):
+    from trainer.distributed import infer_rendezvous
+
+    rdv = infer_rendezvous(cfg)
+    if rdv.spawn > 1:
+        import torch.multiprocessing as mp
+        try:
+            mp.spawn(_spawned_rank, args=(cfg, rdv), nprocs=rdv.spawn, join=True)
+        except mp.ProcessExitedException:
+            return 1  # the rank printed its own one-line error
+        except mp.ProcessRaisedException as e:
+            print(str(e).strip(), file=sys.stderr)
+            return 1
+        return 0
+    return run_rank(cfg, rdv)
+
+
+def _spawned_rank(index, cfg, rdv):
+    rdv = dataclasses.replace(rdv, rank=rdv.rank + index, local_rank=index, spawn=0)
+    code = run_rank(cfg, rdv)
+    if code:
+        sys.exit(code)
+
+
+def run_rank(cfg, rdv):
+    from trainer.main import run
+
+    try:
+        return run(cfg, rdv)
+    except USER_ERRORS as e:
+        where = f"[rank {rdv.rank}] " if rdv.world_size > 1 else ""
+        print(f"train: error: {where}{e}", file=sys.stderr)
+        return 1
