@@ -22,28 +22,54 @@ def compose(argv):
     return cfg
 
 
-def update_losses(argv, n_updates):
-    """Per-update mean token loss (nats) of the first n updates, run in this process
-    through the same build and train_step that `train` uses."""
+def update_losses(argv, n_updates, rdv=None, with_gnorm=False):
+    """Per-update mean token loss (nats) of the first n updates (and gnorm), run in this
+    process through the same build and train_step that `train` uses."""
     from trainer import distributed
-    from trainer.loop import grouped
-    from trainer.main import build
     from trainer.parallelize import uses_fsdp
 
     cfg = compose(argv)
-    env = distributed.init_rank(cfg, distributed.Rendezvous("", 1), needs_process_group=uses_fsdp(cfg))
+    rdv = rdv or distributed.Rendezvous("", 1)
+    env = distributed.init_rank(cfg, rdv, needs_process_group=uses_fsdp(cfg))
     try:
-        task, trainer, _ = build(cfg, env)
-        itr = task.batch_iterator(cfg.dataset.train_subset, training=True)
-        losses = []
-        for samples in grouped(itr.next_epoch_itr(), cfg.optimization.update_freq):
-            stats = trainer.train_step(samples)
-            losses.append(stats["loss_sum"] / stats["ntokens"])
-            if len(losses) == n_updates:
-                return losses
-        raise AssertionError(f"only {len(losses)} updates in an epoch")
+        return _updates(cfg, env, n_updates, with_gnorm)
     finally:
         distributed.teardown()
+
+
+def _updates(cfg, env, n_updates, with_gnorm):
+    from trainer.loop import grouped
+    from trainer.main import build
+
+    task, trainer, _ = build(cfg, env)
+    itr = task.batch_iterator(cfg.dataset.train_subset, training=True)
+    losses, gnorms = [], []
+    for samples in grouped(itr.next_epoch_itr(), cfg.optimization.update_freq):
+        stats = trainer.train_step(samples)
+        losses.append(stats["loss_sum"] / stats["ntokens"])
+        gnorms.append(stats["gnorm"])
+        if len(losses) == n_updates:
+            return (losses, gnorms) if with_gnorm else losses
+    raise AssertionError(f"only {len(losses)} updates in an epoch")
+
+
+def _rank_worker(index, argv, world, port, n_updates, out):
+    from trainer.distributed import Rendezvous
+    rdv = Rendezvous(f"tcp://127.0.0.1:{port}", world, rank=index, local_rank=index, local_world_size=world)
+    losses, gnorms = update_losses(argv, n_updates, rdv, with_gnorm=True)
+    Path(f"{out}.{index}").write_text(json.dumps({"losses": losses, "gnorms": gnorms}))
+
+
+def multi_rank_losses(argv, world, n_updates, tmp_path):
+    """(losses, gnorms) per update on `world` real processes over gloo; every rank must agree."""
+    import torch.multiprocessing as mp
+    from trainer.distributed import free_port
+
+    out = tmp_path / f"ranks-{free_port()}"
+    mp.spawn(_rank_worker, args=(argv, world, free_port(), n_updates, str(out)), nprocs=world, join=True)
+    results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+    assert all(r == results[0] for r in results), "ranks disagree"
+    return results[0]["losses"], results[0]["gnorms"]
 
 
 def run_train(argv, cwd=None, check=True, env=None):

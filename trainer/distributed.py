@@ -7,6 +7,7 @@ One code path, four ways in (fairseq's `infer_init_method`):
 4. `--distributed-init-method tcp://host:port` with `--distributed-rank` is explicit.
 CUDA + NCCL where a GPU exists, CPU + gloo otherwise.
 """
+import gc
 import os
 import socket
 import subprocess
@@ -127,6 +128,9 @@ def init_rank(cfg, rdv, needs_process_group):
 
 def teardown():
     if dist.is_available() and dist.is_initialized():
+        # DDP's reducer must go before its process group, or its destructor aborts the
+        # process at exit; the model is unreachable by now but may sit in a cycle.
+        gc.collect()
         dist.destroy_process_group()
 
 

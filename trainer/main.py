@@ -62,14 +62,18 @@ def run(cfg, rdv):
     """One rank of the job (the whole job when there is one rank)."""
     env = distributed.init_rank(cfg, rdv, needs_process_group=uses_fsdp(cfg))
     try:
-        setup_logging(cfg.common.log_file, env.is_master)
-        log.info("config:\n" + OmegaConf.to_yaml(cfg).rstrip())
-        if env.is_master and not cfg.checkpoint.no_save:
-            save_config(cfg)
-        task, trainer, fpt = build(cfg, env)
-        log.info(f"training on {env.world_size} rank(s), device {env.device}, backend "
-                 f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank")
-        TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt).run()
-        return 0
+        return train(cfg, env)
     finally:
         distributed.teardown()
+
+
+def train(cfg, env):
+    setup_logging(cfg.common.log_file, env.is_master)
+    log.info("config:\n" + OmegaConf.to_yaml(cfg).rstrip())
+    if env.is_master and not cfg.checkpoint.no_save:
+        save_config(cfg)
+    task, trainer, fpt = build(cfg, env)
+    log.info(f"training on {env.world_size} rank(s), device {env.device}, backend "
+             f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank")
+    TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt).run()
+    return 0

@@ -148,8 +148,7 @@ def parallelize(model, cfg, env):
         materialize_shards(model, cfg, env)
     elif env.world_size > 1 and backend in ("pytorch_ddp", "c10d"):
         from torch.nn.parallel import DistributedDataParallel
-        model = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                                        broadcast_buffers=False)
+        model = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
     return model, GradSync(model, cfg, env)
 
 
