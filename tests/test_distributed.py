@@ -38,11 +38,13 @@ def test_backend_matches_one_process(name, one_process, tmp_path):
     assert ref_losses[-1] < ref_losses[0]
 
 
-def test_bf16_fsdp_matches_bf16_ddp(tmp_path):
-    ddp, _ = multi_rank_losses(BASE + ["--batch-size", "4", "--bf16"], 2, UPDATES, tmp_path)
-    fsdp, _ = multi_rank_losses(BASE + ["--batch-size", "4", "--bf16", "--ddp-backend", "fully_sharded"],
+@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+def test_mixed_precision_fsdp_matches_ddp(precision, tmp_path):
+    ddp, _ = multi_rank_losses(BASE + ["--batch-size", "4", precision], 2, UPDATES, tmp_path)
+    fsdp, _ = multi_rank_losses(BASE + ["--batch-size", "4", precision, "--ddp-backend", "fully_sharded"],
                                 2, UPDATES, tmp_path)
     assert fsdp == pytest.approx(ddp, rel=2e-2)
+    assert fsdp[-1] < fsdp[0]
 
 
 def _gather_initial_parameters(index, world, port, out):

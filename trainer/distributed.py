@@ -115,6 +115,8 @@ def init_rank(cfg, rdv, needs_process_group):
     """Join the job as rank `rdv.rank`. One rank joins a (one-rank) group only when its
     backend needs one: FSDP2 shards on a one-rank mesh with the same code."""
     device = select_device(cfg, rdv.local_rank)
+    if device.type == "cpu":
+        return_large_frees_to_os()
     if device.type == "cpu" and rdv.local_world_size > 1:
         # Ranks on one host share its cores; without a split they fight over them.
         torch.set_num_threads(max(cpu_count() // rdv.local_world_size, 1))
@@ -124,6 +126,21 @@ def init_rank(cfg, rdv, needs_process_group):
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", init_method=init_method,
                                 rank=rdv.rank, world_size=rdv.world_size, timeout=timedelta(minutes=30))
     return env
+
+
+def return_large_frees_to_os(threshold=1 << 20):
+    """Serve allocations above 1 MiB by mmap, so freeing them returns the pages at once.
+
+    On CPU, tensors live in glibc's heap. Its default mmap threshold grows to the size of
+    any large block freed, after which FSDP's per-layer gather buffers (allocated and
+    freed every layer) are recycled inside the heap and the process keeps its high-water
+    mark: measured on 2 ranks, a 109 M-parameter FSDP run peaked at 2.11 GB resident
+    per rank by default and 1.66 GB with a fixed 1 MiB threshold, at the same speed."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # -3 = M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
 
 
 def teardown():

@@ -98,8 +98,8 @@ class TrainLoop:
                     break
                 l, t, s = self.trainer.valid_step(batch)
                 loss_sum, ntokens, nsentences, nbatches = loss_sum + l, ntokens + t, nsentences + s, nbatches + 1
-            loss_sum, ntokens, nsentences, nbatches = all_reduce_sum([loss_sum, ntokens, nsentences, nbatches],
-                                                                     self.env)
+            # Token and sentence counts over all ranks; batches are steps (the same on every rank).
+            loss_sum, ntokens, nsentences = all_reduce_sum([loss_sum, ntokens, nsentences], self.env)
             loss = loss_sum / max(ntokens, 1) / LN2
             if subset == self.valid_subsets[0]:
                 self.best_valid_loss = min(self.best_valid_loss, loss)

@@ -83,10 +83,15 @@ def shard_model(model, cfg, env):
         if env.device.type == "cpu":
             log.warning("--cpu-offload: parameters already live in host memory on a CPU-only host; "
                         "it runs, with no memory effect here")
-    for layer in model.layers:
-        if sum(p.numel() for p in layer.parameters()) >= cfg.model.min_params_to_wrap:
-            fully_shard(layer, **kwargs)
+    units = [layer for layer in model.layers
+             if sum(p.numel() for p in layer.parameters()) >= cfg.model.min_params_to_wrap]
+    for unit in units:
+        fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    if env.device.type == "cpu" and env.world_size > 1:
+        from trainer.gloo_comms import use_all_reduce_comms
+        for unit in units + [model]:
+            use_all_reduce_comms(unit)
     return model
 
 
