@@ -1,12 +1,13 @@
-"""FSDP2's all-gather and reduce-scatter built on all-reduce, for gloo (CPU).
+"""FSDP2's all-gather and reduce-scatter built from gloo's faster collectives (CPU).
 
-gloo's collectives are not equally fast: on 2 ranks here 160 MB took 0.13 s by
-all_reduce but 0.21 s by all_gather_into_tensor or reduce_scatter_tensor. FSDP moves
-its bytes through the slow two; these replacements move them through the fast one:
-- all-gather: every rank zeroes the other ranks' slots of the output buffer (its own
-  slot already holds its shard: FSDP copies the input in place) and sums by all-reduce;
+gloo's collectives are not equally fast. Measured here on 2 ranks, 218 MB: all-gather
+0.245 s by all_gather_into_tensor, 0.18 s by all-reduce of a zero-padded buffer, 0.09 s
+as one broadcast per rank; reduce-scatter 0.33 s by reduce_scatter_tensor, 0.21 s by
+all-reduce. So:
+- all-gather: each rank broadcasts its slot of the output buffer (FSDP has already
+  copied its shard there) to the others;
 - reduce-scatter: all-reduce the whole gradient buffer in place, keep this rank's slot.
-The results are exact (a sum with zeros is a copy), so numerics do not change.
+Both are exact copies/sums of the same values, so numerics do not change.
 NCCL's own collectives stay in use on GPUs.
 """
 import torch
@@ -19,14 +20,20 @@ class _Alloc:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
-class AllReduceAllGather(_Alloc, AllGather):
+class BroadcastAllGather(_Alloc, AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        n, rank = input_tensor.numel(), dist.get_rank(group)
+        n, rank, world = input_tensor.numel(), dist.get_rank(group), dist.get_world_size(group)
         if input_tensor.data_ptr() != output_tensor[rank * n].data_ptr():
             output_tensor[rank * n:(rank + 1) * n].copy_(input_tensor)
-        output_tensor[:rank * n].zero_()
-        output_tensor[(rank + 1) * n:].zero_()
-        return dist.all_reduce(output_tensor, group=group, async_op=async_op)
+        works = [dist.broadcast(output_tensor[src * n:(src + 1) * n], group=group, group_src=src, async_op=True)
+                 for src in range(world)]
+        if not async_op:
+            for w in works:
+                w.wait()
+            return None
+        # One Work for FSDP to wait on, done when every broadcast is.
+        done = torch.futures.collect_all([w.get_future() for w in works])
+        return torch._C._distributed_c10d._create_work_from_future(done)
 
 
 class AllReduceReduceScatter(_Alloc, ReduceScatter):
@@ -37,6 +44,6 @@ class AllReduceReduceScatter(_Alloc, ReduceScatter):
         return None
 
 
-def use_all_reduce_comms(module):
-    module.set_custom_all_gather(AllReduceAllGather())
+def use_gloo_fast_comms(module):
+    module.set_custom_all_gather(BroadcastAllGather())
     module.set_custom_reduce_scatter(AllReduceReduceScatter())

@@ -89,9 +89,9 @@ def shard_model(model, cfg, env):
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     if env.device.type == "cpu" and env.world_size > 1:
-        from trainer.gloo_comms import use_all_reduce_comms
+        from trainer.gloo_comms import use_gloo_fast_comms
         for unit in units + [model]:
-            use_all_reduce_comms(unit)
+            use_gloo_fast_comms(unit)
     return model
 
 
