@@ -85,8 +85,11 @@ def shard_model(model, cfg, env):
                         "it runs, with no memory effect here")
     units = [layer for layer in model.layers
              if sum(p.numel() for p in layer.parameters()) >= cfg.model.min_params_to_wrap]
-    for unit in units:
-        fully_shard(unit, **kwargs)
+    for i, unit in enumerate(units):
+        # The last layer's backward starts right after its forward: resharding it in
+        # between would only all-gather the same parameters again (torchtitan does the same).
+        last = i == len(units) - 1
+        fully_shard(unit, **{**kwargs, "reshard_after_forward": kwargs["reshard_after_forward"] and not last})
     fully_shard(model, **kwargs)
     if env.device.type == "cpu" and env.world_size > 1:
         from trainer.gloo_comms import use_gloo_fast_comms
