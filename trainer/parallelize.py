@@ -32,13 +32,14 @@ def mixed_precision_dtype(cfg):
     return None
 
 
-def apply_activation_checkpointing(model, offload, device):
+def apply_activation_checkpointing(model, offload, env):
     """Recompute each layer in backward (non-reentrant). The layer's own forward is
     replaced, so FSDP's hooks on the layer still run around it and the state-dict keys
     stay those of the bare model."""
-    if offload and device.type != "cuda":
-        log.warning("--offload-activations: activations already live in host memory on a CPU-only host; "
-                    "it has no effect here beyond --checkpoint-activations")
+    if offload and env.device.type != "cuda":
+        if env.is_master:  # the same on every rank: say it once
+            log.warning("--offload-activations: activations already live in host memory on a CPU-only host; "
+                        "it has no effect here beyond --checkpoint-activations")
         offload = False
     for layer in model.layers:
         inner = layer.forward
@@ -80,7 +81,7 @@ def shard_model(model, cfg, env):
     if d.cpu_offload:
         # Pinned memory needs an accelerator; without one the policy must not pin.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
-        if env.device.type == "cpu":
+        if env.device.type == "cpu" and env.is_master:
             log.warning("--cpu-offload: parameters already live in host memory on a CPU-only host; "
                         "it runs, with no memory effect here")
     units = [layer for layer in model.layers
@@ -149,7 +150,7 @@ def parallelize(model, cfg, env):
     returns the model to train and its GradSync."""
     m = cfg.model
     if m.checkpoint_activations or m.offload_activations:
-        apply_activation_checkpointing(model, m.offload_activations, env.device)
+        apply_activation_checkpointing(model, m.offload_activations, env)
     backend = cfg.distributed_training.ddp_backend
     if backend in SHARDED_BACKENDS:
         model = shard_model(model, cfg, env)

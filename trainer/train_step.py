@@ -36,7 +36,7 @@ class Trainer:
             window = c.fp16_scale_window or max(int(2 ** 14 / env.world_size / cfg.optimization.update_freq), 1)
             self.scaler = torch.amp.GradScaler(env.device.type, init_scale=c.fp16_init_scale,
                                                growth_factor=2.0, backoff_factor=0.5, growth_interval=window)
-            if env.device.type == "cpu":
+            if env.device.type == "cpu" and env.is_master:
                 log.warning("--fp16 on a CPU: there are no fast fp16 kernels here, so it runs but slowly; "
                             "--bf16 is the fast mixed precision on CPUs")
 
