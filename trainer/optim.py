@@ -17,7 +17,7 @@ def param_groups(model, weight_decay):
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model, cfg, device):
+def build_optimizer(model, cfg):
     o = cfg.optimizer
     groups = param_groups(model, o.weight_decay)
     lr = cfg.optimization.lr
@@ -25,14 +25,14 @@ def build_optimizer(model, cfg, device):
         # fairseq's adam decouples weight decay, i.e. it is AdamW. The fused kernel is
         # one pass over all parameters per step, on CPU and GPU alike.
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.adam_betas), eps=o.adam_eps,
-                                 fused=_fused_ok(model))
+                                 fused=True if _plain_tensors(model) else None)
     return torch.optim.SGD(groups, lr=lr, momentum=o.momentum)
 
 
-def _fused_ok(model):
-    # Fused kernels take plain tensors; DTensor (FSDP2) parameters take the foreach path.
+def _plain_tensors(model):
+    # Fused kernels take plain tensors; DTensor (FSDP2) parameters take the default path.
     from torch.distributed.tensor import DTensor
-    return not any(isinstance(p, DTensor) for p in model.parameters()) or None
+    return not any(isinstance(p, DTensor) for p in model.parameters())
 
 
 class LRSchedule:

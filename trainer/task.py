@@ -56,7 +56,7 @@ class LMTask:
         from data.indexed_dataset import IndexedDataset
         from data.token_block import TokenBlockDataset
         prefix = self.data_dir / split
-        if not (prefix.with_suffix(".idx").exists() or Path(str(prefix) + ".idx").exists()):
+        if not self.has_split(split):
             raise DataError(f"no split {split!r} in {self.data_dir} (expected {split}.bin and {split}.idx); "
                             "check --train-subset/--valid-subset or re-run preprocess")
         return TokenBlockDataset(IndexedDataset(str(prefix)), t.tokens_per_sample, t.sample_break_mode,
@@ -65,7 +65,8 @@ class LMTask:
     def has_split(self, split):
         if self.cfg.task._name == "dummy_lm":
             return split == self.cfg.dataset.train_subset  # random tokens: nothing to validate on
-        return Path(str(self.data_dir / split) + ".idx").exists()
+        from data.indexed_dataset import exists
+        return exists(self.data_dir / split)
 
     def batch_iterator(self, split, training):
         from data.iterator import EpochBatchIterator

@@ -22,7 +22,7 @@ log = logging.getLogger("shardlm")
 class Trainer:
     def __init__(self, cfg, model, env, pad, grad_sync):
         self.cfg, self.model, self.env, self.pad, self.grad_sync = cfg, model, env, pad, grad_sync
-        self.optimizer = build_optimizer(model, cfg, env.device)
+        self.optimizer = build_optimizer(model, cfg)
         self.schedule = LRSchedule(cfg)
         self.num_updates = 0
         self.lr = self.schedule.apply(self.optimizer, 0)
@@ -103,12 +103,12 @@ class Trainer:
 
     def clip_grad_norm(self):
         """Global gradient norm over every shard, before clipping (what fairseq logs as gnorm)."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.cfg.optimization.clip_norm
         if clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], clip)
-        else:
-            norm = torch.nn.utils.get_total_norm(grads)
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        else:  # the norm alone: clipping by infinity would still rescale every gradient
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
             norm = norm.full_tensor()
         return norm.item()
