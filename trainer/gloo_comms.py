@@ -8,7 +8,12 @@ all-reduce. So:
   copied its shard there) to the others;
 - reduce-scatter: all-reduce the whole gradient buffer in place, keep this rank's slot.
 Both are exact copies/sums of the same values, so numerics do not change.
-NCCL's own collectives stay in use on GPUs.
+
+On a CPU FSDP2 runs every collective synchronously: backward would stop at each layer
+until its gradients are summed. Where nothing reads the reduced gradient before the
+optimizer (see `ReduceScatterInBackground.may_defer`), the all-reduce runs in gloo's
+thread while backward goes on, as DDP's buckets do, and `wait()` collects them all
+before the gradients are used. NCCL's own collectives stay in use on GPUs.
 """
 import torch
 import torch.distributed as dist
@@ -36,14 +41,44 @@ class BroadcastAllGather(_Alloc, AllGather):
         return torch._C._distributed_c10d._create_work_from_future(done)
 
 
-class AllReduceReduceScatter(_Alloc, ReduceScatter):
+class ReduceScatterInBackground(_Alloc, ReduceScatter):
+    """All-reduce the gradient buffer, copy this rank's slot out. Shared by every FSDP
+    unit of a model, so that `wait()` finds all the sums still in flight."""
+
+    def __init__(self, can_ever_defer):
+        # False where FSDP reads the reduced gradient at once: it casts it to another
+        # dtype (reduce dtype != parameter dtype), or all-reduces it again across
+        # replicas (hybrid_shard).
+        self.can_ever_defer = can_ever_defer
+        self.may_defer = can_ever_defer
+        self.pending = []
+
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         n, rank = output_tensor.numel(), dist.get_rank(group)
-        dist.all_reduce(input_tensor, op=op, group=group)
-        output_tensor.copy_(input_tensor[rank * n:(rank + 1) * n].view_as(output_tensor))
+        slot = input_tensor[rank * n:(rank + 1) * n].view_as(output_tensor)
+        if not self.may_defer or op != dist.ReduceOp.SUM:
+            # FSDP may add this output into a gradient an earlier sum still fills.
+            self.wait()
+            dist.all_reduce(input_tensor, op=op, group=group)
+            output_tensor.copy_(slot)
+            return None
+        work = dist.all_reduce(input_tensor, op=op, group=group, async_op=True)
+        # The copy runs in gloo's thread when the sum is done; the future keeps the
+        # input buffer alive until then.
+        self.pending.append(work.get_future().then(lambda _: output_tensor.copy_(slot)))
         return None
 
+    def wait(self):
+        pending, self.pending = self.pending, []
+        for fut in pending:
+            fut.wait()
 
-def use_gloo_fast_comms(module):
-    module.set_custom_all_gather(BroadcastAllGather())
-    module.set_custom_reduce_scatter(AllReduceReduceScatter())
+
+def use_gloo_fast_comms(units, can_defer_reduction):
+    """Give every FSDP unit the gloo collectives above; returns the shared reduce-scatter,
+    whose `wait()` must run before gradients are read."""
+    reduce_scatter = ReduceScatterInBackground(can_defer_reduction)
+    for unit in units:
+        unit.set_custom_all_gather(BroadcastAllGather())
+        unit.set_custom_reduce_scatter(reduce_scatter)
+    return reduce_scatter

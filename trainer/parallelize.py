@@ -69,12 +69,14 @@ def device_mesh(cfg, env):
 
 
 def shard_model(model, cfg, env):
-    """FSDP2: one unit per decoder layer (above --min-params-to-wrap), then the root."""
+    """FSDP2: one unit per decoder layer (above --min-params-to-wrap), then the root.
+    Returns the model and, on CPU ranks, the reduce-scatter to wait for (else None)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     d = cfg.distributed_training
     kwargs = dict(mesh=device_mesh(cfg, env), reshard_after_forward=not d.no_reshard_after_forward)
     param_dtype = mixed_precision_dtype(cfg)
+    reduce_dtype = None
     if param_dtype is not None:
         reduce_dtype = torch.float32 if d.fp32_reduce_scatter else param_dtype
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -91,12 +93,20 @@ def shard_model(model, cfg, env):
         # between would only all-gather the same parameters again (torchtitan does the same).
         last = i == len(units) - 1
         fully_shard(unit, **{**kwargs, "reshard_after_forward": kwargs["reshard_after_forward"] and not last})
-    fully_shard(model, **kwargs)
+    # The root (tied embedding/output projection) is used last in forward and first in
+    # backward: never resharded in between, as FSDP2 does for a root by default.
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    for unit in units + [model]:
+        # Plain sums across ranks: the trainer already divides the loss by the update's
+        # token count over all ranks, so an average would only add a pass over the grads.
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    background = None
     if env.device.type == "cpu" and env.world_size > 1:
         from trainer.gloo_comms import use_gloo_fast_comms
-        for unit in units + [model]:
-            use_gloo_fast_comms(unit)
-    return model
+        can_defer = d.ddp_backend != "hybrid_shard" and reduce_dtype in (None, torch.float32)
+        background = use_gloo_fast_comms(units + [model], can_defer)
+    return model, background
 
 
 @torch.no_grad()
@@ -120,24 +130,32 @@ class GradSync:
     DDP: all-reduce only on the last micro-batch (no_sync). legacy_ddp: one plain
     all-reduce per parameter after the last backward."""
 
-    def __init__(self, model, cfg, env):
-        self.model, self.env = model, env
+    def __init__(self, model, cfg, env, background_reduce=None):
+        self.model, self.env, self.background = model, env, background_reduce
         self.backend = cfg.distributed_training.ddp_backend
         self.defer = cfg.distributed_training.defer_grad_sync
         self.world = env.world_size
+        # FSDP sums gradients across ranks; the DDP backends average them.
+        self.averages = self.backend not in SHARDED_BACKENDS
 
-    def micro_batch(self, is_last):
+    def micro_batch(self, is_first, is_last):
         if self.world == 1:
             return contextlib.nullcontext()
         if self.backend in SHARDED_BACKENDS:
             if self.defer:
                 self.model.set_requires_gradient_sync(is_last, recurse=True)
+            if self.background is not None:
+                # A later micro-batch's reduction is added into the sharded gradient
+                # at once, so only the first (or the only, deferred) one may run behind.
+                self.background.may_defer = self.background.can_ever_defer and (is_first or self.defer)
             return contextlib.nullcontext()
         if self.backend in ("pytorch_ddp", "c10d") and not is_last:
             return self.model.no_sync()
         return contextlib.nullcontext()
 
     def after_backward(self):
+        if self.background is not None:
+            self.background.wait()
         if self.world > 1 and self.backend in ("legacy_ddp", "no_c10d"):
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -152,13 +170,14 @@ def parallelize(model, cfg, env):
     if m.checkpoint_activations or m.offload_activations:
         apply_activation_checkpointing(model, m.offload_activations, env)
     backend = cfg.distributed_training.ddp_backend
+    background_reduce = None
     if backend in SHARDED_BACKENDS:
-        model = shard_model(model, cfg, env)
+        model, background_reduce = shard_model(model, cfg, env)
         materialize_shards(model, cfg, env)
     elif env.world_size > 1 and backend in ("pytorch_ddp", "c10d"):
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
-    return model, GradSync(model, cfg, env)
+    return model, GradSync(model, cfg, env, background_reduce)
 
 
 def sharded_bytes(model):

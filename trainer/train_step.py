@@ -62,12 +62,12 @@ class Trainer:
         ntokens = sum(s["ntokens"] for s in samples)
         nsentences = sum(s["nsentences"] for s in samples)
         total_tokens, total_sentences = all_reduce_sum([ntokens, nsentences], self.env)
-        # Data-parallel backends average gradients over ranks; undo that and divide by
-        # the tokens of the whole update.
-        loss_weight = self.env.world_size / max(total_tokens, 1)
+        # Divide by the tokens of the whole update; DDP averages gradients over ranks,
+        # which the weight undoes (FSDP sums them).
+        loss_weight = (self.env.world_size if self.grad_sync.averages else 1) / max(total_tokens, 1)
         loss_total = torch.zeros((), dtype=torch.float64, device=self.env.device)
         for i, batch in enumerate(samples):
-            with self.grad_sync.micro_batch(is_last=i == len(samples) - 1):
+            with self.grad_sync.micro_batch(is_first=i == 0, is_last=i == len(samples) - 1):
                 loss = self.loss_sum(batch)
                 loss_total += loss.detach()
                 scaled = loss * loss_weight
