@@ -3,9 +3,11 @@
 Reads top to bottom: embeddings → N decoder layers → final norm → output projection.
 It holds no parallelism: sharding, activation checkpointing and mixed precision are
 applied from the outside by trainer/parallelize.py, one `DecoderLayer` at a time.
+Generation passes a `KVCache` so each new token runs each layer over one position only.
 """
 import math
 import zlib
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -37,11 +39,20 @@ class DecoderLayer(nn.Module):
         self.fc1 = nn.Linear(d, ffn)
         self.fc2 = nn.Linear(ffn, d)
 
-    def attention(self, x):
+    def attention(self, x, cache=None):
         B, T, C = x.shape
         q, k, v = self.qkv_proj(x).view(B, T, 3, self.num_heads, C // self.num_heads).transpose(1, 3).unbind(2)
         # Right padding only: a causal mask already keeps every real token off the pads.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        mask, causal = None, True
+        if cache is not None:
+            # Incremental decoding: the new positions attend to every cached one and causally
+            # among themselves. is_causal would align the mask top-left (wrong once the cache
+            # holds anything), so say it explicitly; a single new token sees all: no mask.
+            k, v = cache(k, v)
+            start = k.shape[2] - T
+            mask = None if T == 1 else torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
+            causal = False
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                            dropout_p=self.attention_dropout if self.training else 0.0)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
 
@@ -49,8 +60,10 @@ class DecoderLayer(nn.Module):
         x = _dropout(self.activation_fn(self.fc1(x)), self.activation_dropout, self.training)
         return self.fc2(x)
 
-    def forward(self, x):
-        for norm, sublayer in ((self.self_attn_layer_norm, self.attention),
+    def forward(self, x, cache=None):
+        """cache: this layer's `KVCache.append` (generation only); None in training."""
+        attention = self.attention if cache is None else partial(self.attention, cache=cache)
+        for norm, sublayer in ((self.self_attn_layer_norm, attention),
                                (self.final_layer_norm, self.feed_forward)):
             h = sublayer(norm(x) if self.normalize_before else x)
             x = x + _dropout(h, self.dropout, self.training)
@@ -59,15 +72,41 @@ class DecoderLayer(nn.Module):
         return x
 
 
-def sinusoidal_positions(num_positions, dim, device, dtype):
-    """fairseq's sinusoidal table: sin on the first half of the channels, cos on the second."""
+def sinusoidal_positions(num_positions, dim, device, dtype, start=0):
+    """fairseq's sinusoidal table: sin on the first half of the channels, cos on the second.
+    Rows for positions start … start+num_positions-1 (start > 0 when decoding after a cache)."""
     half = dim // 2
     freq = torch.exp(torch.arange(half, device=device, dtype=torch.float32) * -(math.log(10000.0) / (half - 1)))
-    angles = torch.arange(num_positions, device=device, dtype=torch.float32)[:, None] * freq[None, :]
+    angles = torch.arange(start, start + num_positions, device=device, dtype=torch.float32)[:, None] * freq[None, :]
     table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
     if dim % 2:
         table = F.pad(table, (0, 1))
     return table.to(dtype)
+
+
+class KVCache:
+    """Every layer's keys and values of the positions decoded so far, in buffers allocated
+    once (B×H×max_len×head_dim per layer), so that generating a token runs each layer over
+    that one position instead of re-running the whole prefix."""
+
+    def __init__(self, model, batch_size=1, max_len=None):
+        p = model.embed_tokens.weight
+        heads = model.layers[0].num_heads
+        self.max_len = max_len or model.max_positions
+        shape = (batch_size, heads, self.max_len, p.shape[1] // heads)
+        self.k = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in model.layers]
+        self.v = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in model.layers]
+        self.length = 0  # positions stored so far = the position of the next token
+
+    def append(self, layer, k, v):
+        """Store layer `layer`'s keys/values of the new positions; return those of all so far.
+        The model advances `length` once every layer has appended."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; {end} were asked for")
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
 class TransformerLM(nn.Module):
@@ -127,24 +166,32 @@ class TransformerLM(nn.Module):
                 kinds[prefix + "weight"], kinds[prefix + "bias"] = "norm_weight", "bias"
         return kinds
 
-    def embed(self, tokens):
+    def embed(self, tokens, start=0):
+        """start: the first token's position (the cache's length when decoding incrementally)."""
         T = tokens.shape[1]
-        if T > self.max_positions:
-            raise ValueError(f"sequence of {T} tokens exceeds the model's {self.max_positions} positions")
+        if start + T > self.max_positions:
+            raise ValueError(f"sequence of {start + T} tokens exceeds the model's {self.max_positions} positions")
         x = self.embed_scale * self.embed_tokens(tokens)
         if self.positions == "learned":
-            x = x + self.embed_positions(torch.arange(T, device=tokens.device))
+            x = x + self.embed_positions(torch.arange(start, start + T, device=tokens.device))
         elif self.positions == "sinusoidal":
-            x = x + sinusoidal_positions(T, x.shape[-1], x.device, x.dtype)
+            x = x + sinusoidal_positions(T, x.shape[-1], x.device, x.dtype, start)
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
         return _dropout(x, self.dropout, self.training)
 
-    def forward(self, tokens):
-        """tokens: B×T token ids → B×T×V logits."""
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
+    def forward(self, tokens, cache=None):
+        """tokens: B×T token ids → B×T×V logits. With a `KVCache`, tokens are the next T
+        positions after those cached: they are appended to it and attend to all of them."""
+        if cache is None:  # training, and generation without a cache
+            x = self.embed(tokens)
+            for layer in self.layers:
+                x = layer(x)
+        else:
+            x = self.embed(tokens, cache.length)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cache=partial(cache.append, i))
+            cache.length += tokens.shape[1]
         if self.layer_norm is not None:
             x = self.layer_norm(x)
         if self.output_projection is None:
