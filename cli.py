@@ -43,7 +43,103 @@ def preprocess_main(argv=None):
     return 0
 
 
-COMMANDS = {"train": train_main, "preprocess": preprocess_main}
+def _parser(prog, description):
+    import argparse
+
+    from trainer.flags import _Parser
+    return _Parser(prog=prog, description=description, allow_abbrev=False,
+                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def _positive_int(text):
+    import argparse
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def eval_lm_main(argv=None):
+    """fairseq-eval-lm: perplexity of a checkpoint (sharded or exported) on a split."""
+    import functools
+
+    p = _parser("eval-lm", "Loss (base 2) and perplexity of a trained model on a split (fairseq-eval-lm).")
+    p.add_argument("data", nargs="?", help="data directory (default: the embedded corpus)")
+    p.add_argument("--path", required=True, help="checkpoint directory or export-model output")
+    p.add_argument("--gen-subset", default="test", help="split to evaluate")
+    p.add_argument("--tokens-per-sample", type=_positive_int, help="block length (default: the training run's)")
+    p.add_argument("--context-window", type=int, default=0,
+                   help="score each block with this many earlier tokens as unscored context")
+    p.add_argument("--sample-break-mode", choices=("none", "complete", "complete_doc", "eos"),
+                   help="how blocks are cut (default: the training run's)")
+    p.add_argument("--batch-size", "--max-sentences", type=_positive_int, help="blocks per batch")
+    p.add_argument("--max-tokens", type=_positive_int, help="tokens per batch (default 36000 without --batch-size)")
+    p.add_argument("--distributed-world-size", type=_positive_int, default=1, help="ranks to spawn")
+    p.add_argument("--cpu", action="store_true", help="evaluate on the CPU even when a GPU is present")
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = p.parse_args(argv)
+        if args.context_window < 0:
+            raise UsageError(f"--context-window must be >= 0, got {args.context_window}")
+        from trainer.compose import compose_config
+        cfg = compose_config([("distributed_training.distributed_world_size", args.distributed_world_size),
+                              ("common.cpu", args.cpu)], [], None, None)
+    except UsageError as e:
+        return _fail("eval-lm", e, 2)
+    from trainer import eval_lm
+    from trainer.launch import launch
+    return launch(cfg, functools.partial(eval_lm.run, args), prog="eval-lm")
+
+
+def generate_main(argv=None):
+    """fairseq-interactive: sample continuations of prompts."""
+    p = _parser("generate", "Sample text from a trained model (a checkpoint directory or an export).")
+    p.add_argument("--path", required=True, help="checkpoint directory or export-model output")
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable); default: one prompt per stdin line")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to sample per prompt")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy decoding")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set with this probability")
+    p.add_argument("--seed", type=int, default=1, help="the same seed gives the same text")
+    p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole prefix for every token (slow)")
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = p.parse_args(argv)
+        if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+            raise UsageError("need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
+        from trainer.generate_text import generate
+        return generate(args)
+    except UsageError as e:
+        return _fail("generate", e, 2)
+
+
+def export_model_main(argv=None):
+    """One consolidated safetensors file (or an HF GPT-2 directory) from a checkpoint."""
+    p = _parser("export-model", "Write a checkpoint as one model.safetensors (+ config and tokenizer).")
+    p.add_argument("--path", required=True, help="checkpoint directory")
+    p.add_argument("--out", required=True, help="output directory (must not hold a model.safetensors yet)")
+    p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                   help="hf: a directory transformers loads as GPT2LMHeadModel")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="cast the weights (default: as saved)")
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = p.parse_args(argv)
+        import torch
+
+        from trainer.inference import export_model
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
+        out = export_model(args.path, args.out, args.format, dtype)
+    except UsageError as e:
+        return _fail("export-model", e, 2)
+    print(f"exported {args.path} to {out}")
+    return 0
+
+
+COMMANDS = {"train": train_main, "preprocess": preprocess_main, "eval-lm": eval_lm_main,
+            "generate": generate_main, "export-model": export_model_main}
 
 
 def shardlm_main(argv=None):
@@ -63,3 +159,6 @@ def _entry(fn):
 train = _entry(train_main)
 preprocess = _entry(preprocess_main)
 shardlm = _entry(shardlm_main)
+eval_lm = _entry(eval_lm_main)
+generate = _entry(generate_main)
+export_model = _entry(export_model_main)

@@ -66,6 +66,7 @@ class EpochBatchIterator:
         shard_id: int = 0,
         shuffle: bool = True,
         pad: int = 1,
+        every_batch: bool = False,
     ):
         if batch_size is None and max_tokens is None:
             raise DataError("set --batch-size or --max-tokens")
@@ -82,6 +83,9 @@ class EpochBatchIterator:
         self.num_shards = num_shards
         self.shard_id = shard_id
         self.shuffle = shuffle
+        # Validation must see every batch: instead of dropping the uneven tail, ranks with
+        # one batch fewer get a dummy batch (ntokens 0), so all run the same forwards.
+        self.every_batch = every_batch
         self.pad = pad
         self.epoch = 0
         self.iterations_in_epoch = 0
@@ -98,6 +102,9 @@ class EpochBatchIterator:
         else:
             order = np.arange(len(sizes))
         batches = _batch_by_size(order, sizes, self.batch_size, self.max_tokens)
+        if self.every_batch and batches:
+            self._dummy = batches[0]
+            batches = batches + [None] * (-len(batches) % self.num_shards)
         usable = len(batches) // self.num_shards * self.num_shards
         if usable == 0:
             raise DataError(
@@ -122,11 +129,14 @@ class EpochBatchIterator:
 
     def _iterate(self, epoch: int, offset: int) -> Iterator[dict]:
         for batch in self._batches(epoch)[offset:]:
-            items = [self.dataset[i] for i in batch]
+            items = [self.dataset[i] for i in (batch if batch is not None else self._dummy)]
             # Counted before the batch is handed out: a checkpoint saved after training
             # on it records it as consumed.
             self.iterations_in_epoch += 1
-            yield collate(items, self.pad)
+            out = collate(items, self.pad)
+            if batch is None:  # a dummy: run it, count nothing
+                out.update(ntokens=0, nsentences=0, dummy=True)
+            yield out
 
     def end_of_epoch(self) -> bool:
         """True when the current epoch has no batches left (or none has started)."""

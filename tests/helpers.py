@@ -90,3 +90,36 @@ def parse_records(text):
             tag = line.split(" | ")[2]
             records.setdefault(tag, []).append(json.loads(line[line.index("{"):]))
     return records
+
+
+def _recording_rank(index, argv, world, port, out):
+    """One rank of `train` run through trainer.main.run (the real loop, checkpoints and
+    all), recording each update's exact loss: the log rounds it to 3 decimals."""
+    from trainer import distributed, main
+    from trainer.train_step import Trainer
+
+    step, updates = Trainer.train_step, []
+
+    def recording(self, samples):
+        stats = step(self, samples)
+        if stats is not None:
+            updates.append([self.num_updates, stats["loss_sum"] / stats["ntokens"], stats["gnorm"]])
+        return stats
+
+    Trainer.train_step = recording
+    rdv = distributed.Rendezvous(f"tcp://127.0.0.1:{port}" if world > 1 else "", world, rank=index,
+                                 local_rank=index, local_world_size=world)
+    main.run(compose(argv), rdv)
+    Path(f"{out}.{index}").write_text(json.dumps(updates))
+
+
+def train_updates(argv, world, tmp_path):
+    """{num_updates: (loss, gnorm)} of a `train` run on `world` real processes (gloo)."""
+    import torch.multiprocessing as mp
+    from trainer.distributed import free_port
+
+    out = tmp_path / f"updates-{free_port()}"
+    mp.spawn(_recording_rank, args=(argv, world, free_port(), str(out)), nprocs=world, join=True)
+    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+    assert all(r == ranks[0] for r in ranks), "ranks disagree"
+    return {n: (loss, gnorm) for n, loss, gnorm in ranks[0]}

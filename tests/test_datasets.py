@@ -169,6 +169,18 @@ def test_shards_are_disjoint_and_cover_the_epoch():
     assert len(flat) == len(set(flat))
 
 
+def test_validation_shards_cover_every_batch_with_dummies():
+    ds = CountingDataset(np.arange(2, 9))  # 7 items of batch 2: 4 batches for 3 ranks
+    shards = [EpochBatchIterator(ds, batch_size=2, max_tokens=None, seed=1, shuffle=False, num_shards=3,
+                                 shard_id=r, every_batch=True) for r in range(3)]
+    per_rank = [list(s.next_epoch_itr()) for s in shards]
+    assert [len(r) for r in per_rank] == [2, 2, 2]  # every rank runs the same number of forwards
+    real = [b for r in per_rank for b in r if not b.get("dummy")]
+    assert sum(b["nsentences"] for b in real) == 7 and sum(b["ntokens"] for b in real) == sum(range(1, 8))
+    dummies = [b for r in per_rank for b in r if b.get("dummy")]
+    assert len(dummies) == 2 and all(b["ntokens"] == 0 and b["nsentences"] == 0 for b in dummies)
+
+
 def test_epochs_are_reproducible_and_differ():
     ds = DummyLMDataset(50, 4, num_items=64)
     a = EpochBatchIterator(ds, batch_size=8, max_tokens=None, seed=3)

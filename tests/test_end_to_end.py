@@ -65,6 +65,7 @@ def test_embedded_corpus_is_learned_near_its_floor_and_config_reruns(tmp_path):
     valid = [rec["valid_loss"] for rec in records["valid"]]
     assert valid[0] > valid[-1] and min(valid) - floor < 0.3, (valid, floor)
     assert (save / "config.yaml").exists()
+    # Another save dir: in this one the same command resumes from checkpoint_last.
     again, _ = run_train(["--config-dir", str(save), "--config-name", "config", "--no-save",
-                          "optimization.max_update=100"])
+                          "optimization.max_update=100", f"checkpoint.save_dir={tmp_path / 'rerun'}"])
     assert [r["loss"] for r in again["train_inner"]] == [r["loss"] for r in records["train_inner"][:2]]

@@ -88,7 +88,29 @@ class OptimizationConfig:
 @dataclass
 class CheckpointConfig:
     save_dir: str = _f("checkpoints", "directory for config.yaml and checkpoints")
+    restore_file: str = _f("checkpoint_last", "checkpoint to resume from: a name in --save-dir or a path "
+                           "(the default resumes a run re-started with the same command)")
+    finetune_from_model: Optional[str] = _f(None, "start from this checkpoint's weights with a fresh optimizer, "
+                                            "lr schedule, data position and meters (unless --save-dir "
+                                            "already holds checkpoint_last)")
+    reset_optimizer: bool = _f(False, "do not restore the optimizer state (or the fp16 loss scale)")
+    reset_lr_scheduler: bool = _f(False, "do not restore the lr schedule's position: count updates from 0 for it")
+    reset_dataloader: bool = _f(False, "do not restore the data position: start at epoch 1")
+    reset_meters: bool = _f(False, "do not restore the epoch's running meters")
+    save_interval: int = _f(1, "save checkpoint{epoch} every N epochs")
+    save_interval_updates: int = _f(0, "also save checkpoint_{epoch}_{updates} (and validate) every N updates")
+    keep_interval_updates: int = _f(-1, "keep only the last N checkpoint_{epoch}_{updates} (-1: all)")
+    keep_last_epochs: int = _f(-1, "keep only the last N checkpoint{epoch} (-1: all)")
+    keep_best_checkpoints: int = _f(-1, "also keep the best N as checkpoint.best_{metric}_{value} (-1: none)")
     no_save: bool = _f(False, "write nothing to --save-dir")
+    no_epoch_checkpoints: bool = _f(False, "do not save checkpoint{epoch} at the end of epochs")
+    no_last_checkpoints: bool = _f(False, "do not save checkpoint_last")
+    no_save_optimizer_state: bool = _f(False, "leave the optimizer state out of checkpoints")
+    best_checkpoint_metric: str = _f("loss", "validation metric that picks checkpoint_best (loss or ppl)",
+                                     choices=("loss", "ppl"))
+    maximize_best_checkpoint_metric: bool = _f(False, "a higher --best-checkpoint-metric is better")
+    save_async: bool = _f(False, "write checkpoints in the background while training goes on",
+                          alias="--write-checkpoints-asynchronously")
 
 
 @dataclass

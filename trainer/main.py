@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from models.transformer_lm import build_model, num_parameters
 from trainer import distributed
+from trainer.checkpoint import Checkpointer
 from trainer.loop import TrainLoop
 from trainer.meters import flops_per_token
 from trainer.parallelize import parallelize, sharded_bytes, uses_fsdp
@@ -75,5 +76,8 @@ def train(cfg, env):
     task, trainer, fpt = build(cfg, env)
     log.info(f"training on {env.world_size} rank(s), device {env.device}, backend "
              f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank")
-    TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt).run()
+    checkpointer = Checkpointer(cfg, env, trainer, task)
+    loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer)
+    checkpointer.restore(loop)
+    loop.run()
     return 0

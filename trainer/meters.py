@@ -28,6 +28,15 @@ class TrainMeters:
         self.clipped += clipped
         self.train_wall += seconds
 
+    FIELDS = ("loss_sum", "ntokens", "nsentences", "updates", "gnorm_sum", "clipped", "train_wall")
+
+    def state_dict(self):
+        return {k: getattr(self, k) for k in self.FIELDS}
+
+    def load_state_dict(self, state):
+        for k in self.FIELDS:
+            setattr(self, k, float(state[k]))
+
     def record(self, num_updates, lr, clip_norm, loss_scale=None, flops_per_token=0.0):
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         n = max(self.updates, 1)

@@ -77,4 +77,5 @@ class LMTask:
             max_tokens = d.max_tokens_valid or max_tokens
         return EpochBatchIterator(self.dataset(split), batch_size=batch_size, max_tokens=max_tokens,
                                   seed=self.cfg.common.seed, num_shards=self.env.world_size,
-                                  shard_id=self.env.rank, shuffle=training, pad=self.pad)
+                                  shard_id=self.env.rank, shuffle=training, pad=self.pad,
+                                  every_batch=not training)

@@ -25,6 +25,8 @@ class Trainer:
         self.optimizer = build_optimizer(model, cfg)
         self.schedule = LRSchedule(cfg)
         self.num_updates = 0
+        # --reset-lr-scheduler on resume: the schedule counts updates from this one.
+        self.lr_updates_offset = 0
         self.lr = self.schedule.apply(self.optimizer, 0)
         dtype = mixed_precision_dtype(cfg)
         # FSDP2 casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does.
@@ -88,7 +90,7 @@ class Trainer:
                     "exploding. Try lowering the learning rate, using gradient clipping or increasing the batch size.")
             log.info(f"NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: {scale}")
             return None
-        self.lr = self.schedule.apply(self.optimizer, self.num_updates)
+        self.lr = self.schedule.apply(self.optimizer, self.num_updates - self.lr_updates_offset)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -116,4 +118,5 @@ class Trainer:
     @torch.no_grad()
     def valid_step(self, batch):
         self.model.eval()
-        return self.loss_sum(batch).item(), batch["ntokens"], batch["nsentences"]
+        loss = self.loss_sum(batch).item()  # a dummy batch runs too: sharded forwards are collective
+        return (0.0 if batch.get("dummy") else loss), batch["ntokens"], batch["nsentences"]

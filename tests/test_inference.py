@@ -1,0 +1,141 @@
+"""What a trained checkpoint is for: eval-lm gives training's valid perplexity, export
+gives one file whose logits equal the sharded model's, generate samples reproducibly."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import TINY, compose, run_train
+
+TRAIN = [a for a in TINY if a != "--no-save"] + ["--tokens-per-sample", "64", "--batch-size", "8",
+                                                 "--share-decoder-input-output-embed", "--decoder-learned-pos",
+                                                 "--max-update", "20", "--log-format", "json"]
+
+
+def _run(cmd, *args, check=True, stdin=None):
+    r = subprocess.run([str(Path(sys.executable).with_name(cmd))] + [str(a) for a in args], capture_output=True,
+                       text=True, input=stdin, timeout=600)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A model trained on 2 FSDP ranks on the embedded corpus, with its last valid record."""
+    save = tmp_path_factory.mktemp("run") / "ckpt"
+    records, _ = run_train(TRAIN + ["--save-dir", str(save), "--ddp-backend", "fully_sharded",
+                                    "--distributed-world-size", "2"])
+    return save / "checkpoint_last", records["valid"][-1]
+
+
+def _loss(out):
+    line = next(x for x in out.splitlines() if x.startswith("Loss (base 2):"))
+    return float(line.split(":")[1].split(",")[0]), float(line.rsplit(":", 1)[1])
+
+
+def _tokens(out):
+    return int(next(x for x in out.splitlines() if x.startswith("Evaluated")).split()[1].replace(",", ""))
+
+
+def test_eval_lm_equals_training_valid_loss(trained):
+    ckpt, valid = trained
+    r = _run("eval-lm", "--path", ckpt, "--gen-subset", "valid", "--batch-size", "8")
+    loss, ppl = _loss(r.stdout)
+    assert loss == pytest.approx(valid["valid_loss"], abs=6e-4)
+    assert ppl == pytest.approx(2 ** loss, rel=1e-3)
+    # Two ranks, and a context window: the same tokens are scored, each with more history.
+    r2 = _run("eval-lm", "--path", ckpt, "--gen-subset", "valid", "--batch-size", "8", "--distributed-world-size", "2")
+    assert _loss(r2.stdout)[0] == pytest.approx(loss, abs=1e-4) and _tokens(r2.stdout) == _tokens(r.stdout)
+    r3 = _run("eval-lm", "--path", ckpt, "--gen-subset", "valid", "--context-window", "32")
+    assert _tokens(r3.stdout) == _tokens(r.stdout)
+    assert _loss(r3.stdout)[0] != loss
+
+
+def _sharded_logits(index, argv, port, out):
+    import torch
+    from trainer import distributed
+    from trainer.checkpoint import Checkpointer
+    from trainer.loop import TrainLoop
+    from trainer.main import build
+    from trainer.progress import Progress
+
+    cfg = compose(argv)
+    rdv = distributed.Rendezvous(f"tcp://127.0.0.1:{port}", 2, rank=index, local_rank=index, local_world_size=2)
+    env = distributed.init_rank(cfg, rdv, needs_process_group=True)
+    try:
+        task, trainer, _ = build(cfg, env)
+        loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env)
+        Checkpointer(cfg, env, trainer, task).restore(loop)
+        trainer.model.eval()
+        with torch.no_grad():
+            logits = trainer.model(torch.arange(3, 40).view(1, -1))
+        if index == 0:
+            torch.save(logits, out)
+    finally:
+        distributed.teardown()
+
+
+def test_export_logits_equal_the_sharded_model(trained, tmp_path):
+    import torch
+    import torch.multiprocessing as mp
+    from trainer.distributed import free_port
+    from trainer.inference import load_model
+
+    ckpt, _ = trained
+    argv = TRAIN + ["--save-dir", str(ckpt.parent), "--ddp-backend", "fully_sharded"]
+    mp.spawn(_sharded_logits, args=(argv, free_port(), str(tmp_path / "logits.pt")), nprocs=2, join=True)
+    sharded = torch.load(tmp_path / "logits.pt")
+    _run("export-model", "--path", ckpt, "--out", tmp_path / "export")
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == [
+        "config.yaml", "metadata.json", "model.safetensors", "tokenizer.model"]
+    # A fresh process, no torch.distributed: our safetensors reader and the model alone.
+    code = ("import torch, sys; from trainer.inference import load_model; m, _, _ = load_model(sys.argv[1]); "
+            "torch.save(m(torch.arange(3, 40).view(1, -1)).detach(), sys.argv[2])")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "export"), str(tmp_path / "single.pt")], check=True)
+    assert torch.allclose(torch.load(tmp_path / "single.pt"), sharded, atol=1e-5, rtol=1e-5)
+    # Refuses to overwrite an export
+    r = _run("export-model", "--path", ckpt, "--out", tmp_path / "export", check=False)
+    assert r.returncode != 0 and "already exists" in r.stderr and "Traceback" not in r.stderr
+    model, _, _ = load_model(tmp_path / "export")
+    assert model.vocab_size == 1024
+
+
+def test_export_hf_loads_in_transformers_with_the_same_logits(trained, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from trainer.inference import load_model
+
+    ckpt, _ = trained
+    _run("export-model", "--path", ckpt, "--out", tmp_path / "hf", "--format", "hf")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    ours, _, _ = load_model(ckpt)
+    tokens = torch.arange(3, 40).view(1, -1)
+    with torch.no_grad():
+        assert torch.allclose(hf(tokens).logits, ours(tokens), atol=1e-4)
+
+
+def test_generate_is_seeded_and_the_kv_cache_changes_nothing(trained):
+    ckpt, _ = trained
+    args = ["--path", ckpt, "--prompt", "rara", "--prompt", "lesabi", "--max-new-tokens", "24", "--top-k", "20"]
+    a = _run("generate", *args, "--seed", "5").stdout
+    assert a == _run("generate", *args, "--seed", "5").stdout
+    assert a == _run("generate", *args, "--seed", "5", "--no-kv-cache").stdout
+    assert a != _run("generate", *args, "--seed", "6").stdout
+    lines = a.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("rara") and len(lines[0]) > len("rara")
+    stdin = _run("generate", "--path", ckpt, "--max-new-tokens", "24", "--top-k", "20", "--seed", "5",
+                 stdin="rara\nlesabi\n").stdout
+    assert stdin == a
+    r = _run("generate", "--path", ckpt, "--prompt", "rara", "--max-new-tokens", "5000", check=False)
+    assert r.returncode != 0 and "--max-new-tokens" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bad_paths_get_one_line(tmp_path):
+    for cmd, args in (("eval-lm", ["--path", tmp_path]), ("generate", ["--path", tmp_path, "--prompt", "x"]),
+                      ("export-model", ["--path", tmp_path, "--out", tmp_path / "o"])):
+        r = _run(cmd, *args, check=False)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "neither a checkpoint" in r.stderr

@@ -1,0 +1,27 @@
+"""generate (fairseq-interactive): text continuations sampled from a trained model."""
+import sys
+
+from trainer.flags import UsageError
+
+
+def generate(args):
+    """Print the continuation of each prompt (--prompt, else one per line of stdin)."""
+    from models.generate import sample
+    from trainer.inference import load_model
+
+    model, _, tokenizer = load_model(args.path)
+    if tokenizer is None:
+        raise UsageError(f"{args.path} has no tokenizer (trained with --task dummy_lm?): nothing can "
+                         "turn text into its tokens")
+    prompts = args.prompt if args.prompt else [line.rstrip("\n") for line in sys.stdin]
+    for i, prompt in enumerate(prompts):
+        # The model learned every block as "</s> sentence": start the prompt the same way.
+        ids = [tokenizer.eos] + tokenizer.encode(prompt)
+        try:
+            new = sample(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, seed=args.seed + i, eos=tokenizer.eos, use_cache=not args.no_kv_cache)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        # Decoded whole: a piece's leading space belongs to the text around it.
+        print(tokenizer.decode(ids[1:] + new), flush=True)
+    return 0
