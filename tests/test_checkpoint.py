@@ -31,6 +31,9 @@ EXACT = {
     "fsdp": (2, ["--batch-size", "4", "--ddp-backend", "fully_sharded"]),
     "fsdp_update_freq": (2, ["--batch-size", "2", "--update-freq", "2", "--ddp-backend", "fully_sharded"]),
     "fsdp_fp16": (2, ["--batch-size", "4", "--ddp-backend", "fully_sharded", "--fp16", "--fp16-init-scale", "4"]),
+    # written in the background while training goes on, published when complete
+    "fsdp_save_async": (2, ["--batch-size", "4", "--ddp-backend", "fully_sharded", "--save-async",
+                            "--save-interval-updates", "3"]),
 }
 
 
@@ -144,3 +147,36 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
                                          "--ddp-backend", "fully_sharded", "--log-format", "json", "--log-interval", "1"])
     assert f"@ {before} updates" in r.stdout + r.stderr
     assert [rec["num_updates"] for rec in records["train_inner"]] == [before + 1]
+
+
+def test_finetune_from_model_takes_weights_only(tmp_path):
+    run_train(SAVE + ["--batch-size", "4", "--max-update", "10", "--save-dir", str(tmp_path / "pre")])
+    records, r = run_train(SAVE + ["--batch-size", "4", "--max-update", "3", "--save-dir", str(tmp_path / "ft"),
+                                   "--finetune-from-model", str(tmp_path / "pre" / "checkpoint_last"),
+                                   "--log-format", "json", "--log-interval", "1"])
+    assert [rec["num_updates"] for rec in records["train_inner"]] == [1, 2, 3]
+    fresh, _ = run_train(SAVE + ["--batch-size", "4", "--max-update", "1", "--log-format", "json",
+                                 "--log-interval", "1"])
+    assert records["train_inner"][0]["loss"] < fresh["train_inner"][0]["loss"] - 0.1  # it starts trained
+    _, r = run_train(SAVE + ["--batch-size", "4", "--max-update", "3", "--save-dir", str(tmp_path / "ft2"),
+                             "--finetune-from-model", str(tmp_path / "pre" / "checkpoint_last"),
+                             "--reset-optimizer"], check=False)
+    assert r.returncode != 0 and "--finetune-from-model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_loading_never_runs_pickled_code(tmp_path):
+    """A .metadata that would call a function when unpickled is refused before it runs."""
+    import pickle
+
+    save = tmp_path / "ckpt"
+    run_train(SAVE + ["--batch-size", "4", "--max-update", "2", "--save-dir", str(save)])
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (save / "checkpoint_last" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    _, r = run_train(SAVE + ["--batch-size", "4", "--max-update", "4", "--save-dir", str(save)], check=False)
+    assert r.returncode != 0 and not marker.exists()
+    assert "not allowed" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

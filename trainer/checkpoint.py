@@ -71,6 +71,16 @@ def check_shapes(path, model_state):
                          "model lacks; pass the model flags it was trained with, or another --save-dir")
 
 
+def check_optimizer_state(path, optim_state):
+    """Refuse optimizer state the checkpoint does not have (another --optimizer) in one line."""
+    saved = set(files.read_metadata(path).state_dict_metadata)
+    for fqn, entries in optim_state.items():
+        for key in entries:
+            if f"optim.{fqn}.{key}" not in saved:
+                raise UsageError(f"checkpoint {path} has no optimizer state {key!r} for {fqn} (saved with another "
+                                 "--optimizer?); pass --reset-optimizer to start the optimizer afresh")
+
+
 def load_tensors(path, state):
     """Fill `state`'s tensors in place from checkpoint `path` (any world size, any backend)."""
     import torch.distributed.checkpoint as dcp
@@ -120,9 +130,9 @@ class Checkpointer:
         self.cfg, self.c, self.env, self.trainer, self.task = cfg, cfg.checkpoint, env, trainer, task
         self.save_dir = Path(self.c.save_dir)
         self.best = None  # best value of --best-checkpoint-metric so far
-        self.pending = None  # an asynchronous save in flight: (future, tmp, names)
+        self.pending = None  # an asynchronous save in flight: (future, tmp, names, num_updates)
         self.group = None
-        if self.c.save_async and env.world_size > 1 and not self.c.no_save:
+        if self.c.save_async and dist.is_initialized() and not self.c.no_save:
             # The background write runs its own collectives: a separate group keeps them
             # from interleaving with training's.
             self.group = dist.new_group(backend="gloo")
@@ -169,12 +179,12 @@ class Checkpointer:
         writer = dcp.FileSystemWriter(os.fspath(tmp))
         if self.c.save_async:
             future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
-            self.pending = (future, tmp, names)
+            self.pending = (future, tmp, names, self.trainer.num_updates)
             return
         dcp.save(state, storage_writer=writer)
         # DCP's coordinator (rank 0) writes .metadata only after every rank has written
         # its shards, so rank 0 may publish as soon as save returns.
-        self.publish(tmp, names)
+        self.publish(tmp, names, self.trainer.num_updates)
 
     def write_small_files(self, tmp, epoch, end_of_epoch, loop, with_optim):
         itr, d = loop.itr, self.cfg.dataset
@@ -195,13 +205,13 @@ class Checkpointer:
             if data_dir is not None and (Path(data_dir) / name).is_file():
                 shutil.copyfile(Path(data_dir) / name, tmp / name)
 
-    def publish(self, tmp, names):
+    def publish(self, tmp, names, num_updates):
         if self.env.is_master:
             files.publish(tmp, self.save_dir / names[0])
             for name in names[1:]:
                 files.link_copy(self.save_dir / names[0], self.save_dir / name)
             removed = files.prune(self.save_dir, self.c)
-            log.info(f"Saved checkpoint {self.save_dir / names[0]} ({self.trainer.num_updates} updates"
+            log.info(f"Saved checkpoint {self.save_dir / names[0]} ({num_updates} updates"
                      + (f", also as {', '.join(names[1:])}" if names[1:] else "")
                      + (f"; removed {', '.join(removed)}" if removed else "") + ")")
 
@@ -213,10 +223,10 @@ class Checkpointer:
     def finish_pending(self):
         if self.pending is None:
             return
-        future, tmp, names = self.pending
+        future, tmp, names, num_updates = self.pending
         self.pending = None
         future.result()  # rank 0's completes after every rank has written (DCP's finish step)
-        self.publish(tmp, names)
+        self.publish(tmp, names, num_updates)
 
     def barrier(self):
         if self.env.world_size > 1:
@@ -254,6 +264,8 @@ class Checkpointer:
         with_optim = not (finetune or c.reset_optimizer) and saved.get("has_optimizer")
         state = tensor_state(trainer.model, trainer.optimizer, with_optim)
         check_shapes(path, state["model"])
+        if with_optim:
+            check_optimizer_state(path, state["optim"])
         load_tensors(path, state)
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 

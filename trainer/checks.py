@@ -45,6 +45,14 @@ def check_config(cfg):
         raise UsageError(f"--shard-group-size must be positive, got {d.shard_group_size}")
     if d.shard_group_size is not None and d.ddp_backend != "hybrid_shard":
         raise UsageError("--shard-group-size needs --ddp-backend hybrid_shard")
+    ck = cfg.checkpoint
+    resets = [f for f, on in (("--reset-optimizer", ck.reset_optimizer), ("--reset-lr-scheduler", ck.reset_lr_scheduler),
+                              ("--reset-dataloader", ck.reset_dataloader), ("--reset-meters", ck.reset_meters)) if on]
+    if ck.finetune_from_model and resets:
+        raise UsageError(f"--finetune-from-model already resets the optimizer, lr schedule, data and meters; "
+                         f"drop {resets[0]}")
+    _non_negative(cfg, "checkpoint.save_interval_updates")
+    _positive(cfg, "checkpoint.save_interval")
     if cfg.dataset.batch_size is None and cfg.dataset.max_tokens is None:
         raise UsageError("set --batch-size or --max-tokens (sequences or tokens per batch per rank)")
     if cfg.lr_scheduler._name == "polynomial_decay" and not (cfg.lr_scheduler.total_num_update or o.max_update):
