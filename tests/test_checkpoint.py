@@ -66,12 +66,26 @@ def one_process_12(tmp_path_factory):
                          tmp_path_factory.mktemp("ref"))
 
 
+@pytest.fixture(scope="module")
+def saved_on_fsdp2(tmp_path_factory):
+    """10 updates on 2 FSDP ranks of 6 sequences each, saved once for every resharding case."""
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    first = train_updates(SAVE + ["--batch-size", "6", "--ddp-backend", "fully_sharded", "--max-update", "10",
+                                  "--save-dir", str(tmp / "ckpt")], 2, tmp)
+    return first, tmp / "ckpt"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RESHARD))
-def test_resume_on_other_ranks_and_backends(name, one_process_12, tmp_path):
+def test_resume_on_other_ranks_and_backends(name, one_process_12, saved_on_fsdp2, tmp_path):
+    import shutil
+
     world, extra = RESHARD[name]
-    saved_on = SAVE + ["--batch-size", "6", "--ddp-backend", "fully_sharded"]
-    split = _split_run(saved_on, 2, tmp_path / "ckpt", tmp_path, resume_argv=SAVE + extra, resume_world=world)
+    first, saved = saved_on_fsdp2
+    shutil.copytree(saved, tmp_path / "ckpt")
+    second = train_updates(SAVE + extra + ["--max-update", "20", "--save-dir", str(tmp_path / "ckpt")], world, tmp_path)
+    assert sorted(second) == list(range(11, 21)), "an update ran twice"
+    split = {**first, **second}
     for n in range(1, 21):
         assert split[n][0] == pytest.approx(one_process_12[n][0], rel=1e-5), f"update {n}"
 
