@@ -194,3 +194,14 @@ def test_loading_never_runs_pickled_code(tmp_path):
     _, r = run_train(SAVE + ["--batch-size", "4", "--max-update", "4", "--save-dir", str(save)], check=False)
     assert r.returncode != 0 and not marker.exists()
     assert "not allowed" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_damaged_shard_is_reported_in_one_line(tmp_path):
+    save = tmp_path / "ckpt"
+    run_train(SAVE + ["--batch-size", "4", "--max-update", "2", "--save-dir", str(save)])
+    shard = next((save / "checkpoint_last").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    _, r = run_train(SAVE + ["--batch-size", "4", "--max-update", "4", "--save-dir", str(save)], check=False)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        line for line in r.stderr.strip().splitlines() if "could not be read" in line], r.stderr

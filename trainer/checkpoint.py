@@ -15,6 +15,7 @@ import math
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,8 @@ from trainer.flags import UsageError
 
 log = logging.getLogger("shardlm")
 FORMAT_VERSION = 1
+# One process without a process group is a normal way to save and load here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class NoBytesLoadPlanner:
@@ -84,8 +87,17 @@ def check_optimizer_state(path, optim_state):
 def load_tensors(path, state):
     """Fill `state`'s tensors in place from checkpoint `path` (any world size, any backend)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-    dcp.load(state, storage_reader=files.safe_reader(path), planner=NoBytesLoadPlanner())
+    try:
+        dcp.load(state, storage_reader=files.safe_reader(path), planner=NoBytesLoadPlanner())
+    except UsageError:
+        raise
+    except (Exception, CheckpointException) as e:  # a truncated or damaged shard: DCP's error is pages long
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        why = (lines[-1] if lines else type(e).__name__).split(". ")[0][:200]
+        raise UsageError(f"checkpoint {path} could not be read ({why}); pass another --restore-file "
+                         "(an older checkpoint_N_M) or move this one away") from None
 
 
 def rng_state():
