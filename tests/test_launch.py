@@ -52,6 +52,14 @@ def test_rendezvous_from_environment(tmp_path, monkeypatch):
     assert rdv.init_method == "tcp://gpu-a17:3333"
     with pytest.raises(UsageError, match="disagrees with SLURM_NTASKS=8"):
         infer_rendezvous(compose(DUMMY + ["--batch-size", "2", "--distributed-world-size", "3"]), environ=slurm)
+    # fairseq's other mode: one task per node spawns that node's share of the ranks
+    per_node = dict(SLURM_PROCID="1", SLURM_NODEID="1", SLURM_NTASKS="2", SLURM_NNODES="2", SLURM_JOB_ID="7",
+                    SLURM_JOB_NODELIST="gpu-a[17-18]")
+    rdv = infer_rendezvous(compose(DUMMY + ["--batch-size", "2", "--distributed-world-size", "8"]), environ=per_node)
+    assert (rdv.rank, rdv.world_size, rdv.spawn, rdv.local_world_size) == (4, 8, 4, 4)
+    assert rdv.init_method == f"tcp://gpu-a17:{10000 + 7}"
+    with pytest.raises(UsageError, match="not a multiple of the job's 2 nodes"):
+        infer_rendezvous(compose(DUMMY + ["--batch-size", "2", "--distributed-world-size", "5"]), environ=per_node)
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(UsageError, match="scontrol"):
         infer_rendezvous(compose(DUMMY + ["--batch-size", "2"]), environ=slurm)

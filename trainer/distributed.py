@@ -67,17 +67,27 @@ def infer_rendezvous(cfg, environ=None):
 
 
 def slurm_rendezvous(d, env):
-    """One task per rank: rank from SLURM_PROCID, master = first host of the job's node list."""
-    ntasks = int(env["SLURM_NTASKS"])
-    if d.distributed_world_size not in (1, ntasks):
-        raise UsageError(f"--distributed-world-size {d.distributed_world_size} disagrees with SLURM_NTASKS="
-                         f"{ntasks}; launch one task per rank or drop the flag")
+    """Master = first host of the job's node list. One task per rank: rank from
+    SLURM_PROCID. Or fairseq's other mode: one task per node, with --distributed-world-size
+    covering every node, and each task spawns its node's ranks."""
+    ntasks, nnodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))
+    world = d.distributed_world_size
+    per_node_spawn = world > ntasks and ntasks == nnodes
+    if per_node_spawn and world % nnodes:
+        raise UsageError(f"--distributed-world-size {world} is not a multiple of the job's {nnodes} nodes")
+    if not per_node_spawn and world not in (1, ntasks):
+        raise UsageError(f"--distributed-world-size {world} disagrees with SLURM_NTASKS={ntasks}; launch one "
+                         "task per rank, or one task per node with the total number of ranks, or drop the flag")
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
     if not nodelist:
         raise UsageError("SLURM_PROCID is set but SLURM_JOB_NODELIST is not; run under srun or sbatch")
     port = d.distributed_port if d.distributed_port > 0 else 10000 + int(env.get("SLURM_JOB_ID", "0")) % 50000
-    nnodes = int(env.get("SLURM_NNODES", "1"))
-    return Rendezvous(f"tcp://{first_host(nodelist)}:{port}", ntasks, rank=int(env["SLURM_PROCID"]),
+    init_method = f"tcp://{first_host(nodelist)}:{port}"
+    if per_node_spawn:
+        per_node = world // nnodes
+        node = int(env.get("SLURM_NODEID", env["SLURM_PROCID"]))
+        return Rendezvous(init_method, world, rank=node * per_node, local_world_size=per_node, spawn=per_node)
+    return Rendezvous(init_method, ntasks, rank=int(env["SLURM_PROCID"]),
                       local_rank=int(env.get("SLURM_LOCALID", "0")),
                       local_world_size=_tasks_per_node(env, ntasks, nnodes))
 

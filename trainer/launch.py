@@ -19,8 +19,13 @@ def launch(cfg, target=None, prog="train"):
     rdv = infer_rendezvous(cfg)
     if rdv.spawn > 1:
         import torch.multiprocessing as mp
+
+        from trainer.preemption import forward_signals
         try:
-            mp.spawn(_spawned_rank, args=(cfg, rdv, target, prog), nprocs=rdv.spawn, join=True)
+            ranks = mp.start_processes(_spawned_rank, args=(cfg, rdv, target, prog), nprocs=rdv.spawn, join=False)
+            forward_signals(ranks.processes)
+            while not ranks.join():
+                pass
         except mp.ProcessExitedException:
             return 1  # the rank printed its own one-line error
         except mp.ProcessRaisedException as e:

@@ -22,10 +22,10 @@ def grouped(iterable, n):
 
 
 class TrainLoop:
-    def __init__(self, cfg, trainer, task, progress, env, flops_per_token=0.0, checkpointer=None):
+    def __init__(self, cfg, trainer, task, progress, env, flops_per_token=0.0, checkpointer=None, preemption=None):
         self.cfg, self.trainer, self.task, self.progress, self.env = cfg, trainer, task, progress, env
         self.flops_per_token = flops_per_token
-        self.checkpointer = checkpointer
+        self.checkpointer, self.preemption = checkpointer, preemption
         self.start = time.perf_counter()
         self.best_valid_loss = math.inf
         self.valid_subsets = [s for s in cfg.dataset.valid_subset.split(",") if s]
@@ -66,6 +66,9 @@ class TrainLoop:
                 stop = self.reached_max_update()
                 if self.checkpointer is not None:
                     self.checkpointer.poll()
+                if self.preemption is not None and not stop and self.preemption.agreed():
+                    self.stop_for_preemption(epoch)
+                    return self.best_valid_loss
                 if stop or self.itr.end_of_epoch():
                     break
                 self.validate_and_save(epoch, end_of_epoch=False, stop=False)
@@ -81,6 +84,18 @@ class TrainLoop:
                      f"token above the embedded corpus's floor {floor:.3f}")
         log.info(f"done training in {time.perf_counter() - self.start:.1f} seconds")
         return self.best_valid_loss
+
+    def stop_for_preemption(self, epoch):
+        """Every rank has finished this update: save checkpoint_last, requeue under SLURM, stop."""
+        why = self.preemption.received or "a signal on another rank"
+        n = self.trainer.num_updates
+        log.info(f"received {why}: stopping after update {n}, saving checkpoint_last")
+        if self.checkpointer is not None:
+            self.checkpointer.save(epoch, self.itr.end_of_epoch(), None, self)
+            self.checkpointer.finish_pending()
+        if not self.preemption.requeue() and self.env.is_master:
+            log.info(f"stopped at update {n}; run the same command again to resume from checkpoint_last")
+        self.progress.close()
 
     def validate_and_save(self, epoch, end_of_epoch, stop):
         """fairseq's validate_and_save: validate and/or save after an update or an epoch."""

@@ -13,6 +13,7 @@ from trainer import distributed
 from trainer.checkpoint import Checkpointer
 from trainer.loop import TrainLoop
 from trainer.meters import flops_per_token
+from trainer.preemption import Preemption
 from trainer.parallelize import parallelize, sharded_bytes, uses_fsdp
 from trainer.progress import Progress, setup_logging
 from trainer.task import LMTask
@@ -77,7 +78,7 @@ def train(cfg, env):
     log.info(f"training on {env.world_size} rank(s), device {env.device}, backend "
              f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank")
     checkpointer = Checkpointer(cfg, env, trainer, task)
-    loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer)
+    loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer, Preemption(env))
     checkpointer.restore(loop)
     loop.run()
     return 0

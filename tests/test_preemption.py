@@ -1,0 +1,46 @@
+"""SIGUSR1 / SIGTERM outside SLURM: every rank finishes its update, checkpoint_last is
+saved, the job exits cleanly, and the same command resumes the same curve."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import DUMMY, parse_records, run_train
+
+ARGV = [a for a in DUMMY if a != "--no-save"] + ["--batch-size", "4", "--max-update", "40", "--log-format", "json",
+                                                 "--log-interval", "1"]
+
+
+def _signal_after(argv, sig, after_update, cwd):
+    """Start `train`, send `sig` once update `after_update` is logged; returns (rc, stdout, stderr)."""
+    cmd = [str(Path(sys.executable).with_name("train"))] + argv
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if '"num_updates": %d,' % after_update in line and "train_inner" in line:
+            proc.send_signal(sig)
+            break
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, "".join(lines) + out, err
+
+
+@pytest.mark.parametrize("sig,extra", [(signal.SIGUSR1, ["--ddp-backend", "fully_sharded", "--distributed-world-size", "2"]),
+                                       (signal.SIGTERM, [])], ids=["usr1_fsdp_2_ranks", "term_1_rank"])
+def test_signal_saves_stops_and_the_same_command_resumes(sig, extra, tmp_path):
+    argv = ARGV + extra + ["--save-dir", str(tmp_path / "ckpt")]
+    whole, _ = run_train(ARGV + extra + ["--no-save"])
+    rc, out, err = _signal_after(argv, sig, 5, tmp_path)
+    assert rc == 0, err
+    first = parse_records(out)["train_inner"]
+    stopped = json.loads((tmp_path / "ckpt" / "checkpoint_last" / "trainer_state.json").read_text())["num_updates"]
+    assert 5 <= stopped < 40 and first[-1]["num_updates"] == stopped
+    assert f"received {signal.Signals(sig).name}: stopping after update {stopped}" in out + err
+    rest, _ = run_train(argv)
+    updates = [r["num_updates"] for r in first + rest["train_inner"]]
+    assert updates == list(range(1, 41)), "an update was lost or counted twice"
+    assert [r["loss"] for r in first + rest["train_inner"]] == [r["loss"] for r in whole["train_inner"]]
