@@ -99,3 +99,24 @@ def test_awkward_node_lists_expand_with_scontrol(cluster, tmp_path):
     marker = tmp_path / "ran"
     first_host(f"node$(touch {marker});touch {marker}")  # one argument to scontrol, never a shell string
     assert not marker.exists()
+
+
+def test_the_example_sbatch_runs_on_two_nodes(cluster, tmp_path):
+    """examples/slurm/train.sbatch adapted to CPU nodes (no GPU line, debug partition, a tiny model)."""
+    from data.embedded_corpus import prepare_embedded_corpus
+
+    example = (Path(__file__).parents[1] / "examples" / "slurm" / "train.sbatch").read_text()
+    script = tmp_path / "train.sbatch"
+    script.write_text("".join(line for line in example.splitlines(keepends=True) if "--gpus-per-task" not in line)
+                      .replace("srun --kill-on-bad-exit=1 train", f"srun --kill-on-bad-exit=1 {TRAIN}"))
+    out, save = tmp_path / "out.txt", tmp_path / "ckpt"
+    env = f"--export=ALL,DATA={prepare_embedded_corpus()},SAVE={save}"
+    tiny = ["--arch", "transformer_lm_gpt2_tiny", "--decoder-attention-heads", "2", "--tokens-per-sample", "64",
+            "--max-update", "4", "--warmup-updates", "2", "--save-interval-updates", "2", "--log-interval", "1"]
+    r = subprocess.run(["slurm-node", "n1", "sbatch", "--parsable", "--wait", "--partition=debug", "--ntasks-per-node=1",
+                        "--cpus-per-task=1", env, f"--output={out}", str(script)] + tiny,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stderr, out.read_text()[-3000:] if out.exists() else "")
+    text = out.read_text()
+    assert "training on 2 rank(s)" in text and [n for n, _ in logged_losses(text)] == [1, 2, 3, 4]
+    assert (save / "checkpoint_last").is_dir() and (save / "checkpoint_1_2").is_dir()
