@@ -18,15 +18,36 @@ def train_main(argv=None):
     from trainer.flags import build_parser, parse_flags
 
     argv = sys.argv[1:] if argv is None else argv
+    multirun = "-m" in argv or "--multirun" in argv
+    argv = [a for a in argv if a not in ("-m", "--multirun")]
     try:
         parser = build_parser("train")
         ns, settings, overrides = parse_flags(parser, argv)
-        cfg = compose_config(settings, overrides, ns.config_dir, ns.config_name)
-        check_config(cfg)
+        if multirun:
+            if ns.config_dir or ns.config_name:
+                raise UsageError("train -m takes flags and key=value overrides; --config-dir/--config-name "
+                                 "are not supported with -m yet")
+            # Check the first job of the sweep here, so a typo costs seconds, not a queue wait.
+            first = [_first_of_sweep(o) for o in overrides if not o.startswith(("hydra.", "hydra/"))]
+            check_config(compose_config(settings, first, None, None))
+        else:
+            cfg = compose_config(settings, overrides, ns.config_dir, ns.config_name)
+            check_config(cfg)
     except UsageError as e:
         return _fail("train", e, 2)
+    if multirun:
+        from trainer.sweep import multirun as run_sweep
+        return run_sweep(settings, overrides)
     from trainer.launch import launch
     return launch(cfg)
+
+
+def _first_of_sweep(override):
+    """`optimization.lr=0.001,0.003` → `optimization.lr=0.001` (an unquoted, unbracketed sweep)."""
+    key, sep, value = override.partition("=")
+    if sep and "," in value and value[:1] not in "'\"[(" and "(" not in value:
+        value = value.split(",")[0]
+    return key + sep + value
 
 
 def preprocess_main(argv=None):

@@ -120,3 +120,22 @@ def test_the_example_sbatch_runs_on_two_nodes(cluster, tmp_path):
     text = out.read_text()
     assert "training on 2 rank(s)" in text and [n for n, _ in logged_losses(text)] == [1, 2, 3, 4]
     assert (save / "checkpoint_last").is_dir() and (save / "checkpoint_1_2").is_dir()
+
+
+def test_submitit_launcher_runs_a_two_job_sweep(cluster, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    argv = ARGS + ["--ddp-backend", "fully_sharded", "--batch-size", "4", "--max-update", "3",
+                   "optimization.lr=0.001,0.003", "hydra/launcher=slurm", "hydra.launcher.nodes=2",
+                   f"hydra.sweep.dir={sweep}"]
+    r = subprocess.run(["slurm-node", "n1", TRAIN, "-m"] + argv, capture_output=True, text=True, cwd=tmp_path,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lrs = set()
+    for job in ("0", "1"):
+        state = json.loads((sweep / job / "checkpoints" / "checkpoint_last" / "trainer_state.json").read_text())
+        assert state["num_updates"] == 3
+        lrs.add(state["lr"])
+    assert lrs == {0.001, 0.003}
+    logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_0_log.out"))
+    assert logs.count("training on 2 rank(s)") == 2  # each job: one rank on each of the 2 nodes

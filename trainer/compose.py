@@ -43,9 +43,11 @@ def base_config() -> DictConfig:
     from hydra.core.global_hydra import GlobalHydra
 
     register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    if GlobalHydra.instance().is_initialized():  # a job of `train -m`: Hydra already searches conf/
         cfg = compose(config_name="config")
+    else:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config")
     OmegaConf.set_struct(cfg, True)
     return cfg
 
