@@ -32,7 +32,7 @@ demo: install
 		--max-new-tokens 24 --top-k 10 --seed 1
 
 test: install
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs --durations=15 tests
 
 bench: install
 	$(PY) bench/bench_loop.py

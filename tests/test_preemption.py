@@ -44,3 +44,9 @@ def test_signal_saves_stops_and_the_same_command_resumes(sig, extra, tmp_path):
     updates = [r["num_updates"] for r in first + rest["train_inner"]]
     assert updates == list(range(1, 41)), "an update was lost or counted twice"
     assert [r["loss"] for r in first + rest["train_inner"]] == [r["loss"] for r in whole["train_inner"]]
+
+
+def test_signal_with_no_save_stops_without_writing(tmp_path):
+    rc, out, err = _signal_after(ARGV + ["--no-save", "--save-dir", str(tmp_path / "ckpt")], signal.SIGTERM, 3, tmp_path)
+    assert rc == 0, err
+    assert "--no-save: nothing saved at update" in out + err and not (tmp_path / "ckpt").exists()

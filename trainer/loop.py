@@ -90,9 +90,13 @@ class TrainLoop:
         why = self.preemption.received or "a signal on another rank"
         n = self.trainer.num_updates
         log.info(f"received {why}: stopping after update {n}, saving checkpoint_last")
-        if self.checkpointer is not None:
-            self.checkpointer.save(epoch, self.itr.end_of_epoch(), None, self)
-            self.checkpointer.finish_pending()
+        if self.cfg.checkpoint.no_save or self.checkpointer is None:
+            # Requeued, the job would start again from update 0.
+            log.warning(f"--no-save: nothing saved at update {n}, and the job is not requeued")
+            self.progress.close()
+            return
+        self.checkpointer.save(epoch, self.itr.end_of_epoch(), None, self)
+        self.checkpointer.finish_pending()
         if not self.preemption.requeue() and self.env.is_master:
             log.info(f"stopped at update {n}; run the same command again to resume from checkpoint_last")
         self.progress.close()
