@@ -66,6 +66,18 @@ def test_multi_node_job_matches_a_local_run(cluster, per_node, extra, local, tmp
     assert logged_losses(text) == [(r["num_updates"], r["loss"]) for r in expected["train_inner"]]
 
 
+def test_one_task_per_node_spawns_the_node_ranks(cluster, tmp_path):
+    """fairseq's other mode: srun starts one task per node, each spawns 2 local ranks."""
+    argv = ARGS + ["--ddp-backend", "hybrid_shard", "--batch-size", "2", "--max-update", "5", "--no-save"]
+    out = tmp_path / "out.txt"
+    sbatch(tmp_path, srun_train(argv + ["--distributed-world-size", "4"], 1), "--nodes=2", "--ntasks-per-node=1",
+           "--cpus-per-task=2", f"--output={out}")
+    text = out.read_text()
+    assert "training on 4 rank(s)" in text
+    expected, _ = run_train(argv + ["--distributed-world-size", "4", "--shard-group-size", "2"])
+    assert logged_losses(text) == [(r["num_updates"], r["loss"]) for r in expected["train_inner"]]
+
+
 def test_preempted_job_saves_requeues_and_resumes(cluster, tmp_path):
     save = tmp_path / "ckpt"
     argv = ARGS + ["--ddp-backend", "fully_sharded", "--batch-size", "4", "--max-update", "60",
