@@ -128,6 +128,7 @@ def test_bad_input_is_one_line(argv, message):
     (["--fp16", "--bf16"], "--fp16 and --bf16 are exclusive"),
     (["--cpu-offload"], "--cpu-offload needs --ddp-backend fully_sharded"),
     (["--update-freq", "0"], "optimization.update_freq must be positive"),
+    (["--peak-tflops", "0"], "common.peak_tflops must be positive"),
     (["--decoder-attention-heads", "5"], "does not divide --decoder-embed-dim 512"),
     (["--shard-group-size", "2"], "--shard-group-size needs --ddp-backend hybrid_shard"),
     (["--distributed-port", "70000"], "is not a port"),

@@ -56,12 +56,26 @@ def test_json_log_fields_and_tensorboard(tmp_path):
         assert key in rec, key
     assert rec["ppl"] == pytest.approx(2 ** rec["loss"], rel=1e-2)
     assert rec["wpb"] == 4 * 32 and rec["bsz"] == 4 and rec["mem_gb"] > 0.05
+    assert "mfu" not in rec  # no --peak-tflops, no peak to divide by
     assert "train_loss" in records["train"][0]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tb / "train_inner"))
     acc.Reload()
     assert {"loss", "ppl", "gnorm", "lr", "wps"} <= set(acc.Tags()["scalars"])
     assert [e.step for e in acc.Scalars("loss")] == [2, 4]
+
+
+def test_peak_tflops_adds_mfu_over_all_ranks():
+    # tflops counts the whole job's tokens, so the peak it is divided by is per rank x ranks.
+    peak = 0.001
+    records, _ = run_train(DUMMY + ["--batch-size", "4", "--max-update", "2", "--log-format", "json",
+                                    "--log-interval", "1", "--peak-tflops", str(peak),
+                                    "--distributed-world-size", "2"])
+    for rec in records["train_inner"]:
+        assert rec["tflops"] > 0
+        # tflops is rounded to 4 decimals, mfu is computed before that rounding
+        assert rec["mfu"] == pytest.approx(rec["tflops"] / (peak * 2), abs=0.5e-4 / (peak * 2) + 1e-4)
+    assert "train_mfu" in records["train"][0]
 
 
 def test_simple_format_and_log_file(tmp_path):

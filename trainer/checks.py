@@ -19,7 +19,7 @@ def check_config(cfg):
               "common.log_interval", "distributed_training.distributed_world_size", "task.dict_size",
               "task.dataset_size", "dataset.validate_interval")
     _positive(cfg, "dataset.batch_size", "dataset.max_tokens", "dataset.batch_size_valid",
-              "dataset.max_tokens_valid", "model.max_target_positions", optional=True)
+              "dataset.max_tokens_valid", "model.max_target_positions", "common.peak_tflops", optional=True)
     _non_negative(cfg, "optimization.lr", "optimization.max_update", "optimization.max_epoch",
                   "optimization.clip_norm", "optimizer.weight_decay", "dataset.validate_interval_updates",
                   "lr_scheduler.warmup_updates", "model.min_params_to_wrap")

@@ -114,8 +114,10 @@ class TrainLoop:
             self.checkpointer.save(epoch, end_of_epoch, metric, self)
 
     def log_train(self, tag, meters, epoch, position=None, step=None):
+        peak = self.cfg.common.peak_tflops  # per rank; tflops counts the whole job's tokens
         rec = meters.record(self.trainer.num_updates, self.trainer.lr, self.cfg.optimization.clip_norm,
-                            self.trainer.loss_scale, self.flops_per_token)
+                            self.trainer.loss_scale, self.flops_per_token,
+                            peak * self.env.world_size if peak else None)
         rec["mem_gb"] = peak_memory_gb(self.env.device)
         rec["wall"] = round(time.perf_counter() - self.start)
         self.progress.log(tag, rec, step, self.trainer.num_updates, epoch, position)

@@ -37,7 +37,8 @@ class TrainMeters:
         for k in self.FIELDS:
             setattr(self, k, float(state[k]))
 
-    def record(self, num_updates, lr, clip_norm, loss_scale=None, flops_per_token=0.0):
+    def record(self, num_updates, lr, clip_norm, loss_scale=None, flops_per_token=0.0, peak_tflops=None):
+        """`peak_tflops` is the whole job's (per-rank peak x ranks): with it, `mfu` follows `tflops`."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         n = max(self.updates, 1)
         loss = self.loss_sum / max(self.ntokens, 1) / LN2
@@ -51,7 +52,10 @@ class TrainMeters:
             rec["loss_scale"] = round(loss_scale, 4)
         rec["train_wall"] = round(self.train_wall, 3)
         if flops_per_token:
-            rec["tflops"] = round(flops_per_token * self.ntokens / elapsed / 1e12, 4)
+            tflops = flops_per_token * self.ntokens / elapsed / 1e12
+            rec["tflops"] = round(tflops, 4)
+            if peak_tflops:
+                rec["mfu"] = round(tflops / peak_tflops, 4)
         return rec
 
 
