@@ -24,6 +24,9 @@ def train_main(argv=None):
         parser = build_parser("train")
         ns, settings, overrides = parse_flags(parser, argv)
         if multirun:
+            if any(k == "distributed_training.auto_tune" for k, _ in settings) or any(
+                    o.startswith("distributed_training.auto_tune") for o in overrides):
+                raise UsageError("--auto-tune plans one run; run `plan` for the sweep's settings instead of -m")
             if ns.config_dir or ns.config_name:
                 raise UsageError("train -m takes flags and key=value overrides; --config-dir/--config-name "
                                  "are not supported with -m yet")
@@ -33,6 +36,9 @@ def train_main(argv=None):
         else:
             cfg = compose_config(settings, overrides, ns.config_dir, ns.config_name)
             check_config(cfg)
+            if cfg.distributed_training.auto_tune:
+                from trainer.auto_tune import auto_tune
+                print(auto_tune(cfg), file=sys.stderr, flush=True)
     except UsageError as e:
         return _fail("train", e, 2)
     if multirun:
@@ -159,7 +165,60 @@ def export_model_main(argv=None):
     return 0
 
 
-COMMANDS = {"train": train_main, "preprocess": preprocess_main, "eval-lm": eval_lm_main,
+def plan_main(argv=None):
+    """Predict per-rank memory for `train`'s flags and pick the fastest flags that fit."""
+    import os
+
+    from trainer.auto_tune import host_memory_gb
+    from trainer.checks import check_config
+    from trainer.compose import compose_config
+    from trainer.flags import build_parser, parse_flags
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        parser = build_parser("plan")
+        parser.description = ("Predict one rank's peak memory for these `train` flags and print the fastest "
+                              "FSDP flags that fit.")
+        g = parser.add_argument_group("plan")
+        g.add_argument("--device-memory-gb", type=_positive_float, help="memory of one GPU (plans for GPUs; "
+                       "without it, and with --cpu, plans for this host's CPU)")
+        g.add_argument("--host-memory-gb", type=_positive_float, help="memory of one host (default: this one's)")
+        g.add_argument("--ranks-per-host", type=_positive_int, help="ranks on one host (default: all of them "
+                       "on a CPU, up to 8 on GPUs)")
+        g.add_argument("--format", choices=("text", "json"), default="text", help="json: one object")
+        ns, settings, overrides = parse_flags(parser, argv)
+        cfg = compose_config(settings, overrides, ns.config_dir, ns.config_name)
+        check_config(cfg)
+        world = cfg.distributed_training.distributed_world_size
+        device = "cuda" if ns.device_memory_gb and not cfg.common.cpu else "cpu"
+        if device == "cpu" and not cfg.common.cpu and os.path.exists("/dev/nvidia0"):
+            raise UsageError("this host has a GPU: give its memory with --device-memory-gb, or --cpu to plan "
+                             "for the CPU")
+        ranks_per_host = ns.ranks_per_host or (world if device == "cpu" else min(world, 8))
+        host_gb = ns.host_memory_gb or host_memory_gb()
+        if host_gb is None:
+            raise UsageError("cannot read this host's memory: give --host-memory-gb")
+        device_gb = ns.device_memory_gb if device == "cuda" else (ns.device_memory_gb or host_gb / ranks_per_host)
+        from trainer import plan_report
+        plan = plan_report.make_plan(cfg, device, device_gb, host_gb, ranks_per_host)
+    except UsageError as e:
+        return _fail("plan", e, 2)
+    print(plan_report.as_json(plan) if ns.format == "json" else plan_report.as_text(cfg, plan))
+    return 0
+
+
+def _positive_float(text):
+    import argparse
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+COMMANDS = {"train": train_main, "plan": plan_main, "preprocess": preprocess_main, "eval-lm": eval_lm_main,
             "generate": generate_main, "export-model": export_model_main}
 
 
@@ -183,3 +242,4 @@ shardlm = _entry(shardlm_main)
 eval_lm = _entry(eval_lm_main)
 generate = _entry(generate_main)
 export_model = _entry(export_model_main)
+plan = _entry(plan_main)

@@ -41,6 +41,9 @@ def check_config(cfg):
                              f"(got {d.ddp_backend})")
     if d.distributed_port != -1 and not 0 < d.distributed_port < 65536:
         raise UsageError(f"--distributed-port {d.distributed_port} is not a port; use 1-65535 or -1 for any free port")
+    _positive(cfg, "distributed_training.memory_budget_gb", optional=True)
+    if d.memory_budget_gb is not None and not d.auto_tune:
+        raise UsageError("--memory-budget-gb is the budget of --auto-tune; add --auto-tune (or run `plan`)")
     if d.shard_group_size is not None and d.shard_group_size < 1:
         raise UsageError(f"--shard-group-size must be positive, got {d.shard_group_size}")
     if d.shard_group_size is not None and d.ddp_backend != "hybrid_shard":

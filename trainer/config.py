@@ -39,6 +39,8 @@ class CommonConfig:
     fp16_scale_window: Optional[int] = _f(None, "updates without overflow before the loss scale doubles "
                                           "(default: 2**14 / world size / update freq)")
     min_loss_scale: float = _f(1e-4, "stop training when the fp16 loss scale falls below this")
+    peak_tflops: Optional[float] = _f(None, "the device's peak TFLOP/s per rank in the training dtype: "
+                                      "log records add mfu = tflops / (peak x ranks)")
 
 
 @dataclass
@@ -60,6 +62,10 @@ class DistributedTrainingConfig:
     no_reshard_after_forward: bool = _f(False, "FSDP: keep parameters gathered from forward to "
                                         "backward (ZeRO-2-like: faster, more memory)")
     fp32_reduce_scatter: bool = _f(False, "FSDP: reduce-scatter gradients in fp32 under --fp16/--bf16")
+    auto_tune: bool = _f(False, "let the memory planner (`plan`) pick the backend, resharding, activation "
+                         "checkpointing, offload and --update-freq that fit --memory-budget-gb; prints the choice")
+    memory_budget_gb: Optional[float] = _f(None, "--auto-tune: memory per rank to plan for (default: the "
+                                           "device's memory; on a CPU the host's, shared by its ranks)")
 
 
 @dataclass

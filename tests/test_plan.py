@@ -1,0 +1,220 @@
+"""The memory planner: each component's arithmetic, the published cases (fairseq's README,
+the FSDP paper), the `plan` command, `train --auto-tune`, and one prediction against a
+measured run. bench/bench_plan.py compares predictions with measurements on 8 more."""
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import cli
+from trainer.auto_tune import model_shape
+from trainer.compose import compose_config
+from trainer.memory_plan import GB, ModelShape, Setup, comm_bytes, layer_activation_bytes, predict, simulate
+
+BIN = Path(sys.executable).parent
+SHAPE = ModelShape(layers=4, dim=256, ffn=1024, heads=4, vocab=5000, learned_positions=128, tied=True,
+                   norms_outside_layers=1, activation_fn="gelu", dropout=0.0, attention_dropout=0.0,
+                   activation_dropout=0.0)
+SETUP = Setup(device="cpu", world=4, ranks_per_host=4, backend="fully_sharded", shard=4, reshard_after_forward=True,
+              checkpoint_activations=False, offload_activations=False, cpu_offload=False, defer_grad_sync=False,
+              update_freq=1, sequences=4, seq_len=128, precision="fp32", fp32_reduce_scatter=False,
+              optimizer_states=2)
+
+
+def at_peak(shape, setup, component):
+    """Bytes of `component` alive at the predicted peak (unrounded)."""
+    return simulate(shape, setup)[0].at_peak.get(component, 0)
+
+
+def plan_json(capsys, *argv):
+    assert cli.plan_main(list(argv) + ["--format", "json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def cfg_of(*flags):
+    from trainer.flags import build_parser, parse_flags
+    _, settings, overrides = parse_flags(build_parser(), list(flags))
+    return compose_config(settings, overrides)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--arch", "transformer_lm_gpt2_tiny"],
+    ["--decoder-learned-pos", "--share-decoder-input-output-embed", "--activation-fn", "gelu"],
+    ["--no-token-positional-embeddings", "--layernorm-embedding", "--no-decoder-final-norm"],
+    ["--decoder-layers", "3", "--decoder-embed-dim", "96", "--decoder-ffn-embed-dim", "200",
+     "--decoder-attention-heads", "3", "--max-target-positions", "300", "--decoder-learned-pos"],
+])
+def test_parameter_count_is_the_models(flags):
+    from models.transformer_lm import build_model, num_parameters
+    cfg = cfg_of("--task", "dummy_lm", "--dict-size", "777", "--tokens-per-sample", "64", *flags)
+    model = build_model(cfg.model, 777, cfg.model.max_target_positions or 64, device="meta")
+    assert model_shape(cfg, 777).params == num_parameters(model)
+
+
+def test_states_are_sharded_and_offloaded():
+    P = SHAPE.params
+    p = predict(SHAPE, SETUP)
+    assert p.components["parameters"] == round(4 * P / 4 / GB, 3)
+    assert p.components["optimizer_state"] == round(8 * P / 4 / GB, 3)
+    sgd = predict(SHAPE, replace(SETUP, optimizer_states=0))
+    assert sgd.components["optimizer_state"] == 0 and sgd.per_rank_gb < p.per_rank_gb
+    # --cpu-offload on a GPU: parameters, gradients and optimizer state move to the host
+    gpu = replace(SETUP, device="cuda", cpu_offload=True, ranks_per_host=2)
+    q = predict(SHAPE, gpu)
+    assert q.components["parameters"] == q.components["optimizer_state"] == q.components["gradients"] == 0
+    host = 2 * (16 * P / 4 / GB + 3.0)  # two ranks' states + their processes' own memory
+    assert q.host_gb == pytest.approx(host, abs=0.002)
+    # on a CPU the device is the host: nothing moves
+    assert predict(SHAPE, replace(SETUP, cpu_offload=True)).per_rank_gb == p.per_rank_gb
+
+
+def test_ddp_keeps_gradients_twice():
+    big = replace(SHAPE, layers=24)  # gradients outweigh the activations: the peak ends backward
+    ddp = replace(SETUP, backend="pytorch_ddp", shard=1, world=2, sequences=1, seq_len=16)
+    p = predict(big, ddp)
+    assert p.components["gradients"] == pytest.approx(round(8 * big.params / GB, 3), abs=0.002)  # grads + buckets
+    assert predict(big, replace(ddp, world=1)).components["gradients"] == pytest.approx(
+        round(4 * big.params / GB, 3), abs=0.002)
+
+
+def test_activation_arithmetic():
+    n, d, f, h = 4 * 128, 256, 1024, 4
+    assert layer_activation_bytes(SHAPE, SETUP) == n * (4 * (9 * d + 2 * f) + 16 + 4 * h)
+    relu = replace(SHAPE, activation_fn="relu")  # relu's output is both its and fc2's saved tensor
+    assert layer_activation_bytes(SHAPE, SETUP) - layer_activation_bytes(relu, SETUP) == n * f * 4
+    bf16 = replace(SETUP, precision="bf16")
+    assert layer_activation_bytes(SHAPE, bf16) == n * (2 * (9 * d + 2 * f) + 16 + 4 * h)
+    full = at_peak(SHAPE, SETUP, "activations")
+    ckpt = at_peak(SHAPE, replace(SETUP, checkpoint_activations=True), "activations")
+    # checkpointing keeps each layer's input, plus one layer recomputed at a time
+    assert ckpt <= SHAPE.layers * n * d * 4 + layer_activation_bytes(SHAPE, SETUP) + 2 * n * f * 4
+    assert ckpt < full / 2
+
+
+def test_gathered_layers_and_prefetch():
+    c = SETUP.compute_bytes
+    reshard = at_peak(SHAPE, SETUP, "gathered_parameters")
+    keep = at_peak(SHAPE, replace(SETUP, reshard_after_forward=False), "gathered_parameters")
+    # resharding: the root and one layer; no resharding: the root and every layer by the end of forward
+    assert reshard == pytest.approx((SHAPE.root_params + SHAPE.layer_params) * c, rel=1e-3)
+    assert keep == pytest.approx((SHAPE.root_params + SHAPE.layers * SHAPE.layer_params) * c, rel=1e-3)
+    gpu = simulate(SHAPE, replace(SETUP, device="cuda"))[0].most["gathered_parameters"]
+    assert gpu == pytest.approx((SHAPE.root_params + 2 * SHAPE.layer_params) * c, rel=1e-3)  # + the prefetched one
+
+
+def test_communication_bytes():
+    P, Pl, L, c = SHAPE.params, SHAPE.layer_params, SHAPE.layers, 4
+    comm = comm_bytes(SHAPE, SETUP)
+    assert comm["all_gather"] == pytest.approx((P + (L - 1) * Pl) * c * 3 / 4)  # backward re-gathers all but the last
+    assert comm["reduce_scatter"] == pytest.approx(P * c * 3 / 4)
+    assert comm_bytes(SHAPE, replace(SETUP, reshard_after_forward=False))["all_gather"] == pytest.approx(P * c * 3 / 4)
+    uf = replace(SETUP, update_freq=4)
+    assert comm_bytes(SHAPE, uf)["reduce_scatter"] == pytest.approx(4 * P * c * 3 / 4)
+    assert comm_bytes(SHAPE, replace(uf, defer_grad_sync=True))["reduce_scatter"] == pytest.approx(P * c * 3 / 4)
+    ddp = comm_bytes(SHAPE, replace(SETUP, backend="pytorch_ddp", shard=1))
+    assert ddp == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": pytest.approx(2 * P * 4 * 3 / 4)}
+    hybrid = comm_bytes(SHAPE, replace(SETUP, backend="hybrid_shard", shard=2))
+    assert hybrid["all_reduce"] == pytest.approx(2 * (P / 2) * 4 * 1 / 2)
+    assert sum(comm_bytes(SHAPE, replace(SETUP, world=1, shard=1)).values()) == 0
+
+
+GPT3_13 = ["--task", "dummy_lm", "--dict-size", "50272", "--arch", "transformer_lm_gpt3_13",
+           "--tokens-per-sample", "2048", "--fp16", "--ddp-backend", "fully_sharded"]
+
+
+def test_fairseq_readme_13b_on_8_v100s_fits_at_batch_1_with_checkpointing(capsys):
+    """fairseq's FSDP README: transformer_lm_gpt3_13 on 8 x 32 GB V100 without offload fits at batch 1."""
+    argv = GPT3_13 + ["--distributed-world-size", "8", "--device-memory-gb", "32", "--host-memory-gb", "512",
+                      "--batch-size", "1"]
+    ckpt = plan_json(capsys, *argv, "--checkpoint-activations")
+    assert ckpt["fits"] and 24 < ckpt["per_rank_gb"] < 32  # fits, with little to spare
+    # 16 bytes per parameter (fp32 shard, gradient, Adam's two moments) over 8 ranks: 24 GiB of 32
+    assert ckpt["components"]["parameters"] + ckpt["components"]["optimizer_state"] == pytest.approx(
+        12 * 12_853_463_040 / 8 / GB, abs=0.01)
+    plain = plan_json(capsys, *argv)
+    assert not plain["fits"] and plain["recommended"] == "--checkpoint-activations"
+    assert not plan_json(capsys, *argv[:-1], "4", "--checkpoint-activations", "--distributed-world-size", "4")["fits"]
+
+
+def test_fairseq_readme_13b_on_one_v100_needs_cpu_offload_and_256gb_host(capsys):
+    argv = GPT3_13 + ["--checkpoint-activations", "--batch-size", "8", "--device-memory-gb", "32"]
+    one = plan_json(capsys, *argv, "--host-memory-gb", "256")
+    assert not one["fits"] and one["recommended"] == "--cpu-offload"
+    offload = plan_json(capsys, *argv, "--host-memory-gb", "256", "--cpu-offload")
+    assert offload["fits"] and 180 < offload["host_gb"] <= 256  # "about 256 GB of system RAM"
+    assert plan_json(capsys, *argv, "--host-memory-gb", "128")["recommended"] is None  # nothing fits
+
+
+def test_fsdp_paper_175b_on_128_a100s_full_shard_checkpointing_bf16(capsys):
+    """FSDP paper (Zhao et al., 2023): GPT-175B on 128 x 80 GB A100, full sharding, checkpointing, bf16."""
+    argv = ["--task", "dummy_lm", "--dict-size", "50272", "--arch", "transformer_lm_gpt3_175",
+            "--tokens-per-sample", "2048", "--batch-size", "1", "--bf16", "--device-memory-gb", "80",
+            "--host-memory-gb", "1024"]
+    fsdp = plan_json(capsys, *argv, "--ddp-backend", "fully_sharded", "--distributed-world-size", "128")
+    assert not fsdp["fits"] and fsdp["recommended"] == "--checkpoint-activations"
+    assert fsdp["candidates"][0]["flags"] == "--no-reshard-after-forward" and not fsdp["candidates"][0]["fits"]
+    ddp = plan_json(capsys, *argv, "--distributed-world-size", "128")
+    assert ddp["per_rank_gb"] > 2000 and ddp["recommended"] == "--ddp-backend fully_sharded --checkpoint-activations"
+    eight = plan_json(capsys, *argv, "--ddp-backend", "fully_sharded", "--distributed-world-size", "8")
+    assert eight["recommended"] is None  # 2.8 TB of states: not on one host of 1 TB
+
+
+def test_plan_json_and_text(capsys):
+    argv = ["--task", "dummy_lm", "--dict-size", "1000", "--arch", "transformer_lm_gpt2_tiny", "--batch-size", "4",
+            "--tokens-per-sample", "64", "--cpu", "--distributed-world-size", "2", "--ddp-backend", "fully_sharded"]
+    p = plan_json(capsys, *argv)
+    assert {"fits", "per_rank_gb", "host_gb", "components", "comm_gb_per_update", "recommended"} <= set(p)
+    assert sum(p["components"].values()) == pytest.approx(p["per_rank_gb"], abs=0.01)
+    assert p["host_gb"] == pytest.approx(2 * p["per_rank_gb"], abs=0.002)  # a CPU host holds its two ranks
+    assert cli.plan_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "gathered layers" in text and "recommended:" in text and "all-gather" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device-memory-gb", "-1"], "must be positive"),
+    (["--format", "yaml"], "invalid choice"),
+    (["--decoder-layrs", "2"], "did you mean --decoder-layers"),
+    (["/no/such/data", "--batch-size", "2"], "does not exist"),
+])
+def test_plan_bad_input_is_one_line(argv, message):
+    r = subprocess.run([str(BIN / "plan"), "--cpu"] + argv, capture_output=True, text=True)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in r.stderr
+
+
+def test_train_auto_tune_picks_what_fits_and_trains_with_it(tmp_path, capsys):
+    """A budget between the checkpointed and the plain FSDP plans: auto-tune turns on checkpointing."""
+    model = ["--task", "dummy_lm", "--dict-size", "2000", "--tokens-per-sample", "128", "--batch-size", "8",
+             "--decoder-layers", "4", "--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "512",
+             "--decoder-attention-heads", "4", "--dropout", "0", "--distributed-world-size", "2",
+             "--ddp-backend", "fully_sharded", "--cpu"]
+    p = plan_json(capsys, *model)
+    plain, ckpt = (c["per_rank_gb"] for c in p["candidates"][1:3])
+    budget = round((plain + ckpt) / 2, 3)
+    r = subprocess.run([str(BIN / "train")] + model + ["--auto-tune", "--memory-budget-gb", str(budget),
+                       "--max-update", "3", "--log-format", "json", "--log-interval", "1",
+                       "--save-dir", str(tmp_path / "ck")], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"auto-tune: --checkpoint-activations (predicted {ckpt:.2f} GB per rank" in r.stderr
+    saved = (tmp_path / "ck" / "config.yaml").read_text()
+    assert "checkpoint_activations: true" in saved and "ddp_backend: fully_sharded" in saved
+    assert '"num_updates": 3' in r.stdout + r.stderr
+
+
+def test_prediction_matches_a_measured_run(tmp_path, capsys):
+    """Predicted vs measured peak resident memory per rank (the bench does 8 more configurations)."""
+    model = ["--task", "dummy_lm", "--dict-size", "8192", "--tokens-per-sample", "256", "--batch-size", "8",
+             "--decoder-layers", "6", "--decoder-embed-dim", "512", "--decoder-ffn-embed-dim", "2048",
+             "--decoder-attention-heads", "8", "--decoder-learned-pos", "--share-decoder-input-output-embed",
+             "--activation-fn", "gelu", "--dropout", "0"]
+    predicted = plan_json(capsys, *model, "--cpu")["per_rank_gb"]
+    r = subprocess.run([str(BIN / "train")] + model + ["--max-update", "3", "--no-save", "--disable-validation",
+                       "--log-format", "json", "--log-interval", "1"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    measured = max(json.loads(line[line.index("{"):])["mem_gb"] for line in r.stdout.splitlines()
+                   if "| train_inner |" in line)
+    assert predicted == pytest.approx(measured, rel=0.10)

@@ -1,0 +1,317 @@
+"""Predict one rank's peak memory for a training config, without building anything.
+
+The prediction walks one update the way the trainer runs it — forward layer by layer,
+the loss, backward in reverse, the optimizer step — and keeps a ledger of every tensor
+that is alive: sharded parameters, gradients and optimizer state; the layers FSDP has
+gathered (with prefetch); the activations autograd saves (all of them, only each
+layer's input under --checkpoint-activations, on the host under --offload-activations);
+the logits and the loss's gradient; autocast's weight copies. The peak of that ledger
+plus the runtime's own memory is the prediction; the ledger at the peak is the
+breakdown. Torch-free: `plan` answers in a fraction of a second.
+
+The saved-activation counts follow models/transformer_lm.py: a pre-LN layer saves its
+input x, the attention input, q/k/v, the attention output and its contiguous copy, the
+residual x1, the FFN input, fc1's output and (gelu) the activation's output — relu's
+output is the tensor both relu and fc2 keep. SDPA's fused kernels save only a row
+log-sum-exp; with attention dropout the math path keeps the T×T probabilities.
+"""
+from dataclasses import dataclass, field
+
+from trainer.config import SHARDED_BACKENDS
+
+GB = 2 ** 30
+# Memory a rank uses before any tensor of ours: on a CPU, the resident interpreter,
+# torch's libraries and gloo (measured: a 2-layer width-64 model peaks at this); on a
+# GPU, the CUDA context, NCCL's buffers and the caching allocator's slack.
+RUNTIME_GB = {"cpu": 0.40, "cuda": 1.0}
+# The process's own resident memory on the host of a GPU rank (libraries, CUDA host state).
+HOST_RUNTIME_GB = 3.0
+
+COMPONENTS = ("runtime", "parameters", "gradients", "optimizer_state", "gathered_parameters",
+              "unsharded_gradients", "activations", "logits_and_loss", "mixed_precision_copies")
+
+
+@dataclass
+class ModelShape:
+    layers: int
+    dim: int
+    ffn: int
+    heads: int
+    vocab: int
+    learned_positions: int  # rows of the learned position table (0: sinusoidal or none)
+    tied: bool
+    norms_outside_layers: int  # final norm and/or embedding norm
+    activation_fn: str
+    dropout: float
+    attention_dropout: float
+    activation_dropout: float
+
+    @property
+    def layer_params(self):
+        d, f = self.dim, self.ffn
+        return (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
+
+    @property
+    def root_params(self):
+        """Parameters outside the decoder layers: FSDP's root unit."""
+        d = self.dim
+        return self.vocab * d * (1 if self.tied else 2) + self.learned_positions * d + 2 * d * self.norms_outside_layers
+
+    @property
+    def params(self):
+        return self.layers * self.layer_params + self.root_params
+
+    @property
+    def weight_matrices(self):
+        """Parameters that go through a matmul (autocast keeps a low-precision copy of each)."""
+        d, f = self.dim, self.ffn
+        return self.layers * (4 * d * d + 2 * d * f) + self.vocab * d
+
+
+@dataclass
+class Setup:
+    """What the trainer will do, from the config: precision, sharding, batch."""
+    device: str  # "cpu" or "cuda"
+    world: int
+    ranks_per_host: int
+    backend: str
+    shard: int  # ranks one copy of the model is sharded over (1: not sharded)
+    reshard_after_forward: bool
+    checkpoint_activations: bool
+    offload_activations: bool
+    cpu_offload: bool
+    defer_grad_sync: bool
+    update_freq: int
+    sequences: int  # per micro-batch per rank
+    seq_len: int
+    precision: str  # "fp32", "bf16" or "fp16"
+    fp32_reduce_scatter: bool
+    optimizer_states: int  # fp32 tensors the optimizer keeps per parameter
+
+    @property
+    def sharded(self):
+        return self.backend in SHARDED_BACKENDS
+
+    @property
+    def tokens(self):
+        return self.sequences * self.seq_len
+
+    @property
+    def compute_bytes(self):
+        return 4 if self.precision == "fp32" else 2
+
+
+@dataclass
+class Ledger:
+    """Bytes alive by component, and the largest total seen with its breakdown."""
+    live: dict = field(default_factory=dict)
+    peak: float = 0.0
+    at_peak: dict = field(default_factory=dict)
+    most: dict = field(default_factory=dict)  # each component's own largest value
+
+    def add(self, component, nbytes):
+        self.live[component] = self.live.get(component, 0) + nbytes
+        self.most[component] = max(self.most.get(component, 0), self.live[component])
+        self._check()
+
+    def sub(self, component, nbytes):
+        self.live[component] = self.live.get(component, 0) - nbytes
+
+    def transient(self, component, nbytes):
+        """Alive for a moment (a temporary inside one op), then gone."""
+        self.add(component, nbytes)
+        self.sub(component, nbytes)
+
+    def _check(self):
+        total = sum(self.live.values())
+        if total > self.peak:
+            self.peak, self.at_peak = total, dict(self.live)
+
+
+def layer_activation_bytes(m: ModelShape, s: Setup):
+    """Bytes one decoder layer's forward saves for backward, for s.tokens tokens."""
+    n, d, f, c = s.tokens, m.dim, m.ffn, s.compute_bytes
+    ffn_saved = f if m.activation_fn == "relu" else 2 * f
+    if s.precision != "fp32" and not s.sharded:
+        # autocast: the residual stream and the norms stay fp32; matmul inputs are saved
+        # as their low-precision casts, matmul outputs are low precision.
+        per_token = 4 * d * 2 + c * (d + 3 * d + d + d + d) + c * ffn_saved
+    else:  # one dtype throughout (fp32, or FSDP's param_dtype)
+        per_token = c * (9 * d + ffn_saved)
+    per_token += 2 * 2 * 4  # the two norms' mean and rstd, fp32
+    masks = (m.dropout > 0) * 2 * d + (m.activation_dropout > 0) * f  # bool masks
+    if m.attention_dropout > 0:  # math attention: probabilities, dropout mask, dropped probabilities
+        masks += m.heads * s.seq_len * (2 * c + 1)
+    else:
+        per_token += m.heads * 4  # the fused kernel's log-sum-exp
+    return n * (per_token + masks)
+
+
+def simulate(m: ModelShape, s: Setup):
+    """Walk one update (the second: the optimizer state exists) and return the Ledger of
+    device memory, plus the bytes kept on the host (--cpu-offload, --offload-activations
+    on a GPU; on a CPU the device is the host and nothing moves)."""
+    L = Ledger()
+    P, S, c, n = m.params, s.shard, s.compute_bytes, s.tokens
+    autocast = s.precision != "fp32" and not s.sharded  # DDP's mixed precision
+    offload = s.cpu_offload and s.device == "cuda"
+    offload_acts = s.offload_activations and s.device == "cuda"
+    host = 0.0
+    for name, nbytes in (("parameters", 4 * P / S), ("optimizer_state", 4 * s.optimizer_states * P / S)):
+        if offload:
+            host += nbytes
+        else:
+            L.add(name, nbytes)
+    if offload:
+        host += 4 * P / S  # the sharded gradients
+    if not s.sharded and s.world > 1 and s.backend in ("pytorch_ddp", "c10d"):
+        L.add("gradients", 4 * P)  # DDP's buckets: a flat copy of every gradient
+    unit = m.layer_params * c if s.sharded else 0  # one layer gathered, in param dtype
+    prefetch = s.sharded and s.device == "cuda"  # FSDP2 gathers the next layer on its own stream
+    present = set()
+
+    def gather(i):
+        if 0 <= i < m.layers and i not in present:
+            present.add(i)
+            L.add("gathered_parameters", unit)
+
+    def release(i):
+        if i in present:
+            present.discard(i)
+            L.sub("gathered_parameters", unit)
+
+    act = layer_activation_bytes(m, s)
+    layer_input = n * m.dim * (4 if autocast else c)
+    resid = 4 if autocast else c
+    act_grads = 2 * n * max(m.ffn, 3 * m.dim) * c  # gradients of one layer's activations in flight
+    low_copies = c * (4 * m.dim ** 2 + 2 * m.dim * m.ffn)  # autocast's copies of one layer's weights
+    reduce_bytes = 4 if s.fp32_reduce_scatter else c
+    rs_buffer, root_rs = m.layer_params * reduce_bytes, m.root_params * reduce_bytes
+    in_flight = 0
+    lsm = n * m.vocab * 4  # the fp32 log-softmax, and each gradient of that size
+    logits = n * m.vocab * c
+    for micro in range(s.update_freq):
+        grads_now = micro == 0  # later micro-batches add into the same gradients
+        # ---- forward
+        if autocast:
+            L.add("mixed_precision_copies", c * m.weight_matrices)  # autocast's weight cache
+        if s.sharded:
+            L.add("gathered_parameters", m.root_params * c)  # the root stays gathered all update
+        for i in range(m.layers):
+            gather(i)
+            if prefetch:
+                gather(i + 1)
+            if s.checkpoint_activations:
+                L.transient("activations", n * c * 2 * (m.ffn + m.dim))  # computed, not saved
+                if offload_acts:
+                    host += layer_input
+                else:
+                    L.add("activations", layer_input)
+            else:
+                L.add("activations", act)
+            if s.reshard_after_forward and i + 1 < m.layers:  # the last layer's backward is next
+                release(i)
+        L.add("activations", n * m.dim * (resid + c))  # the final norm's input and output
+        # the loss: logits (+ their fp32 copy), log-softmax's saved output
+        L.add("logits_and_loss", lsm + (logits if c != 4 else 0))
+        L.add("logits_and_loss", lsm)
+        L.sub("logits_and_loss", lsm + (logits if c != 4 else 0))
+        # ---- backward: nll → log-softmax (its output, the gradient in and out) → logits
+        L.add("logits_and_loss", 2 * lsm)
+        L.sub("logits_and_loss", 3 * lsm)
+        L.transient("logits_and_loss", lsm + (logits if c != 4 else 0))
+        if s.sharded:
+            L.add("unsharded_gradients", m.root_params * c)  # the root's, reduced at the end
+        elif grads_now:
+            L.add("gradients", 4 * m.root_params)
+        L.sub("activations", n * m.dim * (resid + c))
+        for i in reversed(range(m.layers)):
+            gather(i)
+            if prefetch:
+                gather(i - 1)
+            if s.checkpoint_activations:  # recomputed; the input was kept (or comes back)
+                L.add("activations", act - (0 if offload_acts else layer_input))
+            if s.sharded:
+                L.add("unsharded_gradients", unit)
+            elif grads_now:
+                L.add("gradients", 4 * m.layer_params)
+            L.transient("activations", act_grads)
+            L.sub("activations", act)
+            if autocast:
+                L.sub("mixed_precision_copies", low_copies)
+            if s.sharded:
+                # reduce-scatter: the gradients are copied into a flat input buffer in the
+                # reduce dtype, which stays alive while the collective runs, behind the next
+                # layer's backward (FSDP2's own stream on a GPU, gloo's thread here).
+                L.add("unsharded_gradients", rs_buffer)
+                L.sub("unsharded_gradients", unit + in_flight)
+                in_flight = rs_buffer
+                if grads_now and not offload:
+                    L.add("gradients", 4 * m.layer_params / S)
+                release(i)
+        if autocast:
+            L.sub("mixed_precision_copies", c * m.vocab * m.dim)
+        if s.sharded:
+            L.sub("gathered_parameters", m.root_params * c)
+            L.add("unsharded_gradients", root_rs)
+            L.sub("unsharded_gradients", m.root_params * c + in_flight + root_rs)
+            in_flight = 0
+            if grads_now and not offload:
+                L.add("gradients", 4 * m.root_params / S)
+    # The optimizer step is fused and in place; then the gradients are freed.
+    return L, host
+
+
+def host_bytes_per_rank(s: Setup, offloaded):
+    return offloaded + (HOST_RUNTIME_GB * GB if s.device == "cuda" else 0)
+
+
+def comm_bytes(m: ModelShape, s: Setup):
+    """Bytes each rank receives per update, by collective (the size of what is gathered or
+    reduced, times the share of it that comes from other ranks)."""
+    P, c = m.params, s.compute_bytes
+    out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
+    if s.world == 1:
+        return out
+    if s.sharded:
+        S = s.shard
+        share = (S - 1) / S
+        regathered = m.layer_params * (m.layers - 1) if s.reshard_after_forward else 0
+        out["all_gather"] = s.update_freq * (P + regathered) * c * share
+        reduces = 1 if s.defer_grad_sync else s.update_freq
+        reduce_bytes = 4 if (s.fp32_reduce_scatter or c == 4) else c
+        out["reduce_scatter"] = reduces * P * reduce_bytes * share
+        replicas = s.world // S
+        if replicas > 1:  # hybrid_shard: the shards' gradients are all-reduced across copies
+            out["all_reduce"] = reduces * 2 * (P / S) * reduce_bytes * (replicas - 1) / replicas
+    else:
+        out["all_reduce"] = 2 * P * 4 * (s.world - 1) / s.world
+    return out
+
+
+@dataclass
+class Prediction:
+    per_rank_gb: float
+    host_gb: float
+    components: dict
+    comm: dict
+
+    @property
+    def comm_gb_per_update(self):
+        return sum(self.comm.values())
+
+
+def predict(m: ModelShape, s: Setup):
+    ledger, offloaded = simulate(m, s)
+    runtime = RUNTIME_GB[s.device] * GB
+    components = {k: 0.0 for k in COMPONENTS}
+    components["runtime"] = runtime
+    for k, v in ledger.at_peak.items():
+        components[k] += v
+    per_rank = runtime + ledger.peak
+    host_rank = host_bytes_per_rank(s, offloaded)
+    if s.device == "cpu":  # the device is the host: its ranks and their offloaded state
+        host_rank += per_rank
+    components = {k: round(v / GB, 3) for k, v in components.items()}
+    comm = {k: round(v / GB, 3) for k, v in comm_bytes(m, s).items()}
+    return Prediction(round(per_rank / GB, 3), round(host_rank * s.ranks_per_host / GB, 3), components, comm)
