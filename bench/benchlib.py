@@ -1,0 +1,87 @@
+"""What the bench scripts share: running `train`, reading its json records, medians, the
+matmul peak, and the goal rows that `bench/run_all.py` gathers into one table.
+
+Each script prints its own table of medians, then its goal rows (benchmark, measured,
+goal, met?); with `--results FILE` it also appends those rows to FILE as json lines.
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent  # train, preprocess: console scripts of the same venv
+
+
+def parser(doc, reps):
+    """An argument parser with the options every bench script takes."""
+    p = argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()))
+    p.add_argument("--reps", type=int, default=reps, help="interleaved repetitions (medians are reported)")
+    p.add_argument("--results", help="append the goal rows to this file as json lines (run_all.py)")
+    return p
+
+
+def median(values):
+    return statistics.median(values)
+
+
+def json_records(stdout, tag="train_inner"):
+    """`train --log-format json` records of one tag; the object runs from the first `{` to the line end."""
+    return [json.loads(line[line.index("{"):]) for line in stdout.splitlines() if f"| {tag} |" in line]
+
+
+def run_train(argv, **kwargs):
+    """`train ARGV` in a subprocess, as users run it; returns its stdout."""
+    return subprocess.run([str(BIN / "train")] + list(argv), check=True, capture_output=True, text=True,
+                          cwd=ROOT, **kwargs).stdout
+
+
+# The same measurement as ../shared/bench/ref_loop.py's: 2 warm-up products of two
+# 2048x2048 matrices, then 5 timed ones, in a fresh process with the given thread count.
+_MATMUL = """
+import sys, time, torch
+dtype, threads = sys.argv[1], int(sys.argv[2])
+if threads: torch.set_num_threads(threads)
+dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+A, B = torch.randn(2048, 2048, dtype=dt), torch.randn(2048, 2048, dtype=dt)
+for _ in range(2): A @ B
+t = time.perf_counter()
+for _ in range(5): A @ B
+print(2 * 2048 ** 3 * 5 / (time.perf_counter() - t) / 1e12, torch.get_num_threads())
+"""
+
+
+def matmul_peak_tflops(dtype, threads=0):
+    """(TFLOP/s, threads used) of a 2048² matmul in `dtype`; threads=0: torch's default."""
+    out = subprocess.run([sys.executable, "-c", _MATMUL, dtype, str(threads)], check=True,
+                         capture_output=True, text=True).stdout.split()
+    return float(out[0]), int(out[1])
+
+
+def goal(benchmark, measured, goal_text, met):
+    """One row of the combined table; met is True, False, None (no goal) or a word."""
+    if met is True or met is False:
+        met = "yes" if met else "**no**"
+    return {"benchmark": benchmark, "measured": measured, "goal": goal_text, "met": met or "-"}
+
+
+def goal_table(rows):
+    lines = ["| benchmark | measured | goal | met? |", "|---|---|---|---|"]
+    lines += [f"| {r['benchmark']} | {r['measured']} | {r['goal']} | {r['met']} |" for r in rows]
+    return "\n".join(lines)
+
+
+def report(rows, results_file=None):
+    """Print the goal rows; append them to results_file for run_all.py."""
+    print("\n" + goal_table(rows))
+    if results_file:
+        with open(results_file, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+def note(text):
+    """Progress lines go to stderr, so stdout is the tables alone."""
+    print(text, file=sys.stderr, flush=True)
