@@ -1,0 +1,73 @@
+"""Utilization: model TFLOP/s and MFU of `train` and of the plain loop
+(../shared/bench/ref_loop.py), against a matmul peak measured in the same run.
+
+Same shape and contenders as bench_loop.py. FLOPs per token are counted the same way on
+both sides (PaLM appendix B: 6·non-embedding params + 6·V·d + 12·L·d·T). The peak is
+ref_loop's own measurement: a 2048² matmul in the training dtype, 2 warm-up and 5 timed
+products, here in a fresh process with the thread count that `train` reports using
+("N threads per rank"), taken just before each `train` run and passed to it as
+`--peak-tflops`, so its records carry `mfu`; ours is the median `mfu` of the records after
+two warm-up updates (wall time between records, everything included). ref_loop measures
+its peak after its own steps in its own process and prints its MFU; that is reported as
+printed. Each repetition runs peak, train, ref in turn; medians over repetitions.
+Goal: bf16 MFU of `train` ≥ 0.55 (the plain loop reaches about 0.47–0.54 here).
+
+Usage: python bench/bench_mfu.py [--reps 3] [--steps 10] [--dtypes fp32 bf16]
+"""
+import re
+import sys
+
+from bench_loop import REF_LOOP, SHAPE, run_ours, run_ref
+from benchlib import goal, matmul_peak_tflops, median, note, parser, report
+
+GOAL_DTYPE, GOAL_MFU = "bf16", 0.55
+
+
+def measure(dtype, steps, threads):
+    """One interleaved repetition: the peak, then train with it, then ref_loop."""
+    peak, used = matmul_peak_tflops(dtype, threads)
+    records, out = run_ours(dtype, steps, ["--peak-tflops", f"{peak:.6g}"])
+    train_threads = int(re.search(r"(\d+) threads per rank", out).group(1))
+    if train_threads != used:
+        note(f"warning: peak measured on {used} threads, train used {train_threads}")
+    ref = run_ref(dtype, steps)
+    return {"peak": peak, "threads": train_threads,
+            "ours_tflops": median(r["tflops"] for r in records), "ours_mfu": median(r["mfu"] for r in records),
+            "ref_tflops": ref["model_GFLOP/s"] / 1e3, "ref_peak": ref["peak_GFLOP/s"] / 1e3, "ref_mfu": ref["MFU"]}
+
+
+def main():
+    p = parser(__doc__, reps=3)
+    p.add_argument("--steps", type=int, default=10, help="timed updates per run (after 2 warm-up ones)")
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--threads", type=int, default=0, help="threads for the peak (default: torch's, as train)")
+    a = p.parse_args()
+    if not REF_LOOP.exists():
+        sys.exit(f"bench_mfu: no reference loop at {REF_LOOP}; set SHARDLM_REF_LOOP")
+    rows, goals = [], []
+    for dtype in a.dtypes:
+        reps = []
+        for rep in range(a.reps):
+            reps.append(measure(dtype, a.steps, a.threads))
+            m = reps[-1]
+            note(f"{dtype} rep {rep + 1}: peak {m['peak']:.3f} TFLOP/s on {m['threads']} threads; train "
+                 f"{m['ours_tflops']:.3f} TFLOP/s MFU {m['ours_mfu']:.3f}; ref {m['ref_tflops']:.3f} TFLOP/s "
+                 f"MFU {m['ref_mfu']:.3f}")
+        med = {k: median(m[k] for m in reps) for k in reps[0]}
+        rows.append((dtype, med))
+        goal_text, met = (f"≥ {GOAL_MFU:.2f}", med["ours_mfu"] >= GOAL_MFU) if dtype == GOAL_DTYPE else ("-", None)
+        goals.append(goal(f"utilization {dtype}: train MFU (ref_loop {med['ref_mfu']:.3f})",
+                          f"{med['ours_mfu']:.3f} ({med['ours_tflops']:.3f} of {med['peak']:.3f} TFLOP/s)",
+                          goal_text, met))
+    print(f"\nshape: {SHAPE}, {a.steps} timed steps, {a.reps} interleaved repetitions, medians; "
+          f"peak = 2048² matmul in the dtype\n")
+    print("| dtype | threads | peak TFLOP/s | train TFLOP/s | train MFU | ref peak TFLOP/s | ref TFLOP/s | ref MFU |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dtype, m in rows:
+        print(f"| {dtype} | {m['threads']:.0f} | {m['peak']:.3f} | {m['ours_tflops']:.3f} | {m['ours_mfu']:.3f} "
+              f"| {m['ref_peak']:.3f} | {m['ref_tflops']:.3f} | {m['ref_mfu']:.3f} |")
+    report(goals, a.results)
+
+
+if __name__ == "__main__":
+    main()
