@@ -34,9 +34,10 @@ demo: install
 test: install
 	$(PY) -m pytest -q -rs --durations=15 tests
 
+# Every benchmark script in turn (each prints its tables), then one table of goals met or
+# not. Run on a quiet machine: each compares contenders interleaved in one run, medians.
 bench: install
-	$(PY) bench/bench_loop.py
-	$(PY) bench/bench_fsdp.py
+	$(PY) bench/run_all.py
 
 clean:
 	rm -rf $(VENV) checkpoints
