@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.linear_cross_entropy import linear_cross_entropy
+
 ACTIVATION_FNS = {"relu": F.relu, "gelu": F.gelu}
 
 
@@ -180,9 +182,11 @@ class TransformerLM(nn.Module):
             x = self.layernorm_embedding(x)
         return _dropout(x, self.dropout, self.training)
 
-    def forward(self, tokens, cache=None):
+    def forward(self, tokens, cache=None, target=None):
         """tokens: B×T token ids → B×T×V logits. With a `KVCache`, tokens are the next T
-        positions after those cached: they are appended to it and attend to all of them."""
+        positions after those cached: they are appended to it and attend to all of them.
+        With `target` (B×T ids; padding_idx is ignored), the summed cross-entropy in nats
+        instead, computed without ever holding the B×T×V logits (training)."""
         if cache is None:  # training, and generation without a cache
             x = self.embed(tokens)
             for layer in self.layers:
@@ -194,9 +198,18 @@ class TransformerLM(nn.Module):
             cache.length += tokens.shape[1]
         if self.layer_norm is not None:
             x = self.layer_norm(x)
-        if self.output_projection is None:
-            return F.linear(x, self.embed_tokens.weight)
-        return self.output_projection(x)
+        weight = self.embed_tokens.weight if self.output_projection is None else self.output_projection.weight
+        if target is not None:
+            return self.loss(x, weight, target)
+        return F.linear(x, weight)
+
+    def loss(self, x, weight, target):
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # the op runs outside autocast: cast as it would
+            dtype = torch.get_autocast_dtype(device)
+            x, weight = x.to(dtype), weight.to(dtype)
+        with torch.autocast(device, enabled=False):
+            return linear_cross_entropy(x, weight, target, ignore_index=self.padding_idx)
 
 
 def build_model(cfg, vocab_size, max_positions, device=None, padding_idx=1, seed=1):

@@ -10,7 +10,6 @@ import logging
 import time
 
 import torch
-import torch.nn.functional as F
 
 from trainer.distributed import all_reduce_sum
 from trainer.optim import LRSchedule, build_optimizer
@@ -47,14 +46,11 @@ class Trainer:
         return self.scaler.get_scale() if self.scaler is not None else None
 
     def loss_sum(self, batch):
-        """Summed cross-entropy (nats) over the batch's non-pad targets."""
+        """Summed cross-entropy (nats, fp32) over the batch's non-pad targets. The model
+        computes it with its output projection, a chunk of logits at a time."""
         with self.autocast:
-            logits = self.model(batch["src_tokens"].to(self.env.device, non_blocking=True))
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        target = batch["target"].to(self.env.device, non_blocking=True)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1),
-                               ignore_index=self.pad, reduction="sum")
+            return self.model(batch["src_tokens"].to(self.env.device, non_blocking=True),
+                              target=batch["target"].to(self.env.device, non_blocking=True))
 
     def train_step(self, samples):
         """Forward/backward every micro-batch, then clip and step. Returns the update's stats,

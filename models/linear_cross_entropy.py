@@ -1,0 +1,66 @@
+"""The output projection and the cross-entropy loss as one op that never holds the logits.
+
+`F.cross_entropy(x @ W.T, y)` keeps N×V logits, an fp32 copy of them under mixed
+precision, and log-softmax's N×V fp32 output for backward; its backward adds two more
+N×V tensors. On a 50k vocabulary that is the largest single allocation of a step. Here
+the rows are taken a chunk at a time: the chunk's logits, their log-sum-exp, the loss,
+and — since d loss / d logits = softmax − one-hot is known as soon as the logits are —
+the gradients with respect to the hidden states and to W, by the same two matmuls
+backward would run. Only those gradients (N×d and V×d) are kept for backward, which
+scales them by the incoming gradient. Same FLOPs as the plain form, a chunk of logits
+alive at a time, and fp32 only inside a chunk.
+"""
+import torch
+
+CHUNK_BYTES = 32 * 2 ** 20  # fp32 logits of one chunk
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, target, ignore_index):
+        """x: N×d hidden states, weight: V×d, target: N ids → summed loss (fp32, nats)."""
+        n, vocab = x.shape[0], weight.shape[0]
+        chunk = max(1, CHUNK_BYTES // (4 * vocab))
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        needs_x, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = torch.empty_like(x) if needs_x else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if needs_w else None
+        for start in range(0, n, chunk):
+            xs, ts = x[start:start + chunk], target[start:start + chunk]
+            logits = (xs @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            keep = ts != ignore_index
+            safe = torch.where(keep, ts, torch.zeros_like(ts))
+            picked = logits.gather(1, safe[:, None]).squeeze(1)
+            loss += torch.where(keep, lse - picked, torch.zeros_like(lse)).sum()
+            if not (needs_x or needs_w):
+                continue
+            # softmax − one-hot, zero on ignored rows, computed in place over the logits
+            grad = logits.sub_(lse[:, None]).exp_()
+            grad[torch.arange(len(ts), device=x.device), safe] -= 1.0
+            grad.mul_(keep[:, None])
+            grad = grad.to(x.dtype)
+            if needs_x:
+                torch.mm(grad, weight, out=grad_x[start:start + chunk])
+            if needs_w:  # accumulated in fp32, without an fp32 temporary of W's size
+                if grad.dtype == grad_w.dtype:
+                    grad_w.addmm_(grad.t(), xs)
+                else:
+                    grad_w += grad.t() @ xs
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        # Scaled in place: nothing else reads them (the graph is not retained).
+        grad_x, grad_w = ctx.saved_tensors
+        gx = grad_x.mul_(grad_loss.to(grad_x.dtype)) if grad_x is not None else None
+        gw = grad_w.mul_(grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
+        return gx, gw, None, None
+
+
+def linear_cross_entropy(x, weight, target, ignore_index=-100):
+    """Summed cross-entropy (nats) of the logits x @ weight.T against target, over rows
+    whose target is not ignore_index. x: (..., d), target: (...)."""
+    return LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, target.reshape(-1), ignore_index)
