@@ -11,7 +11,7 @@ LABELS = {"runtime": "runtime (interpreter, libraries, communication)",
           "gathered_parameters": "gathered layers (unsharded, with prefetch)",
           "unsharded_gradients": "unsharded gradients before reduce-scatter",
           "activations": "activations saved for backward",
-          "logits_and_loss": "logits, fp32 log-softmax and its gradient",
+          "logits_and_loss": "loss: fp32 logits of a chunk, gradients it keeps",
           "mixed_precision_copies": "mixed-precision copies of weights"}
 
 
