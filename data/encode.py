@@ -60,7 +60,7 @@ def _encode_chunk(task: tuple[str, int, int, str]) -> tuple[int, int]:
     """Encode rows [start, end) of one split into a shard; returns (documents, tokens)."""
     split, start, end, shard_prefix = task
     state = _WorkerState
-    dataset, eos = state.datasets[split], state.tokenizer.eos
+    dataset = state.datasets[split]
     builder = IndexedDatasetBuilder(shard_prefix, state.dtype)
     tokens = 0
     try:
@@ -69,10 +69,9 @@ def _encode_chunk(task: tuple[str, int, int, str]) -> tuple[int, int]:
             # A missing value or a whitespace-only line is an empty sequence: just </s>,
             # which is how complete_doc finds fairseq's blank-line document boundaries.
             texts = ["" if text is None or text.isspace() else text for text in texts]
-            for ids in state.tokenizer.encode_batch(texts):
-                ids.append(eos)
-                builder.add_item(np.asarray(ids, dtype=state.dtype))
-                tokens += len(ids)
+            encoded = state.tokenizer.encode_batch(texts, add_eos=True)
+            builder.add_items(encoded)
+            tokens += sum(map(len, encoded))
     except BaseException:
         builder.discard()
         raise

@@ -13,6 +13,7 @@ the same code, and ours can be read by fairseq.
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 from pathlib import Path
@@ -95,6 +96,13 @@ class IndexedDatasetBuilder:
             raise DataError(f"add_item expects a 1-D array of token ids, got shape {tokens.shape}")
         self._file.write(tokens.astype(self.dtype, copy=False).tobytes(order="C"))
         self._sizes.append(np.array([tokens.size], dtype=np.int32))
+
+    def add_items(self, sequences) -> None:
+        """Append many sequences (lists of ids) at once: one write, one sizes array."""
+        sizes = np.fromiter(map(len, sequences), dtype=np.int32, count=len(sequences))
+        flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype=self.dtype, count=int(sizes.sum()))
+        self._file.write(flat.tobytes(order="C"))
+        self._sizes.append(sizes)
 
     def merge_file(self, other_prefix: str | os.PathLike) -> None:
         """Append every sequence of another finished dataset (a worker's shard), in order."""

@@ -100,10 +100,10 @@ class SentencePieceTokenizer:
         """Token ids of ``text``, without ``</s>`` (preprocess appends it per sequence)."""
         return self._sp.encode(text, out_type=int)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    def encode_batch(self, texts: list[str], add_eos: bool = False) -> list[list[int]]:
         # One thread: parallelism comes from preprocess --workers processes, and nested
         # thread pools would oversubscribe the cores.
-        return self._sp.encode(list(texts), out_type=int, num_threads=1)
+        return self._sp.encode(list(texts), out_type=int, num_threads=1, add_eos=add_eos)
 
     def decode(self, ids) -> str:
         return self._sp.decode([int(i) for i in ids if int(i) not in self._skip_on_decode])
