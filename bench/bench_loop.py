@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import ROOT, goal, json_records, median, note, parser, report, run_train
+from benchlib import ROOT, goal, json_records, median, note, parser, report, run_train, usable_dtypes
 
 REF_LOOP = Path(os.environ.get("SHARDLM_REF_LOOP", ROOT.parent / "shared" / "bench" / "ref_loop.py"))
 SHAPE = dict(layers=6, dim=384, heads=6, seq=256, batch=8, vocab=8192)
@@ -65,8 +65,9 @@ def main():
     a = p.parse_args()
     if not REF_LOOP.exists():
         sys.exit(f"bench_loop: no reference loop at {REF_LOOP}; set SHARDLM_REF_LOOP")
-    rows, goals = [], []
-    for dtype in a.dtypes:
+    dtypes, goals = usable_dtypes(a.dtypes, "overhead")
+    rows = []
+    for dtype in dtypes:
         ref, ours = [], []
         for rep in range(a.reps):
             ref.append(run_ref(dtype, a.steps)["tokens/s"])

@@ -18,7 +18,7 @@ import re
 import sys
 
 from bench_loop import REF_LOOP, SHAPE, run_ours, run_ref
-from benchlib import goal, matmul_peak_tflops, median, note, parser, report
+from benchlib import goal, matmul_peak_tflops, median, note, parser, report, usable_dtypes
 
 GOAL_DTYPE, GOAL_MFU = "bf16", 0.55
 
@@ -44,8 +44,9 @@ def main():
     a = p.parse_args()
     if not REF_LOOP.exists():
         sys.exit(f"bench_mfu: no reference loop at {REF_LOOP}; set SHARDLM_REF_LOOP")
-    rows, goals = [], []
-    for dtype in a.dtypes:
+    dtypes, goals = usable_dtypes(a.dtypes, "utilization")
+    rows = []
+    for dtype in dtypes:
         reps = []
         for rep in range(a.reps):
             reps.append(measure(dtype, a.steps, a.threads))

@@ -60,6 +60,41 @@ def matmul_peak_tflops(dtype, threads=0):
     return float(out[0]), int(out[1])
 
 
+_BF16_PROBE = """
+import time, torch
+def rate(dt):
+    A, B = torch.randn(256, 256, dtype=dt), torch.randn(256, 256, dtype=dt)
+    A @ B
+    t = time.perf_counter()
+    for _ in range(3): A @ B
+    return 3 / (time.perf_counter() - t)
+print(rate(torch.bfloat16) / rate(torch.float32))
+"""
+
+
+def bf16_unsupported():
+    """Why bf16 runs are skipped here, or None. CPUs without bf16 instructions (AVX512-BF16,
+    AMX) multiply bf16 matrices through a slow fallback — a bf16 step then takes minutes,
+    and its MFU measures the fallback, not the trainer. Probed with a 256² matmul."""
+    import torch
+    if torch.cuda.is_available():
+        return None
+    ratio = float(subprocess.run([sys.executable, "-c", _BF16_PROBE], check=True, capture_output=True,
+                                 text=True).stdout)
+    if ratio < 0.5:
+        return f"this CPU has no bf16 matmul kernels (bf16 ran at {ratio:.3f}x fp32's speed)"
+    return None
+
+
+def usable_dtypes(dtypes, what):
+    """`dtypes` without bf16 where it cannot run at speed, with goal rows saying so."""
+    why = bf16_unsupported() if "bf16" in dtypes else None
+    if why is None:
+        return list(dtypes), []
+    note(f"{what}: skipping bf16: {why}")
+    return [d for d in dtypes if d != "bf16"], [goal(f"{what} bf16", "not run", why, "not measured")]
+
+
 def goal(benchmark, measured, goal_text, met):
     """One row of the combined table; met is True, False, None (no goal) or a word."""
     if met is True or met is False:

@@ -6,7 +6,7 @@ with their defaults, or with `--reps N` for all, or with `--quick` (one repetiti
 steps, a 5 MB corpus, FSDP against DDP only: a check that everything runs, not numbers).
 A script that fails gets a row saying so and the others still run; the exit code is then 1.
 
-Usage: python bench/run_all.py [--quick] [--reps N] [--only startup loop mfu dataload preprocess fsdp]
+Usage: python bench/run_all.py [--quick] [--reps N] [--only startup loop mfu dataload preprocess fsdp plan]
 """
 import argparse
 import json
@@ -27,6 +27,7 @@ SCRIPTS = {
     "dataload": ("bench_dataload.py", ["--steps", "3"]),
     "preprocess": ("bench_preprocess.py", ["--mb", "5"]),
     "fsdp": ("bench_fsdp.py", ["--steps", "1", "--only", "ddp", "fsdp"]),
+    "plan": ("bench_plan.py", ["--only", "ddp 1 rank 23M", "fsdp 2 ranks 109M"]),
 }
 
 
