@@ -187,7 +187,8 @@ def test_plan_bad_input_is_one_line(argv, message):
 
 
 def test_train_auto_tune_picks_what_fits_and_trains_with_it(tmp_path, capsys):
-    """A budget between the checkpointed and the plain FSDP plans: auto-tune turns on checkpointing."""
+    """A budget below the plan as given: train --auto-tune prints the flags `plan` recommends
+    for that budget, saves a config that has them, and trains."""
     model = ["--task", "dummy_lm", "--dict-size", "2000", "--tokens-per-sample", "128", "--batch-size", "8",
              "--decoder-layers", "4", "--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "512",
              "--decoder-attention-heads", "4", "--dropout", "0", "--distributed-world-size", "2",
@@ -195,13 +196,21 @@ def test_train_auto_tune_picks_what_fits_and_trains_with_it(tmp_path, capsys):
     p = plan_json(capsys, *model)
     plain, ckpt = (c["per_rank_gb"] for c in p["candidates"][1:3])
     budget = round((plain + ckpt) / 2, 3)
+    expected = plan_json(capsys, *model, "--device-memory-gb", str(budget))
+    assert not expected["fits"] and expected["recommended"] and expected["recommended_per_rank_gb"] <= budget
     r = subprocess.run([str(BIN / "train")] + model + ["--auto-tune", "--memory-budget-gb", str(budget),
                        "--max-update", "3", "--log-format", "json", "--log-interval", "1",
                        "--save-dir", str(tmp_path / "ck")], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert f"auto-tune: --checkpoint-activations (predicted {ckpt:.2f} GB per rank" in r.stderr
+    assert (f"auto-tune: {expected['recommended']} (predicted {expected['recommended_per_rank_gb']:.2f} GB per rank "
+            f"of a {budget:.2f} GB budget") in r.stderr
     saved = (tmp_path / "ck" / "config.yaml").read_text()
-    assert "checkpoint_activations: true" in saved and "ddp_backend: fully_sharded" in saved
+    rec = expected["recommended"]
+    assert ("no_reshard_after_forward: true" in saved) == ("--no-reshard-after-forward" in rec)
+    assert ("checkpoint_activations: true" in saved) == ("--checkpoint-activations" in rec)
+    if "--batch-size" in rec:  # the global batch stays: 8 sequences per rank per update
+        b, uf = int(rec.split("--batch-size ")[1].split()[0]), int(rec.split("--update-freq ")[1].split()[0])
+        assert b * uf == 8 and f"batch_size: {b}" in saved and f"update_freq: {uf}" in saved
     assert '"num_updates": 3' in r.stdout + r.stderr
 
 
