@@ -10,13 +10,10 @@ A DDP run keeps DDP when it fits (it communicates least). Torch-free.
 import os
 from dataclasses import replace
 
-from trainer.config import SHARDED_BACKENDS
 from trainer.flags import UsageError
 from trainer.memory_plan import ModelShape, Setup, predict
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2}
-MEMORY_FLAGS = ("ddp_backend", "no_reshard_after_forward", "checkpoint_activations", "offload_activations",
-                "cpu_offload", "batch_size", "update_freq")
 
 
 def vocab_size(cfg):
@@ -150,8 +147,7 @@ def choose(m: ModelShape, given: Setup, device_gb, host_gb):
 def apply_choice(cfg, s: Setup):
     """Set the config's memory flags to those of Setup `s` (train --auto-tune)."""
     from omegaconf import OmegaConf
-    d = cfg.distributed_training
-    values = {"distributed_training.ddp_backend": s.backend if s.backend != d.ddp_backend else d.ddp_backend,
+    values = {"distributed_training.ddp_backend": s.backend,
               "distributed_training.no_reshard_after_forward": s.sharded and not s.reshard_after_forward,
               "distributed_training.cpu_offload": s.cpu_offload,
               "model.checkpoint_activations": s.checkpoint_activations and not s.offload_activations,

@@ -82,3 +82,16 @@ def use_gloo_fast_comms(units, can_defer_reduction):
         unit.set_custom_all_gather(BroadcastAllGather())
         unit.set_custom_reduce_scatter(reduce_scatter)
     return reduce_scatter
+
+
+def prefetch_in_background(root, units):
+    """Overlap each layer's all-gather with the compute before it. On a GPU FSDP2 does so
+    with its own CUDA streams; a CPU has none, so every gather would stall the layer that
+    needs it. Instead each unit prefetches the next in forward (the root the first layer),
+    and unshards are asynchronous: the broadcasts run in gloo's thread while the current
+    layer computes, forward and backward (FSDP2's implicit backward prefetch). One more
+    layer is gathered at a time, as on a GPU."""
+    chain = [root] + list(units)
+    for unit, following in zip(chain, chain[1:]):
+        unit.set_modules_to_forward_prefetch([following])
+    root._set_unshard_async_op(True)  # private in torch 2.13; applies to every unit below the root

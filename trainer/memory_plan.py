@@ -167,7 +167,9 @@ def simulate(m: ModelShape, s: Setup):
     if not s.sharded and s.world > 1 and s.backend in ("pytorch_ddp", "c10d"):
         L.add("gradients", 4 * P)  # DDP's buckets: a flat copy of every gradient
     unit = m.layer_params * c if s.sharded else 0  # one layer gathered, in param dtype
-    prefetch = s.sharded and s.device == "cuda"  # FSDP2 gathers the next layer on its own stream
+    # The next layer is gathered while one computes: FSDP2's own stream on a GPU, gloo's
+    # thread with several CPU ranks (trainer/gloo_comms.py).
+    prefetch = s.sharded and (s.device == "cuda" or s.world > 1)
     present = set()
 
     def gather(i):
