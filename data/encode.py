@@ -11,9 +11,9 @@ import math
 import multiprocessing
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,47 +41,86 @@ class EncodeStats:
 
 
 class _WorkerState:
-    """What every chunk in one process needs; set once per process by ``_init_worker``."""
+    """What every chunk in one process reuses: sentencepiece models by path, loaded once."""
 
-    datasets: dict = {}
-    column: str = "text"
-    tokenizer: SentencePieceTokenizer | None = None
-    dtype: np.dtype = np.dtype(np.uint16)
+    tokenizers: dict[str, SentencePieceTokenizer] = {}
 
 
-def _init_worker(datasets: dict, column: str, model_path: str, dtype: str) -> None:
-    _WorkerState.datasets = datasets
-    _WorkerState.column = column
-    _WorkerState.tokenizer = SentencePieceTokenizer(model_path)
-    _WorkerState.dtype = np.dtype(dtype)
+def _warm_up() -> None:
+    """Run first in each worker so that spawning overlaps the parent's reading of the inputs."""
 
 
-def _encode_chunk(task: tuple[str, int, int, str]) -> tuple[int, int]:
-    """Encode rows [start, end) of one split into a shard; returns (documents, tokens)."""
-    split, start, end, shard_prefix = task
-    state = _WorkerState
-    dataset = state.datasets[split]
-    builder = IndexedDatasetBuilder(shard_prefix, state.dtype)
+def _encode_chunk(task: tuple[list, str, str, str]) -> tuple[int, int]:
+    """Encode one chunk's texts into a shard; returns (documents, tokens).
+
+    The parent reads the rows and sends their text: a worker then needs only sentencepiece
+    and numpy, not ``datasets`` (whose import costs every spawned worker ~1.5 s of CPU).
+    """
+    texts, model_path, dtype, shard_prefix = task
+    tokenizer = _WorkerState.tokenizers.get(model_path)
+    if tokenizer is None:
+        tokenizer = _WorkerState.tokenizers[model_path] = SentencePieceTokenizer(model_path)
+    builder = IndexedDatasetBuilder(shard_prefix, np.dtype(dtype))
     tokens = 0
     try:
-        for lo in range(start, end, _BATCH_ROWS):
-            texts = dataset[lo : min(lo + _BATCH_ROWS, end)][state.column]
+        for lo in range(0, len(texts), _BATCH_ROWS):
             # A missing value or a whitespace-only line is an empty sequence: just </s>,
             # which is how complete_doc finds fairseq's blank-line document boundaries.
-            texts = ["" if text is None or text.isspace() else text for text in texts]
-            encoded = state.tokenizer.encode_batch(texts, add_eos=True)
+            batch = ["" if text is None or text.isspace() else text for text in texts[lo : lo + _BATCH_ROWS]]
+            encoded = tokenizer.encode_batch(batch, add_eos=True)
             builder.add_items(encoded)
             tokens += sum(map(len, encoded))
     except BaseException:
         builder.discard()
         raise
     builder.finalize()
-    return end - start, tokens
+    return len(texts), tokens
 
 
-def _chunks(rows: int, workers: int) -> list[tuple[int, int]]:
-    size = max(1, min(_MAX_CHUNK_ROWS, math.ceil(rows / (4 * workers))))
-    return [(start, min(start + size, rows)) for start in range(0, rows, size)]
+class EncodePool:
+    """Runs ``_encode_chunk`` here (1 worker) or in N spawned processes, results in order.
+
+    Made before the inputs are read (``preprocess`` does), so the workers start while the
+    parent imports ``datasets`` and loads the files.
+    """
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self._pool = None
+        if workers > 1:
+            # spawn, not fork: the parent has pyarrow's and tqdm's threads running, and
+            # forking a threaded process can deadlock. An executor, not
+            # multiprocessing.Pool: a worker that dies raises BrokenProcessPool instead of
+            # being respawned forever.
+            context = multiprocessing.get_context("spawn")
+            self._pool = ProcessPoolExecutor(workers, mp_context=context)
+            self._pool.submit(_warm_up)  # spawns every worker now (3.11 spawns on first submit)
+
+    def __enter__(self) -> EncodePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        _WorkerState.tokenizers.clear()
+
+    def imap(self, tasks: Iterator[tuple]) -> Iterator[tuple[int, int]]:
+        """Results of ``tasks`` in order, with at most 2 chunks per worker in flight: the
+        texts of a chunk are read only shortly before a worker needs them."""
+        if self._pool is None:
+            yield from map(_encode_chunk, tasks)
+            return
+        pending: deque = deque()
+        for task in tasks:
+            pending.append(self._pool.submit(_encode_chunk, task))
+            if len(pending) >= 2 * self.workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def _chunk_rows(rows: int, workers: int) -> int:
+    return max(1, min(_MAX_CHUNK_ROWS, math.ceil(rows / (4 * workers))))
 
 
 def _merge_shards(shard_prefixes: list[str], out_prefix: Path, dtype: np.dtype) -> None:
@@ -97,52 +136,34 @@ def _merge_shards(shard_prefixes: list[str], out_prefix: Path, dtype: np.dtype) 
     builder.finalize()
 
 
-@contextmanager
-def _chunk_mapper(workers: int, initargs: tuple):
-    """``imap``-like function running ``_encode_chunk`` here (1 worker) or in a process pool."""
-    if workers == 1:
-        _init_worker(*initargs)
-        try:
-            yield lambda tasks: map(_encode_chunk, tasks)
-        finally:
-            _WorkerState.datasets, _WorkerState.tokenizer = {}, None
-        return
-    # spawn, not fork: the parent has pyarrow's and tqdm's threads running, and forking a
-    # threaded process can deadlock. An executor, not multiprocessing.Pool: a worker that
-    # dies raises BrokenProcessPool instead of being respawned forever. One pool serves
-    # every split (start-up costs ~1 s).
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=initargs) as pool:
-        yield lambda tasks: pool.map(_encode_chunk, tasks)
-
-
 def encode_splits(
-    datasets: dict,
-    column: str,
+    splits: dict,
     model_path: Path,
     out_dir: Path,
     dtype: np.dtype,
-    workers: int,
+    pool: EncodePool,
     shard_dir: Path,
 ) -> Iterator[tuple[str, EncodeStats]]:
-    """Encode each split's rows of ``column`` (+ ``</s>``) into ``<out_dir>/<split>.bin/.idx``.
+    """Encode each split's rows (+ ``</s>``) into ``<out_dir>/<split>.bin/.idx``.
 
-    Yields ``(split, stats)`` as each split is written, so the caller can report it.
+    ``splits`` maps split name -> rows (data/text_rows.py). Yields ``(split, stats)`` as
+    each split is written, so the caller can report it.
     """
     from tqdm import tqdm
 
-    initargs = (datasets, column, str(model_path), np.dtype(dtype).name)
-    with _chunk_mapper(workers, initargs) as imap:
-        for split, dataset in datasets.items():
-            started = time.perf_counter()
-            tasks = [
-                (split, start, end, str(shard_dir / f"{split}-{k:06d}"))
-                for k, (start, end) in enumerate(_chunks(len(dataset), workers))
-            ]
-            tokens = 0
-            with tqdm(total=len(dataset), desc=split, unit="doc", file=sys.stderr, mininterval=0.5) as bar:
-                for documents, chunk_tokens in imap(tasks):
-                    tokens += chunk_tokens
-                    bar.update(documents)
-            _merge_shards([task[3] for task in tasks], out_dir / split, dtype)
-            yield split, EncodeStats(len(dataset), tokens, time.perf_counter() - started)
+    for split, rows in splits.items():
+        started = time.perf_counter()
+        size = _chunk_rows(len(rows), pool.workers)
+        shards = [str(shard_dir / f"{split}-{k:06d}") for k in range(math.ceil(len(rows) / size))]
+        # A generator: each chunk's texts are read only when a worker is about to need them.
+        tasks = (
+            (texts, str(model_path), np.dtype(dtype).name, shard)
+            for texts, shard in zip(rows.batches(size), shards, strict=True)
+        )
+        tokens = 0
+        with tqdm(total=len(rows), desc=split, unit="doc", file=sys.stderr, mininterval=0.5) as bar:
+            for documents, chunk_tokens in pool.imap(tasks):
+                tokens += chunk_tokens
+                bar.update(documents)
+        _merge_shards(shards, out_dir / split, dtype)
+        yield split, EncodeStats(len(rows), tokens, time.perf_counter() - started)

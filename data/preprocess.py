@@ -24,7 +24,7 @@ from pathlib import Path
 
 from data.errors import DataError
 from data.indexed_dataset import best_fitting_dtype
-from data.sources import INPUT_FORMATS, Source, load_text_dataset, resolve_sources, split_specs
+from data.sources import INPUT_FORMATS, Source, load_rows, resolve_sources, split_specs
 from data.tokenizer import SPECIAL_IDS, SentencePieceTokenizer, train_sentencepiece
 
 METADATA_FORMAT = "shardlm-mmidx-1"
@@ -121,12 +121,12 @@ def _refuse_overwrite(destdir: Path, splits) -> None:
             raise DataError(f"{destdir / name} already exists; choose another --destdir or delete it")
 
 
-def _write_training_text(dataset, column: str, path: Path) -> int:
+def _write_training_text(rows, path: Path) -> int:
     """The train split as one sentence per line, for sentencepiece; returns the line count."""
     lines = 0
     with open(path, "w", encoding="utf-8") as f:
-        for batch in dataset.iter(batch_size=10_000):
-            for text in batch[column]:
+        for batch in rows.batches(10_000):
+            for text in batch:
                 if text:
                     # Newlines inside a json/parquet document just make more lines,
                     # which is what sentencepiece wants.
@@ -137,10 +137,18 @@ def _write_training_text(dataset, column: str, path: Path) -> int:
 
 
 def _build(args, sources: dict[str, list[Source]], work: Path, out: Path) -> dict:
+    from data.encode import EncodePool
+
+    # The workers start first: they spawn while this process imports datasets and reads.
+    with EncodePool(args.workers) as pool:
+        return _load_and_encode(args, sources, work, out, pool)
+
+
+def _load_and_encode(args, sources: dict[str, list[Source]], work: Path, out: Path, pool) -> dict:
     from data.encode import encode_splits
 
-    datasets = {
-        split: load_text_dataset(split_sources, args.text_column, work / "hf-cache")
+    rows = {
+        split: load_rows(split_sources, args.text_column, work / "hf-cache")
         for split, split_sources in sources.items()
     }
     model_path = out / TOKENIZER_FILE
@@ -148,7 +156,7 @@ def _build(args, sources: dict[str, list[Source]], work: Path, out: Path) -> dic
         shutil.copyfile(args.spm_model, model_path)
     else:
         text_file = work / "spm-train.txt"
-        lines = _write_training_text(datasets["train"], args.text_column, text_file)
+        lines = _write_training_text(rows["train"], text_file)
         print(
             f"training sentencepiece {args.spm_model_type} (vocab {args.vocab_size:,}) on {lines:,} lines",
             file=sys.stderr, flush=True,
@@ -161,7 +169,7 @@ def _build(args, sources: dict[str, list[Source]], work: Path, out: Path) -> dic
     shard_dir = work / "shards"
     shard_dir.mkdir()
     splits = {}
-    for split, stats in encode_splits(datasets, args.text_column, model_path, out, dtype, args.workers, shard_dir):
+    for split, stats in encode_splits(rows, model_path, out, dtype, pool, shard_dir):
         print(
             f"{split}: {stats.documents:,} documents, {stats.tokens:,} tokens, "
             f"{stats.tokens_per_second:,.0f} tokens/s",

@@ -93,6 +93,45 @@ def test_workers_give_identical_files(text_corpus):
     assert dir_bytes(out2) == dir_bytes(out)
 
 
+def test_text_rows_are_datasets_text_rows(tmp_path):
+    """Plain text is read without datasets; the rows must be exactly its "text" builder's."""
+    from data.sources import load_text_dataset, resolve_sources
+    from data.text_rows import TextFileRows
+
+    (tmp_path / "a.txt").write_bytes(
+        "\ufefffirst\r\nsecond\rthird\n\n  \nform\x0cfeed and \u2028 sep, café\n\n".encode()
+    )
+    (tmp_path / "b.txt").write_bytes(b"no final newline\n\nlast")
+    sources = resolve_sources(f"{tmp_path / 'a.txt'},{tmp_path / 'b.txt'}")
+    expected = load_text_dataset(sources, "text", tmp_path / "cache")["text"]
+    rows = TextFileRows([source.path for source in sources])
+    assert len(rows) == len(expected) == 10
+    for size in (1, 3, 100):
+        assert [text for batch in rows.batches(size) for text in batch] == expected
+
+
+def test_text_and_gzipped_text_give_identical_files(text_corpus, tmp_path):
+    import gzip
+
+    root, out, _, _ = text_corpus
+    (tmp_path / "train.txt.gz").write_bytes(gzip.compress((root / "train.txt").read_bytes()))
+    model = str(out / "tokenizer.model")
+    plain = run_preprocess("--trainpref", str(root / "train.txt"), "--spm-model", model, "--destdir", str(tmp_path / "a"))
+    gzipped = run_preprocess(  # read through datasets, which decompresses
+        "--trainpref", str(tmp_path / "train.txt.gz"), "--spm-model", model, "--destdir", str(tmp_path / "b"),
+    )
+    assert (plain / "train.bin").read_bytes() == (gzipped / "train.bin").read_bytes() == (out / "train.bin").read_bytes()
+    assert (plain / "train.idx").read_bytes() == (gzipped / "train.idx").read_bytes()
+
+
+def test_bad_utf8_text_is_refused_before_writing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.txt").write_bytes(b"fine line\nbad \xff byte\n")
+    with pytest.raises(DataError, match=r"could not read .*train\.txt as text: .*codec can't decode.*--input-format"):
+        run_preprocess("--trainpref", "train.txt", "--destdir", "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.txt"]
+
+
 def test_jsonl_round_trip_and_splits(tmp_path):
     docs = ["first doc\nwith two lines", "", "second   doc, spaced", "third ü doc"]
     with open(tmp_path / "train.jsonl", "w", encoding="utf-8") as f:
