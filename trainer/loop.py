@@ -95,6 +95,7 @@ class TrainLoop:
             log.warning(f"--no-save: nothing saved at update {n}, and the job is not requeued")
             self.progress.close()
             return
+        self.trainer.check_parameters_finite()
         self.checkpointer.save(epoch, self.itr.end_of_epoch(), None, self)
         self.checkpointer.finish_pending()
         if not self.preemption.requeue() and self.env.is_master:
@@ -109,6 +110,11 @@ class TrainLoop:
         do_validate = ((not end_of_epoch and do_save)
                        or (end_of_epoch and epoch % c.dataset.validate_interval == 0) or stop
                        or (c.dataset.validate_interval_updates > 0 and n % c.dataset.validate_interval_updates == 0))
+        if do_save and self.checkpointer is not None and not ck.no_save:
+            # Nan/Inf weights raise here, before they are validated or saved; the way out of
+            # the loop publishes nothing (an asynchronous save in flight stays under its .tmp-
+            # name), so a numerical fault never replaces a good checkpoint.
+            self.trainer.check_parameters_finite()
         metric = self.validate(epoch) if do_validate else None
         if do_save and self.checkpointer is not None:
             self.checkpointer.save(epoch, end_of_epoch, metric, self)

@@ -7,11 +7,13 @@ backward: no extra pass over the gradients.
 """
 import contextlib
 import logging
+import math
 import time
 
 import torch
 
 from trainer.distributed import all_reduce_sum
+from trainer.meters import LN2
 from trainer.optim import LRSchedule, build_optimizer
 from trainer.parallelize import mixed_precision_dtype, uses_fsdp
 
@@ -74,18 +76,10 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         gnorm = self.clip_grad_norm()
-        if not torch.isfinite(torch.tensor(gnorm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.scaler is None:
-                raise FloatingPointError(f"gradients are Nan/Inf at update {self.num_updates + 1}")
-            self.scaler.update()  # halves the scale: unscale_ recorded the inf
-            scale = self.scaler.get_scale()
-            if scale < self.cfg.common.min_loss_scale:
-                raise FloatingPointError(
-                    f"Minimum loss scale reached ({self.cfg.common.min_loss_scale}). Your loss is probably "
-                    "exploding. Try lowering the learning rate, using gradient clipping or increasing the batch size.")
-            log.info(f"NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: {scale}")
-            return None
+        # Summed over ranks before deciding, so that every rank takes the same branch.
+        (loss_sum,) = all_reduce_sum([loss_total.item()], self.env)
+        if not (math.isfinite(gnorm) and math.isfinite(loss_sum)):
+            return self.skip_or_stop(loss_sum / max(total_tokens, 1) / LN2, gnorm)
         self.lr = self.schedule.apply(self.optimizer, self.num_updates - self.lr_updates_offset)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
@@ -94,10 +88,46 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.num_updates += 1
-        (loss_sum,) = all_reduce_sum([loss_total.item()], self.env)
         clip = self.cfg.optimization.clip_norm
         return dict(loss_sum=loss_sum, ntokens=total_tokens, nsentences=total_sentences, gnorm=gnorm,
                     clipped=float(clip > 0 and gnorm > clip), seconds=time.perf_counter() - start)
+
+    def skip_or_stop(self, loss, gnorm):
+        """A non-finite loss or gradient norm: fp16 halves its scale and skips the update
+        (not counted), until --min-loss-scale; fp32/bf16 stop at once (fairseq's messages,
+        with the update). Nothing is stepped, so the weights stay those of the last update."""
+        self.optimizer.zero_grad(set_to_none=True)
+        update = self.num_updates + 1
+        if self.scaler is None:
+            what = "gradients are" if not math.isfinite(gnorm) else "loss is"
+            raise FloatingPointError(
+                f"{what} Nan/Inf at update {update} (loss {loss:.4g}, gnorm {gnorm:.4g}); nothing was saved from "
+                "it: lower --lr or set --clip-norm, and resume from the last checkpoint")
+        prev = self.scaler.get_scale()
+        if math.isfinite(gnorm):  # a non-finite loss with finite gradients: unscale_ saw no inf
+            self.scaler.update(prev * 0.5)
+        else:
+            self.scaler.update()  # halves the scale: unscale_ recorded the inf
+        scale = self.scaler.get_scale()
+        min_scale = self.cfg.common.min_loss_scale
+        if scale <= min_scale:  # fairseq's test and message
+            raise FloatingPointError(
+                f"Minimum loss scale reached ({min_scale}) at update {update}, where the loss overflowed at scale "
+                f"{prev}. Your loss is probably exploding. Try lowering the learning rate, using gradient "
+                "clipping or increasing the batch size.")
+        log.info(f"NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: {scale}")
+        return None
+
+    def check_parameters_finite(self):
+        """Before a save: refuse to write weights that are Nan/Inf (an update with a finite
+        loss and gradients can still step them there, e.g. an enormous --lr)."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        bad = sum(float(not torch.isfinite(t).all()) for t in local if t.numel())
+        (bad,) = all_reduce_sum([bad], self.env)
+        if bad:
+            raise FloatingPointError(
+                f"parameters are Nan/Inf after update {self.num_updates}; nothing was saved from them: "
+                "lower --lr or set --clip-norm, and resume from the last checkpoint")
 
     def clip_grad_norm(self):
         """Global gradient norm over every shard, before clipping (what fairseq logs as gnorm)."""

@@ -1,0 +1,79 @@
+"""Numerical faults, produced for real (a learning rate that diverges, an fp16 scale that
+overflows every step): fp32 stops with fairseq's message naming the update, fp16 skips
+updates until --min-loss-scale; the job ends non-zero with one line on stderr and the
+checkpoints written before the fault are left exactly as they were."""
+import hashlib
+from pathlib import Path
+
+from helpers import DUMMY, run_train
+
+# --no-save off, one checkpoint per update: any save after the fault would show.
+SAVING = [a for a in DUMMY if a != "--no-save"] + ["--batch-size", "4", "--save-interval-updates", "1",
+                                                  "--log-format", "json", "--log-interval", "1"]
+FSDP2 = ["--ddp-backend", "fully_sharded", "--distributed-world-size", "2"]
+
+
+def snapshot(save_dir):
+    """Every file under save_dir with its content's hash (empty directories too)."""
+    return {str(p.relative_to(save_dir)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(Path(save_dir).rglob("*"))}
+
+
+def published(snap):
+    """The checkpoints of a snapshot: not an unpublished .tmp- directory, nor config.yaml,
+    which each run writes as it starts."""
+    return {k: v for k, v in snap.items() if k.startswith("checkpoint")}
+
+
+def fails_after_checkpoints(argv, good_updates, extra_second=()):
+    """Train `good_updates` updates (saved), snapshot, run the same command further: it must
+    fail, with one line on stderr, leaving the checkpoints byte-identical."""
+    save = ["--save-dir", "ck"]
+    run_train(argv + save + ["--max-update", str(good_updates)])
+    before = snapshot("ck")
+    assert f"checkpoint_1_{good_updates}/trainer_state.json" in before
+    _, r = run_train(argv + save + list(extra_second) + ["--max-update", "8"], check=False)
+    assert r.returncode != 0
+    errors = r.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("train: error: "), r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    assert published(snapshot("ck")) == published(before)
+    return errors[0], r.stdout
+
+
+def test_nan_loss_stops_naming_the_update_and_saves_nothing():
+    # Adam at lr 1e6 moves every weight by ~1e6: the next forward's loss is NaN.
+    error, _ = fails_after_checkpoints(SAVING + ["--optimizer", "adam", "--lr", "1e6"], 1)
+    assert "gradients are Nan/Inf at update 2 (loss nan" in error
+
+
+def test_inf_gradients_with_a_finite_loss_stop_too():
+    # SGD at lr 1e6: the next loss is huge but finite, its backward overflows.
+    error, stdout = fails_after_checkpoints(SAVING + ["--optimizer", "sgd", "--lr", "1e6"], 1)
+    assert "gradients are Nan/Inf at update 2 (loss 2." in error and "gnorm nan" in error
+
+
+def test_weights_stepped_to_inf_are_never_saved(tmp_path):
+    # An update with a finite loss and gradients can still step the weights to inf: the save
+    # after it refuses, and no checkpoint appears at all.
+    _, r = run_train(SAVING + ["--optimizer", "sgd", "--lr", "1e38", "--weight-decay", "10", "--save-dir", "ck",
+                               "--max-update", "4"], check=False)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "train: error: parameters are Nan/Inf after update 1; nothing was saved from them: lower --lr or set "
+        "--clip-norm, and resume from the last checkpoint"]
+    assert not any(p.name.startswith("checkpoint") for p in Path("ck").iterdir())
+
+
+def test_fp16_skips_overflows_then_stops_at_min_loss_scale():
+    # --reset-optimizer takes the scale from --fp16-init-scale instead of the checkpoint:
+    # 2**40 overflows every step; 2**39, 2**38, 2**37 are tried and skipped, 2**36 is the floor.
+    argv = SAVING + ["--fp16"]
+    error, stdout = fails_after_checkpoints(argv, 1, ["--reset-optimizer", "--fp16-init-scale", str(2 ** 40),
+                                                      "--min-loss-scale", str(2 ** 36)])
+    notes = [line.split("shardlm | ")[1] for line in stdout.splitlines() if "NOTE:" in line]
+    assert notes == [f"NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: {float(2 ** k)}"
+                     for k in (39, 38, 37)]
+    assert '"num_updates"' not in stdout  # nothing after the resumed update 1 was counted
+    assert error.startswith(f"train: error: Minimum loss scale reached ({float(2 ** 36)}) at update 2, where the "
+                            f"loss overflowed at scale {float(2 ** 37)}. Your loss is probably exploding.")
