@@ -24,10 +24,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from trainer import checkpoint_files as files
+from trainer import distributed
 from trainer.flags import UsageError
+from trainer.launch import RankStopped
 
 log = logging.getLogger("shardlm")
 FORMAT_VERSION = 1
+LOW_SPACE = 64 << 20  # a write that failed with less than this free ran out of space
 # One process without a process group is a normal way to save and load here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -179,24 +182,49 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         tmp = files.temporary_dir(self.save_dir, names[0])
+        failed = None
         if self.env.is_master:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving
-            (tmp / "rng").mkdir(parents=True)
-        self.barrier()
+            failed = _os_error(lambda: (tmp / "rng").mkdir(parents=True), self.save_dir)
+        self.agree_saved(failed, tmp, names[0])
         with_optim = not self.c.no_save_optimizer_state
         state = tensor_state(self.trainer.model, self.trainer.optimizer, with_optim)
-        write_json(tmp / "rng" / f"rank{self.env.rank}.json", rng_state())
-        if self.env.is_master:
-            self.write_small_files(tmp, epoch, end_of_epoch, loop, with_optim)
+        rng_file = tmp / "rng" / f"rank{self.env.rank}.json"
+        failed = _os_error(lambda: write_json(rng_file, rng_state()), self.save_dir)
+        if self.env.is_master and failed is None:
+            def small_files():
+                self.write_small_files(tmp, epoch, end_of_epoch, loop, with_optim)
+            failed = _os_error(small_files, self.save_dir)
+        self.agree_saved(failed, tmp, names[0])
         writer = dcp.FileSystemWriter(os.fspath(tmp))
         if self.c.save_async:
             future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
             self.pending = (future, tmp, names, self.trainer.num_updates)
             return
-        dcp.save(state, storage_writer=writer)
+        failed = _os_error(lambda: dcp.save(state, storage_writer=writer), self.save_dir)
+        self.agree_saved(failed, tmp, names[0], agreed=True)
         # DCP's coordinator (rank 0) writes .metadata only after every rank has written
         # its shards, so rank 0 may publish as soon as save returns.
         self.publish(tmp, names, self.trainer.num_updates)
+
+    def agree_saved(self, failed, tmp, name, agreed=False):
+        """Stop every rank together when a write failed on any (a full disk, a read-only
+        one): the half-written directory goes, the previous checkpoints stay as they were.
+        `agreed`: DCP has already told every rank about any rank's failure."""
+        if not agreed:
+            (count,) = distributed.all_reduce_sum([0.0 if failed is None else 1.0], self.env)
+            if count == 0:
+                return
+        elif failed is None:
+            return
+        if self.env.is_master:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if failed is None or not self.env.is_master:
+            raise RankStopped(f"another rank could not write {name}; see rank 0's error")
+        last = files.resolve(self.save_dir / "checkpoint_last")
+        kept = f"{last.name} still holds update {read_trainer_state(last)['num_updates']}" if last else "nothing saved"
+        raise UsageError(f"could not save {name} in {self.save_dir}: {failed}; {kept}; free space or point "
+                         "--save-dir elsewhere")
 
     def write_small_files(self, tmp, epoch, end_of_epoch, loop, with_optim):
         itr, d = loop.itr, self.cfg.dataset
@@ -237,7 +265,8 @@ class Checkpointer:
             return
         future, tmp, names, num_updates = self.pending
         self.pending = None
-        future.result()  # rank 0's completes after every rank has written (DCP's finish step)
+        # rank 0's completes after every rank has written (DCP's finish step)
+        self.agree_saved(_os_error(future.result, self.save_dir), tmp, names[0], agreed=True)
         self.publish(tmp, names, num_updates)
 
     def barrier(self):
@@ -321,6 +350,28 @@ class Checkpointer:
             log.warning(f"the checkpoint's data position ({it['iterations_in_epoch']} batches of {old} sequences) "
                         f"is not a whole number of this run's batches of {new}: resuming at the nearest earlier one")
         return {**it, "iterations_in_epoch": consumed // new if new else 0}
+
+
+def _os_error(write, save_dir):
+    """Run `write`; the reason it could not write (one line, e.g. "No space left on device"), else None."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        write()
+    except OSError as e:
+        return e.strerror or str(e)
+    except (RuntimeError, CheckpointException) as e:  # DCP gathers every rank's failure
+        text = str(e)
+        for reason in ("No space left on device", "Read-only file system", "Permission denied",
+                       "Disk quota exceeded", "Input/output error"):
+            if reason in text:
+                return reason
+        # torch.save's zip writer loses ENOSPC's errno ("unexpected pos 704 vs 598"): ask the disk.
+        free = shutil.disk_usage(save_dir).free
+        if free < LOW_SPACE:
+            return f"No space left on device ({free >> 10} KiB free)"
+        raise
+    return None
 
 
 def _finite_or_none(x):

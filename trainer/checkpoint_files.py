@@ -98,6 +98,16 @@ def link_copy(src, final):
     publish(tmp, final)
 
 
+def remove_unfinished_saves(save_dir):
+    """Delete the `.tmp-*` directories of saves that never finished (the process died);
+    published checkpoints are never touched. Only safe while this run holds the save
+    directory's lock. Returns the names removed."""
+    leftovers = sorted(p for p in Path(save_dir).glob(f"{TMP_PREFIX}*") if p.is_dir())
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    return [p.name for p in leftovers]
+
+
 def _fsync_dir(path):
     try:
         fd = os.open(path, os.O_RDONLY)

@@ -53,6 +53,8 @@ class DistributedTrainingConfig:
     distributed_rank: int = _f(0, "rank of the first process started here, with --distributed-init-method")
     distributed_no_spawn: bool = _f(False, "run one rank in this process (rank --distributed-rank) "
                                     "instead of spawning --distributed-world-size local ranks")
+    heartbeat_timeout: int = _f(-1, "seconds a collective may wait for the other ranks before the job ends "
+                                "(a dead or hung rank); -1: 30 minutes")
     shard_group_size: Optional[int] = _f(None, "hybrid_shard: ranks that shard one copy of the model "
                                          "(default: ranks per node); copies are replicated across groups")
     defer_grad_sync: bool = _f(False, "with --update-freq: keep gradients unsynchronized until the last "

@@ -9,6 +9,7 @@ CUDA + NCCL where a GPU exists, CPU + gloo otherwise.
 """
 import gc
 import os
+import re
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -19,6 +20,9 @@ import torch.distributed as dist
 
 from trainer.config import SHARDED_BACKENDS
 from trainer.flags import UsageError
+from trainer.launch import RankStopped
+
+RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
 
 
 @dataclass
@@ -134,9 +138,47 @@ def init_rank(cfg, rdv, needs_process_group):
     env = DistEnv(rdv.rank, rdv.world_size, rdv.local_rank, rdv.local_world_size, device, rdv.init_method)
     if rdv.world_size > 1 or (needs_process_group and not dist.is_initialized()):
         init_method = rdv.init_method or f"tcp://127.0.0.1:{free_port()}"
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", init_method=init_method,
-                                rank=rdv.rank, world_size=rdv.world_size, timeout=timedelta(minutes=30))
+        # The store keeps the long timeout: ranks of a cluster job start minutes apart, and
+        # only collectives should give up after --heartbeat-timeout.
+        store, _, _ = next(dist.rendezvous(init_method, rdv.rank, rdv.world_size, timeout=RENDEZVOUS_TIMEOUT))
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=store,
+                                rank=rdv.rank, world_size=rdv.world_size, timeout=collective_timeout(cfg))
     return env
+
+
+def collective_timeout(cfg):
+    """How long a collective waits for the other ranks: --heartbeat-timeout seconds, else
+    30 minutes. A rank that died or hangs ends the job after that, not never."""
+    seconds = cfg.distributed_training.heartbeat_timeout
+    return timedelta(seconds=seconds) if seconds > 0 else RENDEZVOUS_TIMEOUT
+
+
+# What gloo says when the other end of a collective died (the kernel closed its sockets)
+# or stopped answering for longer than the collective timeout.
+CLOSED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+TIMED_OUT = ("Timed out", "timed out", "timeout", "Timeout")
+RESUME_HINT = "rerun the same command to resume from checkpoint_last"
+
+
+def peer_lost(error, cfg, env):
+    """A RankStopped naming the lost rank when `error` is a collective failing because
+    another rank died or hangs; None for any other error."""
+    collective_error = isinstance(error, (RuntimeError, OSError)) or \
+        type(error).__name__ == "CheckpointException"  # DCP wraps a failed save or load in it
+    if env.world_size < 2 or not collective_error:
+        return None
+    text = str(error)
+    peer = f"rank {1 - env.rank}" if env.world_size == 2 else "a peer rank"
+    address = re.search(r"\[([^\]]+)\]:(\d+)", text)
+    at = f" at {address.group(1)}" if address and env.world_size > 2 else ""
+    if any(m in text for m in CLOSED):
+        return RankStopped(f"lost {peer}{at}: its connection closed (the process died or was killed); "
+                           f"{RESUME_HINT}")
+    if any(m in text for m in TIMED_OUT):
+        seconds = collective_timeout(cfg).total_seconds()
+        return RankStopped(f"{peer}{at} did not answer for {seconds:g} s (--heartbeat-timeout): it died or "
+                           f"hangs; {RESUME_HINT}")
+    return None
 
 
 def return_large_frees_to_os(threshold=1 << 20):

@@ -1,15 +1,30 @@
 """Start the job's ranks: in this process, or spawned locally (fairseq's call_main).
 
-A rank that fails ends the whole job: torch.multiprocessing.spawn terminates the other
-ranks when one exits non-zero, so nobody waits forever in a collective.
+A rank that fails ends the whole job: the launcher gives the other ranks a moment to
+notice (a collective with a dead peer fails at once) and then kills them, so nobody
+waits in a collective for the timeout. The job says once why it ended: a rank's own
+one-line error, or, for a rank killed by a signal, which rank and by what.
 """
 import dataclasses
+import os
+import pickle
+import signal
 import sys
+import time
 
 from data.errors import DataError
 from trainer.flags import UsageError
 
-USER_ERRORS = (DataError, UsageError, FloatingPointError)
+
+class RankStopped(Exception):
+    """This rank stops because of another rank: it lost a peer, or rank 0 refused the run.
+    Under local spawn the launcher prints one line for the whole job; a rank started on
+    its own (torchrun, SLURM, a tcp:// init method) prints this message itself."""
+
+
+USER_ERRORS = (DataError, UsageError, FloatingPointError, RankStopped)
+STOPPED = 3  # exit code of a spawned rank that stopped because of another rank
+GRACE_S = 5.0  # how long the other ranks get to end on their own once one has failed
 
 
 def launch(cfg, target=None, prog="train"):
@@ -21,25 +36,67 @@ def launch(cfg, target=None, prog="train"):
         import torch.multiprocessing as mp
 
         from trainer.preemption import forward_signals
-        try:
-            ranks = mp.start_processes(_spawned_rank, args=(cfg, rdv, target, prog), nprocs=rdv.spawn, join=False)
-            forward_signals(ranks.processes)
-            while not ranks.join():
-                pass
-        except mp.ProcessExitedException:
-            return 1  # the rank printed its own one-line error
-        except mp.ProcessRaisedException as e:
-            print(str(e).strip(), file=sys.stderr)
-            return 1
-        return 0
+        ranks = mp.start_processes(_spawned_rank, args=(cfg, rdv, target, prog), nprocs=rdv.spawn, join=False)
+        forward_signals(ranks.processes)
+        return join_ranks(ranks, rdv.rank, prog, resume_hint(cfg, prog))
     return run_rank(cfg, rdv, target, prog)
 
 
 def _spawned_rank(index, cfg, rdv, target, prog):
     rdv = dataclasses.replace(rdv, rank=rdv.rank + index, local_rank=index, spawn=0)
-    code = run_rank(cfg, rdv, target, prog)
+    if target is None:
+        from trainer.main import run as target
+
+    def quiet_when_stopped_by_another(cfg, rdv):
+        try:
+            return target(cfg, rdv)
+        except RankStopped:
+            return STOPPED  # the launcher reports the rank that caused it
+    code = run_rank(cfg, rdv, quiet_when_stopped_by_another, prog)
     if code:
         sys.exit(code)
+
+
+def join_ranks(ctx, first_rank, prog, hint):
+    """Wait for the spawned ranks; once one fails, end the others and say why in one line."""
+    from multiprocessing.connection import wait
+
+    procs = ctx.processes
+    waiting = {p.sentinel: i for i, p in enumerate(procs)}
+    failed = None
+    while waiting and failed is None:
+        for sentinel in wait(list(waiting)):
+            procs[waiting.pop(sentinel)].join()
+        failed = next((i for i, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
+    if failed is None:
+        return 0
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0))
+    ended_by_us = {i for i, p in enumerate(procs) if p.is_alive()}
+    for i in ended_by_us:
+        procs[i].kill()
+        procs[i].join()
+    killed = [i for i, p in enumerate(procs) if p.exitcode < 0 and i not in ended_by_us]
+    if killed:
+        i = killed[0]
+        name = signal.Signals(-procs[i].exitcode).name
+        print(f"{prog}: error: rank {first_rank + i} (pid {procs[i].pid}) was killed by {name}; {hint}",
+              file=sys.stderr)
+    elif os.access(ctx.error_files[failed], os.R_OK):  # an unexpected exception: its traceback
+        with open(ctx.error_files[failed], "rb") as f:
+            print(f"{prog}: rank {first_rank + failed} failed:\n{pickle.load(f).strip()}", file=sys.stderr)
+    elif all(procs[i].exitcode == STOPPED for i in range(len(procs)) if i not in ended_by_us):
+        print(f"{prog}: error: the ranks lost each other; {hint}", file=sys.stderr)
+    # otherwise the rank that failed has printed its own one-line error
+    return 1
+
+
+def resume_hint(cfg, prog):
+    checkpoint = getattr(cfg, "checkpoint", None)
+    if prog == "train" and checkpoint is not None and not checkpoint.no_save:
+        return "rerun the same command to resume from checkpoint_last"
+    return "rerun the same command"
 
 
 def run_rank(cfg, rdv, target=None, prog="train"):
@@ -48,6 +105,8 @@ def run_rank(cfg, rdv, target=None, prog="train"):
     try:
         return target(cfg, rdv)
     except USER_ERRORS as e:
+        from trainer.debug import show_traceback
+        show_traceback()
         where = f"[rank {rdv.rank}] " if rdv.world_size > 1 else ""
         print(f"{prog}: error: {where}{e}", file=sys.stderr)
         return 1

@@ -11,11 +11,15 @@ from omegaconf import OmegaConf
 from models.transformer_lm import build_model, num_parameters
 from trainer import distributed
 from trainer.checkpoint import Checkpointer
+from trainer.checkpoint_files import remove_unfinished_saves
+from trainer.flags import UsageError
+from trainer.launch import RankStopped
 from trainer.loop import TrainLoop
 from trainer.meters import flops_per_token
 from trainer.preemption import Preemption
 from trainer.parallelize import parallelize, sharded_bytes, uses_fsdp
 from trainer.progress import Progress, setup_logging
+from trainer.save_dir_lock import SaveDirLock
 from trainer.task import LMTask
 from trainer.train_step import Trainer
 
@@ -65,6 +69,11 @@ def run(cfg, rdv):
     env = distributed.init_rank(cfg, rdv, needs_process_group=uses_fsdp(cfg))
     try:
         return train(cfg, env)
+    except BaseException as e:  # DCP's CheckpointException is not an Exception
+        lost = distributed.peer_lost(e, cfg, env)
+        if lost is None:
+            raise
+        raise lost from None
     finally:
         distributed.teardown()
 
@@ -72,13 +81,36 @@ def run(cfg, rdv):
 def train(cfg, env):
     setup_logging(cfg.common.log_file, env.is_master)
     log.info("config:\n" + OmegaConf.to_yaml(cfg).rstrip())
+    lock = lock_save_dir(cfg, env)
+    try:
+        task, trainer, fpt = build(cfg, env)
+        log.info(f"training on {env.world_size} rank(s), device {env.device}, backend "
+                 f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank")
+        checkpointer = Checkpointer(cfg, env, trainer, task)
+        loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer, Preemption(env))
+        checkpointer.restore(loop)
+        # Only now, with every input checked, does the save directory change.
+        if lock is not None:
+            save_config(cfg)
+            for name in remove_unfinished_saves(cfg.checkpoint.save_dir):
+                log.info(f"removed {name}, left by a run that died while saving")
+        loop.run()
+        return 0
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def lock_save_dir(cfg, env):
+    """Rank 0 locks --save-dir for this run (nothing to lock with --no-save); every rank
+    learns whether it could, so all stop together when it could not."""
+    lock, refusal = None, None
     if env.is_master and not cfg.checkpoint.no_save:
-        save_config(cfg)
-    task, trainer, fpt = build(cfg, env)
-    log.info(f"training on {env.world_size} rank(s), device {env.device}, backend "
-             f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank")
-    checkpointer = Checkpointer(cfg, env, trainer, task)
-    loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer, Preemption(env))
-    checkpointer.restore(loop)
-    loop.run()
-    return 0
+        lock = SaveDirLock(cfg.checkpoint.save_dir)
+        refusal = lock.acquire()
+    (refused,) = distributed.all_reduce_sum([1.0 if refusal else 0.0], env)
+    if refusal:
+        raise UsageError(refusal)
+    if refused:
+        raise RankStopped("rank 0 could not use --save-dir; see its error")
+    return lock
