@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench soak clean
 
 install: $(STAMP)
 
@@ -38,6 +38,12 @@ test: install
 # not. Run on a quiet machine: each compares contenders interleaved in one run, medians.
 bench: install
 	$(PY) bench/run_all.py
+
+# 2,000 updates of the tiny model on 2 FSDP ranks with a checkpoint every 100 (keep 3), then
+# the same without checkpoints: RSS and open fds per rank stay flat, retention holds, the
+# loss curves are identical. About 10 minutes on 2 cores; not part of `make bench`.
+soak: install
+	$(PY) bench/soak.py
 
 clean:
 	rm -rf $(VENV) checkpoints
