@@ -60,21 +60,50 @@ def tensor_state(model, optimizer, with_optimizer=True):
     return state
 
 
-def check_shapes(path, model_state):
+# The options that decide which parameters a model has and their shapes, in the order a
+# mismatch is best explained by.
+SHAPE_OPTIONS = ("model.decoder_embed_dim", "model.decoder_ffn_embed_dim", "model.decoder_layers",
+                 "model.share_decoder_input_output_embed", "model.decoder_learned_pos",
+                 "model.no_token_positional_embeddings", "model.layernorm_embedding", "model.no_decoder_final_norm",
+                 "model.max_target_positions", "task.tokens_per_sample", "task.dict_size", "task.data")
+
+
+def shape_option_difference(path, cfg):
+    """'--decoder-embed-dim 128 in the checkpoint, 64 here' for the first model option
+    that differs from the checkpoint's config.yaml; '' when none does or it cannot be read."""
+    from trainer.flags import flag_name, iter_fields
+
+    try:
+        saved = OmegaConf.load(Path(path) / "config.yaml")
+    except Exception:  # an old or hand-made checkpoint: the parameter names will do
+        return ""
+    flags = {f"{group}.{f.name}": flag_name(f) for group, f in iter_fields()}
+    for key in SHAPE_OPTIONS:
+        there, here = OmegaConf.select(saved, key), OmegaConf.select(cfg, key)
+        if there != here:
+            flag = "DATA" if key == "task.data" else flags.get(key, key)
+            return f"{flag} {there} in the checkpoint, {here} here"
+    return ""
+
+
+def check_shapes(path, model_state, cfg=None):
     """Refuse a checkpoint of another model in one line naming the first difference."""
     saved = files.tensor_specs(path)
+    fix = "pass the model flags it was trained with, or another --save-dir"
+
+    def refuse(what):
+        option = shape_option_difference(path, cfg) if cfg is not None else ""
+        return UsageError(f"checkpoint {path} holds a different model: " + (f"{option} ({what})" if option else what)
+                          + f"; {fix}")
     for name, tensor in model_state.items():
         if name not in saved:
-            raise UsageError(f"checkpoint {path} holds a different model: it has no parameter {name}; "
-                             "pass the model flags it was trained with, or another --save-dir")
+            raise refuse(f"it has no parameter {name}")
         shape = tuple(tensor.shape)
         if saved[name][0] != shape:
-            raise UsageError(f"checkpoint {path} holds a different model: {name} is {list(saved[name][0])} there "
-                             f"and {list(shape)} here; pass the model flags it was trained with, or another --save-dir")
+            raise refuse(f"{name} is {list(saved[name][0])} there and {list(shape)} here")
     extra = sorted(set(saved) - set(model_state))
     if extra:
-        raise UsageError(f"checkpoint {path} holds a different model: it has parameter {extra[0]}, which this "
-                         "model lacks; pass the model flags it was trained with, or another --save-dir")
+        raise refuse(f"it has parameter {extra[0]}, which this model lacks")
 
 
 def check_optimizer_state(path, optim_state):
@@ -304,7 +333,7 @@ class Checkpointer:
         saved = read_trainer_state(path)
         with_optim = not (finetune or c.reset_optimizer) and saved.get("has_optimizer")
         state = tensor_state(trainer.model, trainer.optimizer, with_optim)
-        check_shapes(path, state["model"])
+        check_shapes(path, state["model"], self.cfg)
         if with_optim:
             check_optimizer_state(path, state["optim"])
         load_tensors(path, state)

@@ -80,7 +80,10 @@ def join_ranks(ctx, first_rank, prog, hint):
     killed = [i for i, p in enumerate(procs) if p.exitcode < 0 and i not in ended_by_us]
     if killed:
         i = killed[0]
-        name = signal.Signals(-procs[i].exitcode).name
+        try:
+            name = signal.Signals(-procs[i].exitcode).name
+        except ValueError:
+            name = f"signal {-procs[i].exitcode}"
         print(f"{prog}: error: rank {first_rank + i} (pid {procs[i].pid}) was killed by {name}; {hint}",
               file=sys.stderr)
     elif os.access(ctx.error_files[failed], os.R_OK):  # an unexpected exception: its traceback

@@ -10,11 +10,13 @@ directory can be written at all. A run refused here leaves the directory as it f
 """
 import fcntl
 import json
+import logging
 import os
 import socket
 from pathlib import Path
 
 OWNER_FILE = ".lock"
+log = logging.getLogger("shardlm")
 
 
 class SaveDirLock:
@@ -39,8 +41,14 @@ class SaveDirLock:
             self.fd = None
             return (f"{self.save_dir} is in use by another train run ({self.owner()}); "
                     "wait for it or choose another --save-dir")
+        except OSError as e:  # a filesystem without flock (some NFS and Lustre mounts)
+            log.warning(f"cannot lock {self.save_dir} ({e.strerror}): nothing stops a second run from "
+                        "writing there too")
+        return self.write_owner()
+
+    def write_owner(self):
+        tmp = self.save_dir / f"{OWNER_FILE}.{os.getpid()}"
         try:
-            tmp = self.save_dir / f"{OWNER_FILE}.{os.getpid()}"
             tmp.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
             os.replace(tmp, self.save_dir / OWNER_FILE)
         except OSError as e:
