@@ -2,22 +2,35 @@
 
 Nothing here imports torch: `train --help` and a bad flag answer before it loads.
 """
+import os
 import sys
 
+from trainer import debug
 from trainer.flags import UsageError
 
 
+def _note_debug(argv):
+    """`--debug` (every command has it) turns on SHARDLM_DEBUG, in the environment so
+    that spawned ranks inherit it: errors then show their traceback too."""
+    if "--debug" in argv:
+        os.environ[debug.ENV] = "1"
+
+
 def _fail(prog, message, code):
+    debug.show_traceback()  # called from an except block: the error being handled
     print(f"{prog}: error: {message}", file=sys.stderr)
     return code
 
 
 def train_main(argv=None):
+    from data.errors import DataError
     from trainer.checks import check_config
+    from trainer.preflight import check_inputs
     from trainer.compose import compose_config
     from trainer.flags import build_parser, parse_flags
 
     argv = sys.argv[1:] if argv is None else argv
+    _note_debug(argv)
     multirun = "-m" in argv or "--multirun" in argv
     argv = [a for a in argv if a not in ("-m", "--multirun")]
     try:
@@ -32,15 +45,20 @@ def train_main(argv=None):
                                  "are not supported with -m yet")
             # Check the first job of the sweep here, so a typo costs seconds, not a queue wait.
             first = [_first_of_sweep(o) for o in overrides if not o.startswith(("hydra.", "hydra/"))]
-            check_config(compose_config(settings, first, None, None))
+            first_cfg = compose_config(settings, first, None, None)
+            check_config(first_cfg)
+            check_inputs(first_cfg)
         else:
             cfg = compose_config(settings, overrides, ns.config_dir, ns.config_name)
             check_config(cfg)
+            check_inputs(cfg)
             if cfg.distributed_training.auto_tune:
                 from trainer.auto_tune import auto_tune
                 print(auto_tune(cfg), file=sys.stderr, flush=True)
     except UsageError as e:
         return _fail("train", e, 2)
+    except DataError as e:
+        return _fail("train", e, 1)
     if multirun:
         from trainer.sweep import multirun as run_sweep
         return run_sweep(settings, overrides)
@@ -60,11 +78,15 @@ def preprocess_main(argv=None):
     from data.errors import DataError
     from data.preprocess import build_parser, preprocess
 
+    from trainer.flags import _Parser
+
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    _note_debug(argv)
     try:
+        args = build_parser(_Parser).parse_args(argv)
         preprocess(args)
+    except UsageError as e:
+        return _fail("preprocess", e, 2)
     except DataError as e:
         return _fail("preprocess", e, 1)
     return 0
@@ -74,8 +96,13 @@ def _parser(prog, description):
     import argparse
 
     from trainer.flags import _Parser
-    return _Parser(prog=prog, description=description, allow_abbrev=False,
-                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _Parser(prog=prog, description=description, allow_abbrev=False,
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    return parser
+
+
+DEBUG_HELP = "on an error, also print its traceback (or set SHARDLM_DEBUG=1)"
 
 
 def _positive_int(text):
@@ -93,6 +120,8 @@ def eval_lm_main(argv=None):
     """fairseq-eval-lm: perplexity of a checkpoint (sharded or exported) on a split."""
     import functools
 
+    from data.errors import DataError
+
     p = _parser("eval-lm", "Loss (base 2) and perplexity of a trained model on a split (fairseq-eval-lm).")
     p.add_argument("data", nargs="?", help="data directory (default: the embedded corpus)")
     p.add_argument("--path", required=True, help="checkpoint directory or export-model output")
@@ -107,15 +136,21 @@ def eval_lm_main(argv=None):
     p.add_argument("--distributed-world-size", type=_positive_int, default=1, help="ranks to spawn")
     p.add_argument("--cpu", action="store_true", help="evaluate on the CPU even when a GPU is present")
     argv = sys.argv[1:] if argv is None else argv
+    _note_debug(argv)
     try:
         args = p.parse_args(argv)
         if args.context_window < 0:
             raise UsageError(f"--context-window must be >= 0, got {args.context_window}")
+        if args.data:  # before any rank starts or the model loads
+            from data.data_dir import check_data_dir
+            check_data_dir(args.data, [args.gen_subset], subset_flag="--gen-subset")
         from trainer.compose import compose_config
         cfg = compose_config([("distributed_training.distributed_world_size", args.distributed_world_size),
                               ("common.cpu", args.cpu)], [], None, None)
     except UsageError as e:
         return _fail("eval-lm", e, 2)
+    except DataError as e:
+        return _fail("eval-lm", e, 1)
     from trainer import eval_lm
     from trainer.launch import launch
     return launch(cfg, functools.partial(eval_lm.run, args), prog="eval-lm")
@@ -123,6 +158,8 @@ def eval_lm_main(argv=None):
 
 def generate_main(argv=None):
     """fairseq-interactive: sample continuations of prompts."""
+    from data.errors import DataError
+
     p = _parser("generate", "Sample text from a trained model (a checkpoint directory or an export).")
     p.add_argument("--path", required=True, help="checkpoint directory or export-model output")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable); default: one prompt per stdin line")
@@ -133,18 +170,24 @@ def generate_main(argv=None):
     p.add_argument("--seed", type=int, default=1, help="the same seed gives the same text")
     p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole prefix for every token (slow)")
     argv = sys.argv[1:] if argv is None else argv
+    _note_debug(argv)
     try:
         args = p.parse_args(argv)
-        if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        if not args.temperature >= 0 or args.temperature == float("inf") or args.top_k < 0 \
+                or not 0 < args.top_p <= 1:
             raise UsageError("need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
         from trainer.generate_text import generate
         return generate(args)
     except UsageError as e:
         return _fail("generate", e, 2)
+    except DataError as e:
+        return _fail("generate", e, 1)
 
 
 def export_model_main(argv=None):
     """One consolidated safetensors file (or an HF GPT-2 directory) from a checkpoint."""
+    from data.errors import DataError
+
     p = _parser("export-model", "Write a checkpoint as one model.safetensors (+ config and tokenizer).")
     p.add_argument("--path", required=True, help="checkpoint directory")
     p.add_argument("--out", required=True, help="output directory (must not hold a model.safetensors yet)")
@@ -152,6 +195,7 @@ def export_model_main(argv=None):
                    help="hf: a directory transformers loads as GPT2LMHeadModel")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="cast the weights (default: as saved)")
     argv = sys.argv[1:] if argv is None else argv
+    _note_debug(argv)
     try:
         args = p.parse_args(argv)
         import torch
@@ -161,6 +205,8 @@ def export_model_main(argv=None):
         out = export_model(args.path, args.out, args.format, dtype)
     except UsageError as e:
         return _fail("export-model", e, 2)
+    except DataError as e:
+        return _fail("export-model", e, 1)
     print(f"exported {args.path} to {out}")
     return 0
 
@@ -175,6 +221,7 @@ def plan_main(argv=None):
     from trainer.flags import build_parser, parse_flags
 
     argv = sys.argv[1:] if argv is None else argv
+    _note_debug(argv)
     try:
         parser = build_parser("plan")
         parser.description = ("Predict one rank's peak memory for these `train` flags and print the fastest "
@@ -194,6 +241,9 @@ def plan_main(argv=None):
         if device == "cpu" and not cfg.common.cpu and os.path.exists("/dev/nvidia0"):
             raise UsageError("this host has a GPU: give its memory with --device-memory-gb, or --cpu to plan "
                              "for the CPU")
+        if ns.ranks_per_host and ns.ranks_per_host > world:
+            raise UsageError(f"--ranks-per-host {ns.ranks_per_host} exceeds the job's {world} rank(s); "
+                             "lower it or raise --distributed-world-size")
         ranks_per_host = ns.ranks_per_host or (world if device == "cpu" else min(world, 8))
         host_gb = ns.host_memory_gb or host_memory_gb()
         if host_gb is None:
@@ -213,8 +263,8 @@ def _positive_float(text):
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
     return value
 
 

@@ -34,9 +34,10 @@ DEFAULT_VOCAB_SIZE = 8000
 DEFAULT_SPM_MODEL_TYPE = "bpe"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="preprocess",
+def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser_class``: cli.py passes one whose errors are a single line, not usage text."""
+    parser = parser_class(
+        prog="preprocess", allow_abbrev=False,
         description="Tokenize local text, jsonl, parquet or csv files (or a saved HF dataset) "
         "into memory-mapped token files for train.",
     )
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--workers", type=int, default=1, help="encoding processes (default: 1)")
     parser.add_argument("--seed", type=int, default=1, help="seed for sentencepiece's sentence sampling (default: 1)")
+    parser.add_argument("--debug", action="store_true", help="on an error, also print its traceback (or set SHARDLM_DEBUG=1)")
     return parser
 
 
@@ -116,6 +118,9 @@ def _outputs(splits) -> list[str]:
 def _refuse_overwrite(destdir: Path, splits) -> None:
     if destdir.exists() and not destdir.is_dir():
         raise DataError(f"--destdir {destdir} is a file; choose a directory")
+    blocker = next((p for p in destdir.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise DataError(f"--destdir {destdir} cannot be created: {blocker} is a file; choose another --destdir")
     for name in _outputs(splits):
         if (destdir / name).exists():
             raise DataError(f"{destdir / name} already exists; choose another --destdir or delete it")

@@ -178,6 +178,9 @@ def load_text_dataset(sources: list[Source], text_column: str, cache_dir: Path):
     parts = []
     for fmt, paths in groups:
         where = paths[0] if len(paths) == 1 else f"{paths[0]} (and {len(paths) - 1} more)"
+        # datasets logs a parse error before raising it; the raise becomes our one line.
+        verbosity = datasets.utils.logging.get_verbosity()
+        datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
         try:
             ds = _load_group(datasets, fmt, paths, cache_dir)
         except DataError:
@@ -188,6 +191,8 @@ def load_text_dataset(sources: list[Source], text_column: str, cache_dir: Path):
             raise DataError(
                 f"could not read {where} as {fmt}: {reason}; check the file, or pass --input-format"
             ) from e
+        finally:
+            datasets.utils.logging.set_verbosity(verbosity)
         if text_column not in ds.column_names:
             raise DataError(
                 f"{where} has no column {text_column!r}; its columns are {', '.join(ds.column_names)}; "

@@ -3,8 +3,12 @@
 Each problem is one UsageError line that names the fix. Runs on the config, so a bad
 value is caught the same way whether it came from a flag, a file or an override.
 """
+import math
+
 from trainer.config import SHARDED_BACKENDS
 from trainer.flags import UsageError, flag_name, iter_fields
+
+INIT_METHOD_SCHEMES = ("tcp://", "env://", "file://")
 
 
 def check_config(cfg):
@@ -13,13 +17,18 @@ def check_config(cfg):
         choices = f.metadata.get("choices")
         if choices and value is not None and value not in choices:
             raise UsageError(f"{flag_name(f)} {value!r} is not one of: {', '.join(choices)}")
+        # nan passes every comparison below, and no setting means anything at inf.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{flag_name(f)} must be a finite number, got {value}")
     m, d, o, t = cfg.model, cfg.distributed_training, cfg.optimization, cfg.task
     _positive(cfg, "model.decoder_layers", "model.decoder_embed_dim", "model.decoder_ffn_embed_dim",
               "model.decoder_attention_heads", "task.tokens_per_sample", "optimization.update_freq",
               "common.log_interval", "distributed_training.distributed_world_size", "task.dict_size",
               "task.dataset_size", "dataset.validate_interval")
     _positive(cfg, "dataset.batch_size", "dataset.max_tokens", "dataset.batch_size_valid",
-              "dataset.max_tokens_valid", "model.max_target_positions", "common.peak_tflops", optional=True)
+              "dataset.max_tokens_valid", "model.max_target_positions", "common.peak_tflops",
+              "dataset.max_valid_steps", optional=True)
+    _positive(cfg, "common.fp16_init_scale", "common.min_loss_scale")
     _non_negative(cfg, "optimization.lr", "optimization.max_update", "optimization.max_epoch",
                   "optimization.clip_norm", "optimizer.weight_decay", "dataset.validate_interval_updates",
                   "lr_scheduler.warmup_updates", "model.min_params_to_wrap")
@@ -41,6 +50,9 @@ def check_config(cfg):
                              f"(got {d.ddp_backend})")
     if d.distributed_port != -1 and not 0 < d.distributed_port < 65536:
         raise UsageError(f"--distributed-port {d.distributed_port} is not a port; use 1-65535 or -1 for any free port")
+    if d.distributed_init_method and not d.distributed_init_method.startswith(INIT_METHOD_SCHEMES):
+        raise UsageError(f"--distributed-init-method {d.distributed_init_method!r} is not a rendezvous address; "
+                         "use tcp://HOST:PORT, env:// or file:///SHARED/PATH")
     _positive(cfg, "distributed_training.memory_budget_gb", optional=True)
     if d.memory_budget_gb is not None and not d.auto_tune:
         raise UsageError("--memory-budget-gb is the budget of --auto-tune; add --auto-tune (or run `plan`)")
@@ -48,6 +60,10 @@ def check_config(cfg):
         raise UsageError(f"--shard-group-size must be positive, got {d.shard_group_size}")
     if d.shard_group_size is not None and d.ddp_backend != "hybrid_shard":
         raise UsageError("--shard-group-size needs --ddp-backend hybrid_shard")
+    # A world size of 1 in the config may be torchrun's or SLURM's to fill in: checked there.
+    if d.shard_group_size and d.distributed_world_size > 1 and d.distributed_world_size % d.shard_group_size:
+        raise UsageError(f"--shard-group-size {d.shard_group_size} does not divide --distributed-world-size "
+                         f"{d.distributed_world_size}; pick a divisor")
     ck = cfg.checkpoint
     resets = [f for f, on in (("--reset-optimizer", ck.reset_optimizer), ("--reset-lr-scheduler", ck.reset_lr_scheduler),
                               ("--reset-dataloader", ck.reset_dataloader), ("--reset-meters", ck.reset_meters)) if on]
@@ -58,6 +74,15 @@ def check_config(cfg):
     _positive(cfg, "checkpoint.save_interval")
     if cfg.dataset.batch_size is None and cfg.dataset.max_tokens is None:
         raise UsageError("set --batch-size or --max-tokens (sequences or tokens per batch per rank)")
+    for flag, max_tokens in (("--max-tokens", cfg.dataset.max_tokens), ("--max-tokens-valid", cfg.dataset.max_tokens_valid)):
+        if max_tokens is not None and max_tokens < t.tokens_per_sample:  # fairseq: "exceeds max_tokens limit"
+            raise UsageError(f"{flag} {max_tokens} is smaller than one sample (--tokens-per-sample "
+                             f"{t.tokens_per_sample}); raise it or lower --tokens-per-sample")
+    if t._name == "dummy_lm":
+        if t.data:
+            raise UsageError(f"--task dummy_lm makes random tokens and reads no DATA ({t.data}); drop DATA or the task")
+        if t.dict_size <= 4:
+            raise UsageError(f"--dict-size {t.dict_size} leaves no tokens beside the 4 special symbols; use at least 5")
     if cfg.lr_scheduler._name == "polynomial_decay" and not (cfg.lr_scheduler.total_num_update or o.max_update):
         raise UsageError("--lr-scheduler polynomial_decay needs --total-num-update or --max-update")
     if m.max_target_positions is not None and t.tokens_per_sample > m.max_target_positions:

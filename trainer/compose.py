@@ -94,10 +94,14 @@ def _normalize(key, value):
 
 def group_option(group, name, config_dir=None):
     """The keys option NAME of GROUP sets: <config-dir>/<group>/<name>.yaml, else a registered one."""
-    if config_dir and (Path(config_dir) / group / f"{name}.yaml").is_file():
-        node = OmegaConf.to_container(OmegaConf.load(Path(config_dir) / group / f"{name}.yaml"))
+    path = Path(config_dir or ".") / group / f"{name}.yaml"
+    if config_dir and path.is_file():
+        node = _load_yaml(path)
+        if node is not None and not isinstance(node, dict):
+            raise UsageError(f"{path} must be a mapping of {group} keys, e.g. `decoder_layers: 4`")
+        node = dict(node or {})
         node.pop("_name", None)
-        return node or {}
+        return node
     options = GROUP_OPTIONS[group]
     if name not in options:
         near = difflib.get_close_matches(str(name), options, n=1, cutoff=0.5)
@@ -139,15 +143,21 @@ def override_settings(overrides):
     return settings
 
 
+def _load_yaml(path):
+    """A YAML file's contents as plain containers; a parse error is one line naming the file."""
+    import yaml
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path))
+    except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError) as e:
+        raise UsageError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+
+
 def file_settings(config_dir, config_name):
     """An experiment YAML file as settings; it lists only the keys it changes."""
     path = Path(config_dir or ".") / f"{config_name}.yaml"
     if not path.is_file():
         raise UsageError(f"no config file {path}: check --config-dir and --config-name (name without .yaml)")
-    try:
-        data = OmegaConf.to_container(OmegaConf.load(path))
-    except Exception as e:
-        raise UsageError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    data = _load_yaml(path)
     if data is None:
         return []
     if not isinstance(data, dict):

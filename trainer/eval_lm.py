@@ -73,6 +73,9 @@ def eval_lm(args, env):
                          "positions; pass a smaller one")
     if args.batch_size is None and args.max_tokens is None:
         args.max_tokens = 36000  # fairseq-eval-lm's default
+    if args.max_tokens is not None and args.max_tokens < tokens_per_sample:
+        raise UsageError(f"--max-tokens {args.max_tokens} is smaller than one block (--tokens-per-sample "
+                         f"{tokens_per_sample}); raise it or lower --tokens-per-sample")
     dataset, pad = split_dataset(cfg, args, tokens_per_sample - args.context_window, model.vocab_size)
     start = time.perf_counter()
     loss_sum, ntokens = evaluate(model, dataset, args, pad, env)
@@ -89,6 +92,7 @@ def split_dataset(cfg, args, tokens_per_sample, vocab_size):
     """The split's token blocks as training cut them; the data's tokenizer must be the model's."""
     from pathlib import Path
 
+    from data.data_dir import check_token_ids
     from data.indexed_dataset import IndexedDataset, exists
     from data.token_block import TokenBlockDataset
     from data.tokenizer import load_tokenizer
@@ -105,9 +109,10 @@ def split_dataset(cfg, args, tokens_per_sample, vocab_size):
     if tok.vocab_size != vocab_size:
         raise UsageError(f"{data_dir} has a vocabulary of {tok.vocab_size}, the model {vocab_size}: "
                          "evaluate on data made with the model's tokenizer")
+    tokens = IndexedDataset(str(data_dir / args.gen_subset))
+    check_token_ids(tokens, vocab_size)
     break_mode = args.sample_break_mode or cfg.task.sample_break_mode
-    return TokenBlockDataset(IndexedDataset(str(data_dir / args.gen_subset)), tokens_per_sample, break_mode,
-                             pad=tok.pad, eos=tok.eos), tok.pad
+    return TokenBlockDataset(tokens, tokens_per_sample, break_mode, pad=tok.pad, eos=tok.eos), tok.pad
 
 
 def run(args, cfg, rdv):

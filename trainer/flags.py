@@ -67,6 +67,8 @@ def build_parser(prog="train"):
                      epilog=EPILOG)
     parser.add_argument("--config-dir", help="directory holding an experiment YAML file")
     parser.add_argument("--config-name", help="experiment YAML file (without .yaml) in --config-dir")
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, also print its traceback (or set SHARDLM_DEBUG=1)")
     seen = {}
     for group, f in iter_fields():
         arg_group = _arg_groups(parser).setdefault(group, parser.add_argument_group(group))

@@ -9,11 +9,14 @@ def generate(args):
     from models.generate import sample
     from trainer.inference import load_model
 
+    # Prompts first: an empty stdin is refused before the model is loaded.
+    prompts = args.prompt if args.prompt else [line.rstrip("\n") for line in sys.stdin]
+    if not prompts:
+        raise UsageError("no prompts: pass --prompt TEXT, or one prompt per line on stdin")
     model, _, tokenizer = load_model(args.path)
     if tokenizer is None:
         raise UsageError(f"{args.path} has no tokenizer (trained with --task dummy_lm?): nothing can "
                          "turn text into its tokens")
-    prompts = args.prompt if args.prompt else [line.rstrip("\n") for line in sys.stdin]
     for i, prompt in enumerate(prompts):
         # The model learned every block as "</s> sentence": start the prompt the same way.
         ids = [tokenizer.eos] + tokenizer.encode(prompt)

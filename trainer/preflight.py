@@ -1,0 +1,86 @@
+"""Checks of what a run will read and where it will write, after the config checks and
+before any rank starts: the data directory, the batches it gives the ranks, the paths of
+--save-dir and --log-file. A problem is one line and nothing has been written yet.
+Torch-free, like trainer/checks.py.
+"""
+import os
+from pathlib import Path
+
+from data.errors import DataError
+from trainer.flags import UsageError
+
+DEFAULT_VALID_SUBSET = "valid"
+
+
+def check_inputs(cfg, environ=None):
+    _check_paths(cfg)
+    if cfg.task._name == "language_modeling" and cfg.task.data:
+        _check_data(cfg, expected_world_size(cfg, os.environ if environ is None else environ))
+
+
+def expected_world_size(cfg, environ):
+    """The job's ranks as trainer/distributed.py will find them (torchrun, SLURM or the flag)."""
+    if "WORLD_SIZE" in environ and "RANK" in environ:
+        return int(environ["WORLD_SIZE"])
+    world = cfg.distributed_training.distributed_world_size
+    if "SLURM_PROCID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
+        return max(world, int(environ["SLURM_NTASKS"]))
+    return world
+
+
+def _check_data(cfg, world_size):
+    from data.data_dir import check_data_dir, check_token_ids
+    from data.indexed_dataset import IndexedDataset, exists
+
+    data, ds = Path(cfg.task.data), cfg.dataset
+    tokenizer = check_data_dir(data, [ds.train_subset])
+    if not ds.disable_validation:
+        for subset in filter(None, ds.valid_subset.split(",")):
+            if exists(data / subset):
+                check_token_ids(IndexedDataset(data / subset), tokenizer.vocab_size)
+            elif subset != DEFAULT_VALID_SUBSET:  # the default may be absent: then nothing is validated
+                raise DataError(f"no split {subset!r} in {data} (expected {subset}.bin and {subset}.idx); "
+                                "check --valid-subset, or pass --disable-validation")
+    _check_batches_per_rank(cfg, data / ds.train_subset, tokenizer, world_size)
+
+
+def _check_batches_per_rank(cfg, prefix, tokenizer, world_size):
+    """Every rank needs a batch of the epoch; the iterator's own count decides (epoch 1)."""
+    if world_size < 2:
+        return
+    from data.indexed_dataset import IndexedDataset
+    from data.iterator import EpochBatchIterator
+    from data.token_block import TokenBlockDataset
+
+    t, d = cfg.task, cfg.dataset
+    tokens = IndexedDataset(prefix)
+    # Blocks hold at most tokens_per_sample targets and a batch at most this many blocks:
+    # when even that leaves a batch for every rank, skip the exact count (big corpora).
+    most_per_batch = min(x for x in (d.batch_size, d.max_tokens) if x is not None)
+    if tokens.num_tokens // t.tokens_per_sample >= most_per_batch * world_size:
+        return
+    blocks = TokenBlockDataset(tokens, t.tokens_per_sample, t.sample_break_mode, pad=tokenizer.pad,
+                               eos=tokenizer.eos)
+    batches = EpochBatchIterator(blocks, batch_size=d.batch_size, max_tokens=d.max_tokens, seed=cfg.common.seed,
+                                 num_shards=world_size, shard_id=0, shuffle=True, pad=tokenizer.pad)
+    len(batches)  # raises DataError("only N batches for W ranks; …")
+
+
+def _check_paths(cfg):
+    ck = cfg.checkpoint
+    if not ck.no_save:
+        save_dir = Path(ck.save_dir)
+        if save_dir.exists() and not save_dir.is_dir():
+            raise UsageError(f"--save-dir {save_dir} is a file; choose a directory")
+        _check_creatable(save_dir, "--save-dir")
+    if cfg.common.log_file:
+        parent = Path(cfg.common.log_file).parent
+        if not parent.is_dir():
+            raise UsageError(f"--log-file {cfg.common.log_file}: directory {parent} does not exist; "
+                             "create it or choose another path")
+
+
+def _check_creatable(path, flag):
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise UsageError(f"{flag} {path} cannot be created: {blocker} is a file; choose another {flag}")
