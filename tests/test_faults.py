@@ -29,6 +29,7 @@ class Train:
                                      env={**os.environ, **(env or {})}, start_new_session=True)
         self.lines = []
         self.watchdog = threading.Timer(limit_s, self.kill)  # a hang fails the test, not the suite
+        self.watchdog.daemon = True
         self.watchdog.start()
 
     def wait_for(self, text):
@@ -95,8 +96,8 @@ def test_a_killed_spawned_rank_is_named_and_the_same_command_resumes(tmp_path):
 def test_separately_started_ranks_end_within_the_heartbeat_timeout(fault, tmp_path):
     """Ranks joined by env:// as a cluster launcher starts them. A hung peer (SIGSTOP) ends the
     job after --heartbeat-timeout instead of 30 minutes; a dead one at once."""
-    argv = SAVE + FSDP2 + ["--max-update", "100000", "--save-interval-updates", "10", "--heartbeat-timeout", "10",
-                           "--save-dir", str(tmp_path / "ckpt")]
+    argv = SAVE + FSDP2 + ["--max-update", "100000", "--save-interval-updates", "10", "--keep-interval-updates", "1",
+                           "--heartbeat-timeout", "10", "--save-dir", str(tmp_path / "ckpt")]
     port = str(free_port())
     env = [dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r))
            for r in range(2)]
@@ -192,7 +193,8 @@ def test_a_full_disk_fails_that_save_and_keeps_the_previous_checkpoint(small_dis
 
 def test_one_save_dir_takes_one_run(tmp_path):
     save = tmp_path / "ckpt"
-    argv = SAVE + ["--max-update", "100000", "--save-interval-updates", "5", "--save-dir", str(save)]
+    argv = SAVE + ["--max-update", "100000", "--save-interval-updates", "5", "--keep-interval-updates", "1",
+                   "--save-dir", str(save)]
     first = Train(argv)
     try:
         first.wait_for("Saved checkpoint")
