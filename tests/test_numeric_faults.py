@@ -3,6 +3,7 @@ overflows every step): fp32 stops with fairseq's message naming the update, fp16
 updates until --min-loss-scale; the job ends non-zero with one line on stderr and the
 checkpoints written before the fault are left exactly as they were."""
 import hashlib
+import json
 from pathlib import Path
 
 from helpers import DUMMY, run_train
@@ -48,9 +49,15 @@ def test_nan_loss_stops_naming_the_update_and_saves_nothing():
 
 
 def test_inf_gradients_with_a_finite_loss_stop_too():
-    # SGD at lr 1e6: the next loss is huge but finite, its backward overflows.
-    error, stdout = fails_after_checkpoints(SAVING + ["--optimizer", "sgd", "--lr", "1e6"], 1)
-    assert "gradients are Nan/Inf at update 2 (loss 2." in error and "gnorm nan" in error
+    # SGD at lr 1e6: update 2's loss is huge but finite, its backward overflows. One run:
+    # update 1 is saved, update 2 stops it, and checkpoint_last stays at update 1.
+    _, r = run_train(SAVING + ["--optimizer", "sgd", "--lr", "1e6", "--save-dir", "ck", "--max-update", "8"],
+                     check=False)
+    error, = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and error.startswith("train: error: gradients are Nan/Inf at update 2 (loss 2.")
+    assert "gnorm nan" in error
+    assert json.loads(Path("ck/checkpoint_last/trainer_state.json").read_text())["num_updates"] == 1
+    assert sorted(p.name for p in Path("ck").glob("checkpoint*")) == ["checkpoint_1_1", "checkpoint_last"]
 
 
 def test_weights_stepped_to_inf_are_never_saved(tmp_path):
@@ -77,3 +84,27 @@ def test_fp16_skips_overflows_then_stops_at_min_loss_scale():
     assert '"num_updates"' not in stdout  # nothing after the resumed update 1 was counted
     assert error.startswith(f"train: error: Minimum loss scale reached ({float(2 ** 36)}) at update 2, where the "
                             f"loss overflowed at scale {float(2 ** 37)}. Your loss is probably exploding.")
+
+
+def test_two_fsdp_ranks_stop_together_with_a_save_in_flight():
+    # SGD at lr 1e3 diverges at update 3. Update 1's asynchronous save is published when
+    # update 2's starts; update 2's is still in flight when update 3 fails and must stay
+    # unpublished. Both ranks stop at once (a rank left waiting would hang the job).
+    _, r = run_train(SAVING + FSDP2 + ["--optimizer", "sgd", "--lr", "1e3", "--save-async", "--save-dir", "ck",
+                                       "--max-update", "8"], check=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    error, = r.stderr.strip().splitlines()
+    assert error.startswith("train: error: [rank 0] gradients are Nan/Inf at update 3 (loss ")
+    last = json.loads(Path("ck/checkpoint_last/trainer_state.json").read_text())
+    assert last["num_updates"] == 1
+    assert sorted(p.name for p in Path("ck").glob("checkpoint*")) == ["checkpoint_1_1", "checkpoint_last"]
+
+
+def test_two_fsdp_ranks_agree_on_fp16_overflows():
+    # The overflow is found on one rank's gradient shards; both must halve and skip together.
+    _, r = run_train(SAVING + FSDP2 + ["--fp16", "--fp16-init-scale", str(2 ** 40), "--min-loss-scale", str(2 ** 37),
+                                       "--save-dir", "ck", "--max-update", "4"], check=False)
+    assert r.returncode == 1 and r.stdout.count("NOTE: gradient overflow detected") == 2
+    error, = r.stderr.strip().splitlines()
+    assert error.startswith(f"train: error: [rank 0] Minimum loss scale reached ({float(2 ** 37)}) at update 1, ")
+    assert not any(Path("ck").glob("checkpoint*"))

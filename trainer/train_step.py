@@ -100,7 +100,7 @@ class Trainer:
         update = self.num_updates + 1
         if self.scaler is None:
             what = "gradients are" if not math.isfinite(gnorm) else "loss is"
-            raise FloatingPointError(
+            raise self.numerical_fault(
                 f"{what} Nan/Inf at update {update} (loss {loss:.4g}, gnorm {gnorm:.4g}); nothing was saved from "
                 "it: lower --lr or set --clip-norm, and resume from the last checkpoint")
         prev = self.scaler.get_scale()
@@ -111,12 +111,19 @@ class Trainer:
         scale = self.scaler.get_scale()
         min_scale = self.cfg.common.min_loss_scale
         if scale <= min_scale:  # fairseq's test and message
-            raise FloatingPointError(
+            raise self.numerical_fault(
                 f"Minimum loss scale reached ({min_scale}) at update {update}, where the loss overflowed at scale "
                 f"{prev}. Your loss is probably exploding. Try lowering the learning rate, using gradient "
                 "clipping or increasing the batch size.")
         log.info(f"NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: {scale}")
         return None
+
+    def numerical_fault(self, message):
+        """The error to stop with. Every rank decides on the same summed values and stops
+        at the same update; rank 0 says why, the others stop quietly under local spawn, so
+        the job prints one line (each prints it when started on its own, as by torchrun)."""
+        from trainer.launch import RankStopped
+        return FloatingPointError(message) if self.env.is_master else RankStopped(message)
 
     def check_parameters_finite(self):
         """Before a save: refuse to write weights that are Nan/Inf (an update with a finite
@@ -125,7 +132,7 @@ class Trainer:
         bad = sum(float(not torch.isfinite(t).all()) for t in local if t.numel())
         (bad,) = all_reduce_sum([bad], self.env)
         if bad:
-            raise FloatingPointError(
+            raise self.numerical_fault(
                 f"parameters are Nan/Inf after update {self.num_updates}; nothing was saved from them: "
                 "lower --lr or set --clip-norm, and resume from the last checkpoint")
 
