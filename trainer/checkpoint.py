@@ -30,7 +30,6 @@ from trainer.launch import RankStopped
 
 log = logging.getLogger("shardlm")
 FORMAT_VERSION = 1
-LOW_SPACE = 64 << 20  # a write that failed with less than this free ran out of space
 # One process without a process group is a normal way to save and load here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -214,23 +213,23 @@ class Checkpointer:
         failed = None
         if self.env.is_master:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving
-            failed = _os_error(lambda: (tmp / "rng").mkdir(parents=True), self.save_dir)
+            failed = files.write_failure(lambda: (tmp / "rng").mkdir(parents=True), self.save_dir)
         self.agree_saved(failed, tmp, names[0])
         with_optim = not self.c.no_save_optimizer_state
         state = tensor_state(self.trainer.model, self.trainer.optimizer, with_optim)
         rng_file = tmp / "rng" / f"rank{self.env.rank}.json"
-        failed = _os_error(lambda: write_json(rng_file, rng_state()), self.save_dir)
+        failed = files.write_failure(lambda: write_json(rng_file, rng_state()), self.save_dir)
         if self.env.is_master and failed is None:
             def small_files():
                 self.write_small_files(tmp, epoch, end_of_epoch, loop, with_optim)
-            failed = _os_error(small_files, self.save_dir)
+            failed = files.write_failure(small_files, self.save_dir)
         self.agree_saved(failed, tmp, names[0])
         writer = dcp.FileSystemWriter(os.fspath(tmp))
         if self.c.save_async:
             future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
             self.pending = (future, tmp, names, self.trainer.num_updates)
             return
-        failed = _os_error(lambda: dcp.save(state, storage_writer=writer), self.save_dir)
+        failed = files.write_failure(lambda: dcp.save(state, storage_writer=writer), self.save_dir)
         self.agree_saved(failed, tmp, names[0], agreed=True)
         # DCP's coordinator (rank 0) writes .metadata only after every rank has written
         # its shards, so rank 0 may publish as soon as save returns.
@@ -295,7 +294,7 @@ class Checkpointer:
         future, tmp, names, num_updates = self.pending
         self.pending = None
         # rank 0's completes after every rank has written (DCP's finish step)
-        self.agree_saved(_os_error(future.result, self.save_dir), tmp, names[0], agreed=True)
+        self.agree_saved(files.write_failure(future.result, self.save_dir), tmp, names[0], agreed=True)
         self.publish(tmp, names, num_updates)
 
     def barrier(self):
@@ -379,28 +378,6 @@ class Checkpointer:
             log.warning(f"the checkpoint's data position ({it['iterations_in_epoch']} batches of {old} sequences) "
                         f"is not a whole number of this run's batches of {new}: resuming at the nearest earlier one")
         return {**it, "iterations_in_epoch": consumed // new if new else 0}
-
-
-def _os_error(write, save_dir):
-    """Run `write`; the reason it could not write (one line, e.g. "No space left on device"), else None."""
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
-    try:
-        write()
-    except OSError as e:
-        return e.strerror or str(e)
-    except (RuntimeError, CheckpointException) as e:  # DCP gathers every rank's failure
-        text = str(e)
-        for reason in ("No space left on device", "Read-only file system", "Permission denied",
-                       "Disk quota exceeded", "Input/output error"):
-            if reason in text:
-                return reason
-        # torch.save's zip writer loses ENOSPC's errno ("unexpected pos 704 vs 598"): ask the disk.
-        free = shutil.disk_usage(save_dir).free
-        if free < LOW_SPACE:
-            return f"No space left on device ({free >> 10} KiB free)"
-        raise
-    return None
 
 
 def _finite_or_none(x):

@@ -26,6 +26,7 @@ STATE_FILE = "trainer_state.json"
 UPDATE_CKPT = re.compile(r"^checkpoint_(\d+)_(\d+)$")
 EPOCH_CKPT = re.compile(r"^checkpoint(\d+)$")
 BEST_CKPT = re.compile(r"^checkpoint\.best_(\w+)_(-?[\d.]+|inf|nan)$")
+LOW_SPACE = 64 << 20  # a write that failed with less than this free ran out of space
 
 
 def is_checkpoint(path):
@@ -106,6 +107,29 @@ def remove_unfinished_saves(save_dir):
     for path in leftovers:
         shutil.rmtree(path, ignore_errors=True)
     return [p.name for p in leftovers]
+
+
+def write_failure(write, save_dir):
+    """Run `write`; the reason it could not write (one line, e.g. "No space left on device"), else None."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        write()
+    except OSError as e:
+        return e.strerror or str(e)
+    except (RuntimeError, CheckpointException) as e:  # DCP gathers every rank's failure
+        text = str(e)
+        for reason in ("No space left on device", "Read-only file system", "Permission denied",
+                       "Disk quota exceeded", "Input/output error"):
+            if reason in text:
+                return reason
+        # torch.save's zip writer loses ENOSPC's errno ("[enforce fail at inline_container.cc:672]
+        # unexpected pos 704 vs 598"): ask the disk.
+        free = shutil.disk_usage(save_dir).free
+        if "inline_container" in text and free < LOW_SPACE:
+            return f"No space left on device ({free >> 10} KiB free)"
+        raise
+    return None
 
 
 def _fsync_dir(path):
