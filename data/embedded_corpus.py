@@ -36,6 +36,7 @@ _VOWELS = list("aeiou")
 # Characters per split; the splits use disjoint seed streams.
 _SPLIT_CHARS = {"train": 2_000_000, "valid": 100_000, "test": 100_000}
 _SPLIT_STREAMS = {"train": 1, "valid": 2, "test": 3}
+SPLITS = tuple(_SPLIT_CHARS)
 _VOCAB_SIZE = 1024
 
 

@@ -16,6 +16,21 @@ def check_inputs(cfg, environ=None):
     _check_paths(cfg)
     if cfg.task._name == "language_modeling" and cfg.task.data:
         _check_data(cfg, expected_world_size(cfg, os.environ if environ is None else environ))
+    elif cfg.task._name == "language_modeling":
+        _check_embedded_splits(cfg.dataset)
+
+
+def _check_embedded_splits(ds):
+    """Without DATA the embedded corpus is read; its splits are known before it is built."""
+    from data.embedded_corpus import SPLITS
+
+    named = [("--train-subset", ds.train_subset)]
+    if not ds.disable_validation:
+        named += [("--valid-subset", s) for s in ds.valid_subset.split(",") if s]
+    for flag, split in named:
+        if split not in SPLITS:
+            raise DataError(f"no split {split!r} in the embedded corpus (it has {', '.join(SPLITS)}); "
+                            f"check {flag}, or pass DATA")
 
 
 def expected_world_size(cfg, environ):
