@@ -31,7 +31,11 @@ def launch(cfg, target=None, prog="train"):
     """Run `target(cfg, rdv)` (default: training) on every rank of the job."""
     from trainer.distributed import infer_rendezvous
 
-    rdv = infer_rendezvous(cfg)
+    try:
+        rdv = infer_rendezvous(cfg)  # SLURM's variables and scontrol can be wrong too
+    except USER_ERRORS as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
     if rdv.spawn > 1:
         import torch.multiprocessing as mp
 

@@ -9,6 +9,15 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
+from trainer.flags import UsageError
+
+# Hydra instantiates its launcher, sweeper and callbacks (and logging factories) from
+# config. A sweep may choose among these launchers and set their keys; nothing may name a
+# class, point Hydra at other config directories, or replace the other Hydra groups, so
+# no config file or override reaches code outside shardlm and these launchers.
+LAUNCHERS = ("basic", "slurm", "submitit_local", "submitit_slurm")
+LOCKED = ("hydra.searchpath", "hydra.callbacks", "hydra.sweeper", "hydra.job_logging", "hydra.hydra_logging")
+
 
 def _quote(value):
     """A flag's value as a Hydra override value: lists stay lists, strings are quoted (so a
@@ -53,10 +62,29 @@ def _job(_hydra_cfg):
         raise SystemExit(code)
 
 
+def check_sweep_overrides(overrides):
+    """Refuse, in one line, an override that would make Hydra instantiate something else."""
+    for text in overrides:
+        key, _, value = text.partition("=")
+        key = key.lstrip("+~")
+        if "_target_" in text or key.startswith(LOCKED):
+            raise UsageError(f"override {text!r}: a sweep may not name classes or change Hydra's search path, "
+                             "callbacks, sweeper or logging; choose a launcher with "
+                             f"hydra/launcher={'|'.join(LAUNCHERS)}")
+        if key.startswith("hydra/") and (key != "hydra/launcher" or value not in LAUNCHERS):
+            raise UsageError(f"override {text!r}: the only Hydra group a sweep selects is "
+                             f"hydra/launcher={'|'.join(LAUNCHERS)}")
+
+
 def multirun(flag_settings, overrides):
     """Run the sweep; Hydra parses `-m`, `hydra/launcher=…` and `hydra.*` itself."""
     from trainer.config import register_configs
 
+    try:
+        check_sweep_overrides(overrides)
+    except UsageError as e:
+        print(f"train: error: {e}", file=sys.stderr)
+        return 2
     register_configs()
     sys.argv = ["train", "-m"] + flags_as_overrides(flag_settings) + list(overrides)
     _job()
