@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from trainer.config import SHARDED_BACKENDS
 from trainer.flags import UsageError
-from trainer.launch import RankStopped
+from trainer.launch import RankStopped, resume_hint
 
 RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
 
@@ -157,7 +157,6 @@ def collective_timeout(cfg):
 # or stopped answering for longer than the collective timeout.
 CLOSED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
 TIMED_OUT = ("Timed out", "timed out", "timeout", "Timeout")
-RESUME_HINT = "rerun the same command to resume from checkpoint_last"
 
 
 def peer_lost(error, cfg, env):
@@ -167,17 +166,17 @@ def peer_lost(error, cfg, env):
         type(error).__name__ == "CheckpointException"  # DCP wraps a failed save or load in it
     if env.world_size < 2 or not collective_error:
         return None
-    text = str(error)
+    text, hint = str(error), resume_hint(cfg, "train")
     peer = f"rank {1 - env.rank}" if env.world_size == 2 else "a peer rank"
     address = re.search(r"\[([^\]]+)\]:(\d+)", text)
     at = f" at {address.group(1)}" if address and env.world_size > 2 else ""
     if any(m in text for m in CLOSED):
         return RankStopped(f"lost {peer}{at}: its connection closed (the process died or was killed); "
-                           f"{RESUME_HINT}")
+                           f"{hint}")
     if any(m in text for m in TIMED_OUT):
         seconds = collective_timeout(cfg).total_seconds()
         return RankStopped(f"{peer}{at} did not answer for {seconds:g} s (--heartbeat-timeout): it died or "
-                           f"hangs; {RESUME_HINT}")
+                           f"hangs; {hint}")
     return None
 
 
