@@ -111,6 +111,11 @@ CASES = [
     ("train", TINY + ["--save-dir", "corpus.txt/run"], None, r"--save-dir corpus\.txt/run cannot be created: corpus\.txt is a file"),
     ("train", TINY + ["--no-save", "--log-file", "logs/train.log"], None, r"directory logs does not exist"),
     ("train", TINY + ["--train-subset", "trian"], None, r"no split 'trian' in the embedded corpus"),
+    ("train", TINY + ["--adam-betas", "(0.9, 1.5)"], None, r"--adam-betas must each be in \[0, 1\)"),
+    ("train", TINY + ["--seed", "-1"], None, r"--seed must be in \[0, 2\*\*32\)"),
+    ("train", TINY + ["--distributed-rank", "2", "--distributed-world-size", "2"], None, r"--distributed-rank 2 is not a rank"),
+    ("train", TINY + ["--no-save", "--tensorboard-logdir", "corpus.txt"], None, r"--tensorboard-logdir corpus\.txt is a file"),
+    ("train", TINY + ["--task", "dummy_lm", "--dict-size", str(10 ** 11)], None, r"needs at least [\d,.]+ GB .* which has"),
     # train: the data directory
     ("train", ["nodir"] + TINY, None, r"data directory nodir does not exist.*local data only"),
     ("train", ["empty"] + TINY, write("empty/.keep", ""), r"empty has neither tokenizer\.model nor dict\.txt"),

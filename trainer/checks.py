@@ -40,6 +40,14 @@ def check_config(cfg):
                          f"--decoder-embed-dim {m.decoder_embed_dim}; pick heads that divide it")
     if len(cfg.optimizer.adam_betas) != 2:
         raise UsageError(f"--adam-betas needs two numbers like \"(0.9, 0.98)\", got {list(cfg.optimizer.adam_betas)}")
+    if not all(0.0 <= b < 1.0 for b in cfg.optimizer.adam_betas):
+        raise UsageError(f"--adam-betas must each be in [0, 1), got {list(cfg.optimizer.adam_betas)}")
+    _non_negative(cfg, "optimizer.adam_eps", "optimizer.momentum", "lr_scheduler.power", "lr_scheduler.end_learning_rate",
+                  "lr_scheduler.min_lr")
+    if cfg.lr_scheduler.warmup_init_lr < 0 and cfg.lr_scheduler.warmup_init_lr != -1:
+        raise UsageError(f"--warmup-init-lr must be >= 0 (or -1: start at 0), got {cfg.lr_scheduler.warmup_init_lr}")
+    if not 0 <= cfg.common.seed < 2 ** 32:
+        raise UsageError(f"--seed must be in [0, 2**32), got {cfg.common.seed}")
     if cfg.common.fp16 and cfg.common.bf16:
         raise UsageError("--fp16 and --bf16 are exclusive; pick one")
     sharded = d.ddp_backend in SHARDED_BACKENDS
@@ -50,6 +58,9 @@ def check_config(cfg):
                              f"(got {d.ddp_backend})")
     if d.distributed_port != -1 and not 0 < d.distributed_port < 65536:
         raise UsageError(f"--distributed-port {d.distributed_port} is not a port; use 1-65535 or -1 for any free port")
+    if not 0 <= d.distributed_rank < d.distributed_world_size:
+        raise UsageError(f"--distributed-rank {d.distributed_rank} is not a rank of --distributed-world-size "
+                         f"{d.distributed_world_size}; use 0 to {d.distributed_world_size - 1}")
     if d.distributed_init_method and not d.distributed_init_method.startswith(INIT_METHOD_SCHEMES):
         raise UsageError(f"--distributed-init-method {d.distributed_init_method!r} is not a rendezvous address; "
                          "use tcp://HOST:PORT, env:// or file:///SHARED/PATH")

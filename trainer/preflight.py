@@ -13,11 +13,36 @@ DEFAULT_VALID_SUBSET = "valid"
 
 
 def check_inputs(cfg, environ=None):
+    environ = os.environ if environ is None else environ
     _check_paths(cfg)
+    vocab = cfg.task.dict_size if cfg.task._name == "dummy_lm" else 0
     if cfg.task._name == "language_modeling" and cfg.task.data:
-        _check_data(cfg, expected_world_size(cfg, os.environ if environ is None else environ))
+        vocab = _check_data(cfg, expected_world_size(cfg, environ))
     elif cfg.task._name == "language_modeling":
         _check_embedded_splits(cfg.dataset)
+    _check_fits_host(cfg, vocab, expected_world_size(cfg, environ))
+
+
+def _check_fits_host(cfg, vocab, world_size):
+    """A CPU run whose fp32 weights and first activations alone exceed this host's memory
+    would die allocating them; say so instead. A lower bound: no false refusals."""
+    from trainer.auto_tune import host_memory_gb, model_shape, sequences_per_batch
+    from trainer.config import SHARDED_BACKENDS
+
+    if cfg.distributed_training.auto_tune or (not cfg.common.cpu and os.path.exists("/dev/nvidia0")):
+        return  # the plan's domain: --auto-tune picks (or refuses) flags that fit, `plan` knows GPUs
+    host_gb = host_memory_gb()
+    if host_gb is None:
+        return
+    ranks = min(world_size, int(cfg.distributed_training.distributed_world_size) or 1) or 1
+    copies = 1 if cfg.distributed_training.ddp_backend in SHARDED_BACKENDS else ranks
+    shape = model_shape(cfg, vocab)
+    embedded_tokens = sequences_per_batch(cfg) * cfg.task.tokens_per_sample * shape.dim
+    need_gb = (4 * shape.params * copies + 4 * embedded_tokens * ranks) / 2 ** 30
+    if need_gb > host_gb:
+        raise UsageError(f"this run needs at least {need_gb:,.1f} GB for its fp32 weights and first activations "
+                         f"on this host ({ranks} rank(s)), which has {host_gb:.1f} GB; use a smaller model, "
+                         "--tokens-per-sample or batch, or more hosts (run `plan` to see what fits)")
 
 
 def _check_embedded_splits(ds):
@@ -57,6 +82,7 @@ def _check_data(cfg, world_size):
                 raise DataError(f"no split {subset!r} in {data} (expected {subset}.bin and {subset}.idx); "
                                 "check --valid-subset, or pass --disable-validation")
     _check_batches_per_rank(cfg, data / ds.train_subset, tokenizer, world_size)
+    return tokenizer.vocab_size
 
 
 def _check_batches_per_rank(cfg, prefix, tokenizer, world_size):
@@ -88,6 +114,11 @@ def _check_paths(cfg):
         if save_dir.exists() and not save_dir.is_dir():
             raise UsageError(f"--save-dir {save_dir} is a file; choose a directory")
         _check_creatable(save_dir, "--save-dir")
+    tensorboard = cfg.common.tensorboard_logdir
+    if tensorboard:
+        if Path(tensorboard).exists() and not Path(tensorboard).is_dir():
+            raise UsageError(f"--tensorboard-logdir {tensorboard} is a file; choose a directory")
+        _check_creatable(Path(tensorboard), "--tensorboard-logdir")
     if cfg.common.log_file:
         parent = Path(cfg.common.log_file).parent
         if not parent.is_dir():
