@@ -67,6 +67,11 @@ def train_sentencepiece(
             )
     except RuntimeError as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        if "smaller than required_chars" in first_line:  # every character seen needs a piece
+            raise DataError(
+                f"--vocab-size {vocab_size} is smaller than the training text's distinct characters plus the "
+                "4 special symbols; raise --vocab-size"
+            ) from None
         raise DataError(
             f"sentencepiece training failed: {first_line}; check the training text and --vocab-size"
         ) from None
