@@ -46,7 +46,7 @@ def trained(tmp_path_factory):
     """A real checkpoint (2 updates on the embedded corpus) and its export."""
     root = tmp_path_factory.mktemp("trained")
     run_train([a for a in TINY if a != "--no-save"] + ["--batch-size", "4", "--max-update", "2", "--save-dir",
-                                                       str(root / "ck"), "--log-format", "none"])
+                                                       str(root / "ck"), "--log-format", "none", "--max-valid-steps", "2"])
     assert run("export-model", "--path", root / "ck" / "checkpoint_last", "--out", root / "export").returncode == 0
     return root
 
