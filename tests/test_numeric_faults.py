@@ -72,6 +72,14 @@ def test_weights_stepped_to_inf_are_never_saved(tmp_path):
     assert not any(p.name.startswith("checkpoint") for p in Path("ck").iterdir())
 
 
+def test_a_learning_rate_beyond_float32_stops_in_one_line():
+    _, r = run_train(SAVING + ["--optimizer", "sgd", "--lr", "1e300", "--save-dir", "ck", "--max-update", "2"],
+                     check=False)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "train: error: the optimizer step of update 1 overflows float32 (--lr 1e+300); lower --lr"]
+    assert not any(Path("ck").glob("checkpoint*"))
+
+
 def test_fp16_skips_overflows_then_stops_at_min_loss_scale():
     # --reset-optimizer takes the scale from --fp16-init-scale instead of the checkpoint:
     # 2**40 overflows every step; 2**39, 2**38, 2**37 are tried and skipped, 2**36 is the floor.

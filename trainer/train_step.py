@@ -81,11 +81,17 @@ class Trainer:
         if not (math.isfinite(gnorm) and math.isfinite(loss_sum)):
             return self.skip_or_stop(loss_sum / max(total_tokens, 1) / LN2, gnorm)
         self.lr = self.schedule.apply(self.optimizer, self.num_updates - self.lr_updates_offset)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        try:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        except RuntimeError as e:  # torch refuses a step size beyond float32's range (--lr ~1e38 and up)
+            if "without overflow" not in str(e):
+                raise
+            raise self.numerical_fault(f"the optimizer step of update {self.num_updates + 1} overflows float32 "
+                                       f"(--lr {self.lr:g}); lower --lr") from None
         self.optimizer.zero_grad(set_to_none=True)
         self.num_updates += 1
         clip = self.cfg.optimization.clip_norm
