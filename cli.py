@@ -235,6 +235,10 @@ def plan_main(argv=None):
         g.add_argument("--format", choices=("text", "json"), default="text", help="json: one object")
         ns, settings, overrides = parse_flags(parser, argv)
         cfg = compose_config(settings, overrides, ns.config_dir, ns.config_name)
+        if cfg.distributed_training.auto_tune or cfg.distributed_training.memory_budget_gb is not None:
+            # Checked before check_config, whose message for a lone budget would send the user to `plan`.
+            raise UsageError("plan always picks the flags that fit; --auto-tune and --memory-budget-gb are "
+                             "train's, so drop them here and give --device-memory-gb / --host-memory-gb")
         check_config(cfg)
         world = cfg.distributed_training.distributed_world_size
         device = "cuda" if ns.device_memory_gb and not cfg.common.cpu else "cpu"

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -164,7 +163,7 @@ def _load_and_encode(args, sources: dict[str, list[Source]], work: Path, out: Pa
         lines = _write_training_text(rows["train"], text_file)
         print(
             f"training sentencepiece {args.spm_model_type} (vocab {args.vocab_size:,}) on {lines:,} lines",
-            file=sys.stderr, flush=True,
+            flush=True,
         )
         trained = train_sentencepiece(text_file, work / "spm", args.vocab_size, args.spm_model_type, seed=args.seed)
         shutil.copyfile(trained, model_path)

@@ -174,7 +174,8 @@ CASES = [
     ("plan", TINY + ["--cpu", "--device-memory-gb", "-5"], None, r"--device-memory-gb: must be a positive number"),
     ("plan", TINY + ["--cpu", "--host-memory-gb", "inf"], None, r"--host-memory-gb: must be a positive number, got inf"),
     ("plan", TINY + ["--cpu", "--ranks-per-host", "8"], None, r"--ranks-per-host 8 exceeds the job's 1 rank"),
-    ("plan", TINY + ["--cpu", "--memory-budget-gb", "2"], None, r"--memory-budget-gb is the budget of --auto-tune"),
+    ("plan", TINY + ["--cpu", "--memory-budget-gb", "2"], None, r"--auto-tune and --memory-budget-gb are train's"),
+    ("plan", TINY + ["--cpu", "--auto-tune"], None, r"plan always picks the flags that fit; .*--host-memory-gb$"),
 ]
 
 
@@ -243,5 +244,10 @@ def test_debug_shows_the_traceback(fixtures, tmp_path):
     # An error inside the ranks (a --restore-file that is not there) on 2 spawned ranks.
     r = run(["train", *TINY, "--no-save", "--restore-file", "nope/ck", "--distributed-world-size", "2", "--debug"],
             tmp_path)
-    assert r.returncode != 0 and "Traceback" in r.stderr and "in run_rank" in r.stderr, r.stderr[-2000:]
+    assert r.returncode != 0 and "Traceback" in r.stderr and "in _spawned_rank" in r.stderr, r.stderr[-2000:]
+    # Without --debug both ranks meet the same error; the job says it once.
+    r = run(["train", *TINY, "--no-save", "--restore-file", "nope/ck", "--distributed-world-size", "2"], tmp_path)
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        "train: error: --restore-file nope/ck is not a checkpoint (looked for checkpoints/nope/ck); "
+        "pass a checkpoint directory from --save-dir"], r.stderr
     assert "--debug" in run(["train", "--help"], tmp_path).stdout

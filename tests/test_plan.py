@@ -175,7 +175,7 @@ def test_plan_json_and_text(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--device-memory-gb", "-1"], "must be positive"),
+    (["--device-memory-gb", "-1"], "must be a positive number"),
     (["--format", "yaml"], "invalid choice"),
     (["--decoder-layrs", "2"], "did you mean --decoder-layers"),
     (["/no/such/data", "--batch-size", "2"], "does not exist"),

@@ -40,28 +40,37 @@ def launch(cfg, target=None, prog="train"):
         import torch.multiprocessing as mp
 
         from trainer.preemption import forward_signals
-        ranks = mp.start_processes(_spawned_rank, args=(cfg, rdv, target, prog), nprocs=rdv.spawn, join=False)
-        forward_signals(ranks.processes)
-        return join_ranks(ranks, rdv.rank, prog, resume_hint(cfg, prog))
+        import tempfile
+
+        # Each rank leaves its one-line error here; the launcher prints it once for the job
+        # (every rank usually meets the same bad input, e.g. a missing --restore-file).
+        with tempfile.TemporaryDirectory(prefix="shardlm-rank-errors-") as errors_dir:
+            ranks = mp.start_processes(_spawned_rank, args=(cfg, rdv, target, prog, errors_dir), nprocs=rdv.spawn,
+                                       join=False)
+            forward_signals(ranks.processes)
+            return join_ranks(ranks, rdv.rank, prog, resume_hint(cfg, prog), errors_dir)
     return run_rank(cfg, rdv, target, prog)
 
 
-def _spawned_rank(index, cfg, rdv, target, prog):
+def _spawned_rank(index, cfg, rdv, target, prog, errors_dir):
     rdv = dataclasses.replace(rdv, rank=rdv.rank + index, local_rank=index, spawn=0)
     if target is None:
         from trainer.main import run as target
-
-    def quiet_when_stopped_by_another(cfg, rdv):
-        try:
-            return target(cfg, rdv)
-        except RankStopped:
-            return STOPPED  # the launcher reports the rank that caused it
-    code = run_rank(cfg, rdv, quiet_when_stopped_by_another, prog)
+    try:
+        code = target(cfg, rdv)
+    except RankStopped:
+        code = STOPPED  # the launcher reports the rank that caused it
+    except USER_ERRORS as e:
+        from trainer.debug import show_traceback
+        show_traceback()
+        with open(os.path.join(errors_dir, str(rdv.rank)), "w", encoding="utf-8") as f:
+            f.write(str(e))
+        code = 1
     if code:
         sys.exit(code)
 
 
-def join_ranks(ctx, first_rank, prog, hint):
+def join_ranks(ctx, first_rank, prog, hint, errors_dir):
     """Wait for the spawned ranks; once one fails, end the others and say why in one line."""
     from multiprocessing.connection import wait
 
@@ -93,10 +102,24 @@ def join_ranks(ctx, first_rank, prog, hint):
     elif os.access(ctx.error_files[failed], os.R_OK):  # an unexpected exception: its traceback
         with open(ctx.error_files[failed], "rb") as f:
             print(f"{prog}: rank {first_rank + failed} failed:\n{pickle.load(f).strip()}", file=sys.stderr)
+    elif messages := _rank_errors(errors_dir):
+        if len(messages) > 1 and len(set(messages.values())) == 1:  # the same on every rank: say it once
+            print(f"{prog}: error: {next(iter(messages.values()))}", file=sys.stderr)
+        else:
+            rank = min(messages)
+            print(f"{prog}: error: [rank {rank}] {messages[rank]}", file=sys.stderr)
     elif all(procs[i].exitcode == STOPPED for i in range(len(procs)) if i not in ended_by_us):
         print(f"{prog}: error: the ranks lost each other; {hint}", file=sys.stderr)
-    # otherwise the rank that failed has printed its own one-line error
     return 1
+
+
+def _rank_errors(errors_dir):
+    """rank -> its one-line error, for the spawned ranks that wrote one."""
+    messages = {}
+    for name in os.listdir(errors_dir):
+        with open(os.path.join(errors_dir, name), encoding="utf-8") as f:
+            messages[int(name)] = f.read()
+    return messages
 
 
 def resume_hint(cfg, prog):
