@@ -273,7 +273,8 @@ def _positive_float(text):
 
 
 COMMANDS = {"train": train_main, "plan": plan_main, "preprocess": preprocess_main, "eval-lm": eval_lm_main,
-            "generate": generate_main, "export-model": export_model_main}
+            "generate": generate_main, "export-model": export_model_main,
+            "export": export_model_main}  # the short name; a shell's own `export` wins over a script of that name
 
 
 def shardlm_main(argv=None):

@@ -225,10 +225,12 @@ def test_console_scripts_answer_in_one_line(fixtures, tmp_path):
                       (["eval-lm", "data", "--path", "ckpt", "--gen-subset", "valid"], 1),
                       (["generate", "--path", "export"], 2),
                       (["export-model", "--path", CKPT, "--out", "corpus.txt"], 2),
+                      (["export", "--path", CKPT, "--out", "corpus.txt"], 2),  # export-model's short name
                       (["plan", "--arch", "nope"], 2)):
         r = run(cmd, tmp_path)
         assert r.returncode == code and r.stderr.count("\n") == 1, (cmd, r.stderr)
-        assert r.stderr.startswith(f"{cmd[0]}: error: ") and "Traceback" not in r.stderr, (cmd, r.stderr)
+        prog = "export-model" if cmd[0] == "export" else cmd[0]
+        assert r.stderr.startswith(f"{prog}: error: ") and "Traceback" not in r.stderr, (cmd, r.stderr)
     assert snapshot(tmp_path) == before
 
 
