@@ -172,5 +172,5 @@ def test_shardlm_command_dispatches():
     shardlm = Path(sys.executable).with_name("shardlm")
     r = subprocess.run([shardlm, "train", "--cpu-ofload"], capture_output=True, text=True)
     assert r.returncode == 2 and "did you mean --cpu-offload" in r.stderr
-    r = subprocess.run([shardlm, "export"], capture_output=True, text=True)
+    r = subprocess.run([shardlm, "exprot"], capture_output=True, text=True)
     assert r.returncode == 2 and "usage: shardlm" in r.stderr
