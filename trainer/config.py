@@ -41,6 +41,8 @@ class CommonConfig:
     min_loss_scale: float = _f(1e-4, "stop training when the fp16 loss scale falls below this")
     peak_tflops: Optional[float] = _f(None, "the device's peak TFLOP/s per rank in the training dtype: "
                                       "log records add mfu = tflops / (peak x ranks)")
+    compile: bool = _f(False, "compile each decoder layer with torch.compile (inductor) before sharding; "
+                       "the first updates are slower while it compiles (on a CPU it needs a C++ compiler)")
 
 
 @dataclass

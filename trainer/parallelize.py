@@ -1,8 +1,9 @@
 """The one place that wraps the model for its backend, and says how gradients sync.
 
-FSDP order (torchtitan's): checkpoint each decoder layer → `fully_shard` each layer whose
-parameter count reaches --min-params-to-wrap → `fully_shard` the root, which keeps the
-tied embedding/output projection and the final norm in one group. Sharded models are
+FSDP order (torchtitan's): checkpoint each decoder layer → compile it (--compile) →
+`fully_shard` each layer whose parameter count reaches --min-params-to-wrap →
+`fully_shard` the root, which keeps the tied embedding/output projection and the final
+norm in one group. Sharded models are
 built on the meta device and each rank initializes only its shards, to exactly the
 values one process with the same --seed would have.
 """
@@ -52,6 +53,16 @@ def apply_activation_checkpointing(model, offload, env):
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
         layer.forward = forward
+
+
+def compile_layers(model):
+    """`torch.compile` each decoder layer in place (torchtitan's per-block compile): all
+    layers share one class, so one compiled graph serves every layer. `Module.compile`
+    keeps the layer itself in the model, so state-dict keys, and so checkpoints, are those
+    of the bare model: a run may resume with or without --compile. FSDP2's hooks around
+    the layer stay outside the compiled graph (dynamo skips them by default)."""
+    for layer in model.layers:
+        layer.compile()
 
 
 def device_mesh(cfg, env):
@@ -171,6 +182,11 @@ def parallelize(model, cfg, env):
     m = cfg.model
     if m.checkpoint_activations or m.offload_activations:
         apply_activation_checkpointing(model, m.offload_activations, env)
+    if cfg.common.compile:
+        compile_layers(model)
+        if env.is_master:
+            log.info(f"--compile: {len(model.layers)} decoder layers compiled with torch.compile (inductor); "
+                     "the first updates, and the first validation, include compiling")
     backend = cfg.distributed_training.ddp_backend
     background_reduce = None
     if backend in SHARDED_BACKENDS:

@@ -4,6 +4,7 @@ before any rank starts: the data directory, the batches it gives the ranks, the 
 Torch-free, like trainer/checks.py.
 """
 import os
+import shutil
 from pathlib import Path
 
 from data.errors import DataError
@@ -21,6 +22,18 @@ def check_inputs(cfg, environ=None):
     elif cfg.task._name == "language_modeling":
         _check_embedded_splits(cfg.dataset)
     _check_fits_host(cfg, vocab, expected_world_size(cfg, environ))
+    _check_compiler(cfg, environ)
+
+
+def _check_compiler(cfg, environ):
+    """--compile on a CPU builds inductor's C++ kernels with $CXX (default g++); without
+    that compiler every rank would fail deep inside the first forward."""
+    if not cfg.common.compile or (not cfg.common.cpu and os.path.exists("/dev/nvidia0")):
+        return
+    cxx = environ.get("CXX") or "g++"
+    if shutil.which(cxx, path=environ.get("PATH")) is None:
+        raise UsageError(f"--compile on a CPU needs a C++ compiler and {cxx} is not on PATH; "
+                         "install g++ (or set CXX to one), or drop --compile")
 
 
 def _check_fits_host(cfg, vocab, world_size):
