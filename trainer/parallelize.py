@@ -3,9 +3,8 @@
 FSDP order (torchtitan's): checkpoint each decoder layer → compile it (--compile) →
 `fully_shard` each layer whose parameter count reaches --min-params-to-wrap →
 `fully_shard` the root, which keeps the tied embedding/output projection and the final
-norm in one group. Sharded models are
-built on the meta device and each rank initializes only its shards, to exactly the
-values one process with the same --seed would have.
+norm in one group. Sharded models are built on the meta device and each rank initializes
+only its shards, to exactly the values one process with the same --seed would have.
 """
 import contextlib
 import functools

@@ -25,10 +25,15 @@ def check_inputs(cfg, environ=None):
     _check_compiler(cfg, environ)
 
 
+def _runs_on_gpu(cfg):
+    """Torch-free: a GPU is present (its device node) and --cpu is not given."""
+    return not cfg.common.cpu and os.path.exists("/dev/nvidia0")
+
+
 def _check_compiler(cfg, environ):
     """--compile on a CPU builds inductor's C++ kernels with $CXX (default g++); without
     that compiler every rank would fail deep inside the first forward."""
-    if not cfg.common.compile or (not cfg.common.cpu and os.path.exists("/dev/nvidia0")):
+    if not cfg.common.compile or _runs_on_gpu(cfg):
         return
     cxx = environ.get("CXX") or "g++"
     if shutil.which(cxx, path=environ.get("PATH")) is None:
@@ -42,7 +47,7 @@ def _check_fits_host(cfg, vocab, world_size):
     from trainer.auto_tune import host_memory_gb, model_shape, sequences_per_batch
     from trainer.config import SHARDED_BACKENDS
 
-    if cfg.distributed_training.auto_tune or (not cfg.common.cpu and os.path.exists("/dev/nvidia0")):
+    if cfg.distributed_training.auto_tune or _runs_on_gpu(cfg):
         return  # the plan's domain: --auto-tune picks (or refuses) flags that fit, `plan` knows GPUs
     host_gb = host_memory_gb()
     if host_gb is None:
