@@ -2,6 +2,8 @@
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
 
 
 def param_groups(model, weight_decay):
@@ -27,8 +29,51 @@ def build_optimizer(model, cfg):
         # DTensor shards too; the default (foreach) path allocates temporaries the size
         # of the model every step (0.34 s and 416 MB of fresh pages per update measured
         # on the 109 M-parameter benchmark).
-        return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.adam_betas), eps=o.adam_eps, fused=True)
+        return ShardLocalAdamW(groups, lr=lr, betas=tuple(o.adam_betas), eps=o.adam_eps, fused=True)
     return torch.optim.SGD(groups, lr=lr, momentum=o.momentum)
+
+
+def local_shards(tensors):
+    """Each DTensor's local shard (itself for a plain tensor), without DTensor's dispatch:
+    under no_grad `to_local` is the attribute read."""
+    with torch.no_grad():
+        return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+class ShardLocalAdamW(torch.optim.AdamW):
+    """torch's AdamW, stepped on each parameter's local shard.
+
+    Under FSDP2 parameters, gradients and optimizer state are DTensors, and torch's step
+    sends its one fused op through DTensor's dispatch, which propagates the sharding of
+    every argument in Python: 16.8 ms against 4.4 ms per step for 288 parameters on a CPU,
+    and on an H100 60 ms of a 133 ms update of a 300 M-parameter model, with the GPU idle
+    since the gradient norm's `.item()` had drained its queue. AdamW updates each element
+    from that element alone, so the same kernel on the local shards computes the same
+    values. The state is still created (lazily, by torch) and kept as DTensors, so
+    checkpoints and `state_dict` do not change."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if "decoupled_weight_decay" not in self.defaults:  # torch < 2.7: AdamW is not an Adam yet
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+            has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            beta1, beta2 = group["betas"]
+            adam(
+                local_shards(params), local_shards(grads), local_shards(exp_avgs), local_shards(exp_avg_sqs),
+                local_shards(max_exp_avg_sqs), local_shards(steps), amsgrad=group["amsgrad"],
+                has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
+                fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
+                found_inf=getattr(self, "found_inf", None),
+                decoupled_weight_decay=group["decoupled_weight_decay"])
+        return loss
 
 
 class LRSchedule:

@@ -11,10 +11,11 @@ import math
 import time
 
 import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from trainer.distributed import all_reduce_sum
 from trainer.meters import LN2
-from trainer.optim import LRSchedule, build_optimizer
+from trainer.optim import LRSchedule, build_optimizer, local_shards
 from trainer.parallelize import mixed_precision_dtype, uses_fsdp
 
 log = logging.getLogger("shardlm")
@@ -143,15 +144,14 @@ class Trainer:
                 "lower --lr or set --clip-norm, and resume from the last checkpoint")
 
     def clip_grad_norm(self):
-        """Global gradient norm over every shard, before clipping (what fairseq logs as gnorm)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        """Global gradient norm over every shard, before clipping (what fairseq logs as gnorm);
+        with --clip-norm, gradients are scaled as torch's clip_grad_norm_ scales them."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = global_grad_norm(grads)
         clip = self.cfg.optimization.clip_norm
-        if clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        else:  # the norm alone: clipping by infinity would still rescale every gradient
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
-            norm = norm.full_tensor()
+        if clip > 0:  # without it, only the norm: clipping by infinity would still rescale them
+            coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(local_shards(grads), coef)
         return norm.item()
 
     @torch.no_grad()
@@ -159,3 +159,21 @@ class Trainer:
         self.model.eval()
         loss = self.loss_sum(batch).item()  # a dummy batch runs too: sharded forwards are collective
         return (0.0 if batch.get("dummy") else loss), batch["ntokens"], batch["nsentences"]
+
+
+def global_grad_norm(grads):
+    """The L2 norm of all gradients together, as a plain tensor on every rank. FSDP2's
+    gradients are DTensor shards: the norm of each rank's shards, squared, summed over the
+    mesh dimensions the gradients are sharded on (replicas of HSDP hold the same values),
+    in one collective, rather than one DTensor op per gradient (26 ms against 2.5 ms for
+    288 gradients on a CPU)."""
+    local = local_shards(grads)
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local))) if local else torch.zeros(())
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    if not sharded:
+        return norm
+    mesh, placements = sharded[0].device_mesh, sharded[0].placements
+    if len(sharded) < len(grads) or any(g.device_mesh != mesh or g.placements != placements for g in sharded):
+        return torch.nn.utils.get_total_norm(grads).full_tensor()  # not a layout parallelize() builds
+    partial = [Partial("sum") if pl.is_shard() else Replicate() for pl in placements]
+    return DTensor.from_local(norm ** 2, mesh, partial).full_tensor().sqrt()
