@@ -1,5 +1,9 @@
 """FSDP trains the same model DDP does: per-update loss and gnorm on 2 (and 4) real gloo
 ranks agree with one process holding the whole batch. Plus the ways to launch."""
+import json
+import os
+from pathlib import Path
+
 import pytest
 
 from helpers import DUMMY, multi_rank_losses, update_losses
@@ -85,3 +89,35 @@ def test_sharded_init_equals_one_process_exactly(tmp_path):
         assert torch.equal(sharded["params"][name], p.detach()), name
     total = sum(p.numel() for p in whole.values())
     assert sharded["local_numel"] <= total // 2 + 1000  # each rank holds about half
+
+
+def _report_huge_pages(cfg, rdv):
+    """Launch target: does a 64 MiB tensor of this rank land on transparent huge pages?"""
+    import torch
+    x = torch.ones(64 << 20, dtype=torch.uint8)
+    with open("/proc/self/smaps_rollup") as f:
+        huge_kb = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+    out = os.environ["SHARDLM_TEST_OUT"]
+    with open(f"{out}.{rdv.rank}", "w") as f:
+        json.dump({"variable": os.environ.get("THP_MEM_ALLOC_ENABLE"), "huge_kb": huge_kb, "bytes": x.numel()}, f)
+    return 0
+
+
+@pytest.mark.parametrize("backend, huge", [("fully_sharded", True), ("pytorch_ddp", False)])
+def test_sharded_ranks_get_huge_pages_for_large_tensors(backend, huge, tmp_path, monkeypatch):
+    """FSDP's spawned ranks inherit THP_MEM_ALLOC_ENABLE=1 from the launcher, so torch backs
+    their large tensors with huge pages; DDP's ranks keep torch's default."""
+    from helpers import compose
+    from trainer.launch import launch
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("this kernel has transparent huge pages off")
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    monkeypatch.setenv("SHARDLM_TEST_OUT", str(tmp_path / "rank"))
+    cfg = compose(BASE + ["--batch-size", "4", "--distributed-world-size", "2", "--ddp-backend", backend])
+    assert launch(cfg, target=_report_huge_pages) == 0
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank.{rank}").read_text())
+        assert report["variable"] == ("1" if huge else None)
+        assert (report["huge_kb"] >= 32 * 1024) == huge, report

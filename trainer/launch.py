@@ -29,8 +29,9 @@ GRACE_S = 5.0  # how long the other ranks get to end on their own once one has f
 
 def launch(cfg, target=None, prog="train"):
     """Run `target(cfg, rdv)` (default: training) on every rank of the job."""
-    from trainer.distributed import infer_rendezvous
+    from trainer.distributed import huge_pages_for_large_tensors, infer_rendezvous
 
+    huge_pages_for_large_tensors(cfg)
     try:
         rdv = infer_rendezvous(cfg)  # SLURM's variables and scontrol can be wrong too
     except USER_ERRORS as e:
