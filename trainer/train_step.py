@@ -150,8 +150,9 @@ class Trainer:
         norm = global_grad_norm(grads)
         clip = self.cfg.optimization.clip_norm
         if clip > 0:  # without it, only the norm: clipping by infinity would still rescale them
+            local = local_shards(grads)
             coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_(local_shards(grads), coef)
+            torch._foreach_mul_(local, coef.to(local[0].device))
         return norm.item()
 
     @torch.no_grad()
@@ -176,4 +177,6 @@ def global_grad_norm(grads):
     if len(sharded) < len(grads) or any(g.device_mesh != mesh or g.placements != placements for g in sharded):
         return torch.nn.utils.get_total_norm(grads).full_tensor()  # not a layout parallelize() builds
     partial = [Partial("sum") if pl.is_shard() else Replicate() for pl in placements]
-    return DTensor.from_local(norm ** 2, mesh, partial).full_tensor().sqrt()
+    # Under --cpu-offload the shards are on the host and the mesh is the GPUs': sum there.
+    squared = (norm ** 2).to(mesh.device_type)
+    return DTensor.from_local(squared, mesh, partial).full_tensor().sqrt()
