@@ -1,6 +1,5 @@
 """What a trained checkpoint is for: eval-lm gives training's valid perplexity, export
 gives one file whose logits equal the sharded model's, generate samples reproducibly."""
-import json
 import subprocess
 import sys
 from pathlib import Path

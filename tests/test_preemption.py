@@ -1,7 +1,6 @@
 """SIGUSR1 / SIGTERM outside SLURM: every rank finishes its update, checkpoint_last is
 saved, the job exits cleanly, and the same command resumes the same curve."""
 import json
-import os
 import signal
 import subprocess
 import sys
