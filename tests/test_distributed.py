@@ -111,8 +111,7 @@ def test_sharded_ranks_get_huge_pages_for_large_tensors(backend, huge, tmp_path,
     from trainer.launch import launch
 
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not thp.exists() or "[never]" in thp.read_text():
-        pytest.skip("this kernel has transparent huge pages off")
+    kernel_gives_huge_pages = thp.exists() and "[never]" not in thp.read_text()
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     monkeypatch.setenv("SHARDLM_TEST_OUT", str(tmp_path / "rank"))
     cfg = compose(BASE + ["--batch-size", "4", "--distributed-world-size", "2", "--ddp-backend", backend])
@@ -120,4 +119,5 @@ def test_sharded_ranks_get_huge_pages_for_large_tensors(backend, huge, tmp_path,
     for rank in range(2):
         report = json.loads((tmp_path / f"rank.{rank}").read_text())
         assert report["variable"] == ("1" if huge else None)
-        assert (report["huge_kb"] >= 32 * 1024) == huge, report
+        if kernel_gives_huge_pages:  # with THP off the kernel ignores the request: nothing to see
+            assert (report["huge_kb"] >= 32 * 1024) == huge, report
