@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DUMMY, parse_records, run_train
+from helpers import DUMMY, compose, parse_records, run_train
 from trainer.distributed import free_port
+from trainer.launch import launch
 
 TRAIN = str(Path(sys.executable).with_name("train"))
 SAVE = [a for a in DUMMY if a != "--no-save"] + ["--batch-size", "2", "--log-format", "json", "--log-interval", "1"]
@@ -90,6 +91,23 @@ def test_a_killed_spawned_rank_is_named_and_the_same_command_resumes(tmp_path):
     records, r = run_train(argv)
     assert f"@ {saved} updates" in r.stdout
     assert [x["num_updates"] for x in records["train_inner"]] == list(range(saved + 1, 31))
+
+
+def _killed_then_survivor_aborts(cfg, rdv):
+    """Launch target: rank 1 is killed; rank 0 outlives it by a second, then aborts, as a
+    survivor that gloo aborts once its peer is gone."""
+    if rdv.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1)
+    os.abort()
+
+
+def test_the_rank_named_is_the_first_to_die_not_a_survivor_that_died_after(capsys):
+    cfg = compose(SAVE + ["--distributed-world-size", "2", "--save-dir", "/nonexistent-never-written"])
+    assert launch(cfg, target=_killed_then_survivor_aborts) == 1
+    err = capsys.readouterr().err
+    assert one_error_line(err).startswith("train: error: rank 1 (pid "), err
+    assert "was killed by SIGKILL" in err
 
 
 @pytest.mark.parametrize("fault", ["hang", "death"])

@@ -60,7 +60,11 @@ def _spawned_rank(index, cfg, rdv, target, prog, errors_dir):
     try:
         code = target(cfg, rdv)
     except RankStopped:
-        code = STOPPED  # the launcher reports the rank that caused it
+        # The launcher reports the rank that caused it. This rank's cleanup (finally blocks,
+        # the process group's teardown) has run; finalizing the interpreter would also
+        # destroy collectives still pending on the dead peer, which can abort in C++
+        # ("terminate called without an active exception", seen in CI): leave without it.
+        _exit_at_once(STOPPED)
     except USER_ERRORS as e:
         from trainer.debug import show_traceback
         show_traceback()
@@ -71,27 +75,42 @@ def _spawned_rank(index, cfg, rdv, target, prog, errors_dir):
         sys.exit(code)
 
 
+def _exit_at_once(code):
+    import logging
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def join_ranks(ctx, first_rank, prog, hint, errors_dir):
     """Wait for the spawned ranks; once one fails, end the others and say why in one line."""
     from multiprocessing.connection import wait
 
     procs = ctx.processes
     waiting = {p.sentinel: i for i, p in enumerate(procs)}
+    ended = []  # ranks in the order their ends were seen: the first to fail is the cause
     failed = None
     while waiting and failed is None:
         for sentinel in wait(list(waiting)):
-            procs[waiting.pop(sentinel)].join()
-        failed = next((i for i, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
+            i = waiting.pop(sentinel)
+            procs[i].join()
+            ended.append(i)
+        failed = next((i for i in ended if procs[i].exitcode != 0), None)
     if failed is None:
         return 0
     deadline = time.monotonic() + GRACE_S
-    for p in procs:
+    for i, p in enumerate(procs):
         p.join(max(deadline - time.monotonic(), 0))
+        if not p.is_alive() and i not in ended:
+            ended.append(i)
     ended_by_us = {i for i, p in enumerate(procs) if p.is_alive()}
     for i in ended_by_us:
         procs[i].kill()
         procs[i].join()
-    killed = [i for i, p in enumerate(procs) if p.exitcode < 0 and i not in ended_by_us]
+    # A survivor may die of a signal too once its peer is gone (gloo can abort it), but
+    # later: the rank named is the one whose death was seen first.
+    killed = [i for i in ended if procs[i].exitcode < 0]
     if killed:
         i = killed[0]
         try:
