@@ -6,14 +6,17 @@ as one broadcast per rank; reduce-scatter 0.33 s by reduce_scatter_tensor, 0.21 
 all-reduce. So:
 - all-gather: each rank broadcasts its slot of the output buffer (FSDP has already
   copied its shard there) to the others;
-- reduce-scatter: all-reduce the whole gradient buffer in place, keep this rank's slot.
+- reduce-scatter: each rank sends the others their slots of its gradient buffer and
+  sums what it receives into its own (point to point; gloo's reduce_scatter_tensor and
+  all-reduce move twice the bytes).
 Both are exact copies/sums of the same values, so numerics do not change.
 
 On a CPU FSDP2 runs every collective synchronously: backward would stop at each layer
 until its gradients are summed. Where nothing reads the reduced gradient before the
-optimizer (see `ReduceScatterInBackground.may_defer`), the all-reduce runs in gloo's
-thread while backward goes on, as DDP's buckets do, and `wait()` collects them all
-before the gradients are used. NCCL's own collectives stay in use on GPUs.
+optimizer (see `ReduceScatterInBackground.may_defer`), a layer's transfers run in
+gloo's threads while the backward of the layer below goes on, as DDP's buckets do; the
+sum is taken at the next reduce-scatter, or at `wait()` before the gradients are used.
+NCCL's own collectives stay in use on GPUs.
 """
 import torch
 import torch.distributed as dist
@@ -41,9 +44,35 @@ class BroadcastAllGather(_Alloc, AllGather):
         return torch._C._distributed_c10d._create_work_from_future(done)
 
 
+class SlotSum:
+    """One reduce-scatter by point-to-point transfers: this rank sends every other rank
+    its slot of the gradient buffer and receives theirs of its own slot, then sums. Each
+    rank sends and receives (W-1)/W of the buffer, half an all-reduce's bytes (2 ranks,
+    50 MB: 0.026 s against 0.050 s). The transfers run in gloo's threads from here on;
+    `finish()` waits for them and adds this rank's own part."""
+
+    def __init__(self, output_tensor, input_tensor, group):
+        n, rank, world = output_tensor.numel(), dist.get_rank(group), dist.get_world_size(group)
+        slot = lambda r: input_tensor[r * n:(r + 1) * n].view_as(output_tensor)  # noqa: E731
+        self.output, self.mine = output_tensor, slot(rank)
+        peers = [r for r in range(world) if r != rank]
+        # The first peer's part lands in the output itself: with 2 ranks, no extra memory.
+        self.received = [output_tensor] + [torch.empty_like(output_tensor) for _ in peers[1:]]
+        self.works = [dist.isend(slot(r), group=group, group_dst=r) for r in peers]
+        self.works += [dist.irecv(buf, group=group, group_src=r) for buf, r in zip(self.received, peers)]
+
+    def finish(self):
+        for w in self.works:
+            w.wait()
+        for buf in self.received[1:]:
+            self.output.add_(buf)
+        self.output.add_(self.mine)
+        self.works = self.received = self.mine = None  # frees the gradient buffer
+
+
 class ReduceScatterInBackground(_Alloc, ReduceScatter):
-    """All-reduce the gradient buffer, copy this rank's slot out. Shared by every FSDP
-    unit of a model, so that `wait()` finds all the sums still in flight."""
+    """Point-to-point reduce-scatters (`SlotSum`) that may finish later. Shared by every
+    FSDP unit of a model, so that `wait()` finds all the sums still open."""
 
     def __init__(self, can_ever_defer):
         # False where FSDP reads the reduced gradient at once: it casts it to another
@@ -54,24 +83,26 @@ class ReduceScatterInBackground(_Alloc, ReduceScatter):
         self.pending = []
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        n, rank = output_tensor.numel(), dist.get_rank(group)
-        slot = input_tensor[rank * n:(rank + 1) * n].view_as(output_tensor)
-        if not self.may_defer or op != dist.ReduceOp.SUM:
-            # FSDP may add this output into a gradient an earlier sum still fills.
-            self.wait()
+        # FSDP may add this output into a gradient an earlier sum still fills; the earlier
+        # ones' bytes crossed while this layer's backward ran. Finishing them now keeps
+        # one gradient buffer alive at a time, as a synchronous reduce-scatter would.
+        self.wait()
+        if op != dist.ReduceOp.SUM:
+            n, rank = output_tensor.numel(), dist.get_rank(group)
             dist.all_reduce(input_tensor, op=op, group=group)
-            output_tensor.copy_(slot)
+            output_tensor.copy_(input_tensor[rank * n:(rank + 1) * n].view_as(output_tensor))
             return None
-        work = dist.all_reduce(input_tensor, op=op, group=group, async_op=True)
-        # The copy runs in gloo's thread when the sum is done; the future keeps the
-        # input buffer alive until then.
-        self.pending.append(work.get_future().then(lambda _: output_tensor.copy_(slot)))
+        reduction = SlotSum(output_tensor, input_tensor, group)
+        if self.may_defer:
+            self.pending.append(reduction)  # FSDP keeps input_tensor alive only while it runs
+        else:
+            reduction.finish()
         return None
 
     def wait(self):
         pending, self.pending = self.pending, []
-        for fut in pending:
-            fut.wait()
+        for reduction in pending:
+            reduction.finish()
 
 
 def use_gloo_fast_comms(units, can_defer_reduction):
