@@ -8,7 +8,10 @@ The clock starts just before the process is launched and stops when its first
 `train_inner` line arrives on the pipe (read line by line; logging flushes every record);
 the process is then stopped. So it counts interpreter and torch start-up, config
 composition, model build, data loading and the first update. `train --help` is timed to
-its exit. Runs alternate (help, train, help, train, …); medians. Goal: first update ≤ 8 s;
+its exit. The same run on 2 local FSDP ranks (`--distributed-world-size 2 --ddp-backend
+fully_sharded`) is timed too, for information: its ranks are forks of a server that
+imported torch once (trainer/local_ranks.py).
+Runs alternate (help, train, 2 ranks, help, …); medians. Goal: first update ≤ 8 s;
 `--help` has no goal (it answers before torch is imported, so it should take well under
 torch's import time).
 
@@ -21,6 +24,7 @@ from benchlib import BIN, ROOT, goal, median, note, parser, report
 
 ARGS = ["--arch", "transformer_lm_gpt2_tiny", "--batch-size", "8", "--tokens-per-sample", "128", "--log-interval", "1", "--log-format", "json", "--no-save",
         "--max-update", "5"]
+TWO_RANKS = ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded"]
 GOAL_S = 8.0
 
 
@@ -50,19 +54,23 @@ def seconds_for_help():
 def main():
     a = parser(__doc__, reps=5).parse_args()
     note(f"untimed first run (prepares the embedded corpus if needed): {seconds_to_first_update():.1f} s")
-    first, helps = [], []
+    first, helps, two = [], [], []
     for rep in range(a.reps):
         helps.append(seconds_for_help())
         first.append(seconds_to_first_update())
-        note(f"rep {rep + 1}: --help {helps[-1]:.2f} s, first update {first[-1]:.2f} s")
-    f, h = median(first), median(helps)
+        two.append(seconds_to_first_update(TWO_RANKS))
+        note(f"rep {rep + 1}: --help {helps[-1]:.2f} s, first update {first[-1]:.2f} s, "
+             f"on 2 ranks {two[-1]:.2f} s")
+    f, h, t = median(first), median(helps), median(two)
     print(f"\n`train {' '.join(ARGS)}`, {a.reps} alternating repetitions, medians\n")
     print("| measurement | seconds |")
     print("|---|---|")
     print(f"| launch → first train_inner record | {f:.2f} |")
+    print(f"| the same on 2 local FSDP ranks | {t:.2f} |")
     print(f"| train --help | {h:.2f} |")
     report([goal("start-up: launch → first logged update (tiny model)", f"{f:.2f} s", f"≤ {GOAL_S:.0f} s",
                  f <= GOAL_S),
+            goal("start-up: the same on 2 local FSDP ranks", f"{t:.2f} s", "(info)", None),
             goal("start-up: train --help", f"{h:.2f} s", "-", None)], a.results)
 
 

@@ -65,19 +65,20 @@ def parse_args(argv=None):
 
 
 def child_pids(parent):
-    """The rank processes `train` spawned (multiprocessing's spawn_main, not its resource tracker)."""
-    pids = []
+    """The rank processes of `train`: children of the server it forks them from
+    (trainer/local_ranks.py), itself a child of `train`."""
+    children = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
             ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-            if ppid == parent and b"spawn_main" in Path(f"/proc/{entry}/cmdline").read_bytes():
-                pids.append(int(entry))
+            if b"forkserver" in Path(f"/proc/{entry}/cmdline").read_bytes():
+                children.setdefault(ppid, []).append(int(entry))
         except (OSError, ValueError):
             continue  # gone meanwhile
-    return sorted(pids)  # rank 0 is started first
+    return sorted(pid for server in children.get(parent, []) for pid in children.get(server, []))  # rank 0 first
 
 
 def rss_and_fds(pid):

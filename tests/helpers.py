@@ -27,9 +27,10 @@ def update_losses(argv, n_updates, rdv=None, with_gnorm=False):
     process through the same build and train_step that `train` uses."""
     from trainer import distributed
     from trainer.parallelize import uses_fsdp
+    from trainer.rendezvous import Rendezvous
 
     cfg = compose(argv)
-    rdv = rdv or distributed.Rendezvous("", 1)
+    rdv = rdv or Rendezvous("", 1)
     env = distributed.init_rank(cfg, rdv, needs_process_group=uses_fsdp(cfg))
     try:
         return _updates(cfg, env, n_updates, with_gnorm)
@@ -54,19 +55,43 @@ def _updates(cfg, env, n_updates, with_gnorm):
 
 
 def _rank_worker(index, argv, world, port, n_updates, out):
-    from trainer.distributed import Rendezvous
+    from trainer.rendezvous import Rendezvous
     rdv = Rendezvous(f"tcp://127.0.0.1:{port}", world, rank=index, local_rank=index, local_world_size=world)
     losses, gnorms = update_losses(argv, n_updates, rdv, with_gnorm=True)
     Path(f"{out}.{index}").write_text(json.dumps({"losses": losses, "gnorms": gnorms}))
 
 
+_server_environment = None  # os.environ when the rank server now running was started
+
+
+def run_ranks(fn, args, nprocs):
+    """`fn(index, *args)` on `nprocs` real processes, forked as `train` forks its local ranks
+    (trainer/local_ranks.py). The server they are forked from is kept from one test to the
+    next, so each test's ranks start with torch imported, and restarted when the environment
+    has changed since it started (its forks inherit its environment, not this process's).
+    Raises if a rank fails; its traceback is on stderr."""
+    import tempfile
+    from multiprocessing import forkserver
+
+    from trainer import local_ranks
+    from trainer.launch import join_ranks
+
+    global _server_environment
+    environment = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # pytest's, per test
+    if forkserver._forkserver._forkserver_pid is None or _server_environment != environment:
+        local_ranks.start_rank_server()
+        _server_environment = environment
+    with tempfile.TemporaryDirectory(prefix="shardlm-test-ranks-") as errors_dir:
+        ranks = local_ranks.start_local_ranks(fn, args, nprocs, errors_dir)
+        assert join_ranks(ranks, 0, "test", "", errors_dir) == 0, f"a rank of {fn.__name__} failed (its error is above)"
+
+
 def multi_rank_losses(argv, world, n_updates, tmp_path):
     """(losses, gnorms) per update on `world` real processes over gloo; every rank must agree."""
-    import torch.multiprocessing as mp
-    from trainer.distributed import free_port
+    from trainer.rendezvous import free_port
 
     out = tmp_path / f"ranks-{free_port()}"
-    mp.spawn(_rank_worker, args=(argv, world, free_port(), n_updates, str(out)), nprocs=world, join=True)
+    run_ranks(_rank_worker, (argv, world, free_port(), n_updates, str(out)), world)
     results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
     assert all(r == results[0] for r in results), "ranks disagree"
     return results[0]["losses"], results[0]["gnorms"]
@@ -95,7 +120,8 @@ def parse_records(text):
 def _recording_rank(index, argv, world, port, out):
     """One rank of `train` run through trainer.main.run (the real loop, checkpoints and
     all), recording each update's exact loss: the log rounds it to 3 decimals."""
-    from trainer import distributed, main
+    from trainer import main
+    from trainer.rendezvous import Rendezvous
     from trainer.train_step import Trainer
 
     step, updates = Trainer.train_step, []
@@ -107,19 +133,18 @@ def _recording_rank(index, argv, world, port, out):
         return stats
 
     Trainer.train_step = recording
-    rdv = distributed.Rendezvous(f"tcp://127.0.0.1:{port}" if world > 1 else "", world, rank=index,
-                                 local_rank=index, local_world_size=world)
+    rdv = Rendezvous(f"tcp://127.0.0.1:{port}" if world > 1 else "", world, rank=index,
+                     local_rank=index, local_world_size=world)
     main.run(compose(argv), rdv)
     Path(f"{out}.{index}").write_text(json.dumps(updates))
 
 
 def train_updates(argv, world, tmp_path):
     """{num_updates: (loss, gnorm)} of a `train` run on `world` real processes (gloo)."""
-    import torch.multiprocessing as mp
-    from trainer.distributed import free_port
+    from trainer.rendezvous import free_port
 
     out = tmp_path / f"updates-{free_port()}"
-    mp.spawn(_recording_rank, args=(argv, world, free_port(), str(out)), nprocs=world, join=True)
+    run_ranks(_recording_rank, (argv, world, free_port(), str(out)), world)
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
     assert all(r == ranks[0] for r in ranks), "ranks disagree"
     return {n: (loss, gnorm) for n, loss, gnorm in ranks[0]}

@@ -21,7 +21,7 @@ def _compiled_rank(index, argv, world, port, out):
     from torch._dynamo.utils import counters
 
     from helpers import update_losses
-    from trainer.distributed import Rendezvous
+    from trainer.rendezvous import Rendezvous
 
     rdv = Rendezvous(f"tcp://127.0.0.1:{port}", world, rank=index, local_rank=index, local_world_size=world)
     losses, gnorms = update_losses(argv, UPDATES, rdv, with_gnorm=True)
@@ -35,13 +35,13 @@ def eager_one_process():
 
 
 def test_compiled_fsdp_with_checkpointing_matches_eager(eager_one_process, tmp_path):
-    import torch.multiprocessing as mp
+    from helpers import run_ranks
 
-    from trainer.distributed import free_port
+    from trainer.rendezvous import free_port
 
     argv = BASE + ["--batch-size", "4", "--ddp-backend", "fully_sharded", "--checkpoint-activations", "--compile"]
     out = tmp_path / "ranks"
-    mp.spawn(_compiled_rank, args=(argv, 2, free_port(), str(out)), nprocs=2, join=True)
+    run_ranks(_compiled_rank, (argv, 2, free_port(), str(out)), 2)
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
     assert all(r["graphs"] >= 1 for r in ranks), "no layer was compiled"
     assert ranks[0]["losses"] == ranks[1]["losses"]

@@ -55,11 +55,12 @@ def _gather_initial_parameters(index, world, port, out):
     import torch
     from helpers import compose
     from trainer import distributed
+    from trainer.rendezvous import Rendezvous
     from trainer.main import build
 
     cfg = compose(BASE + ["--batch-size", "4", "--ddp-backend", "fully_sharded", "--decoder-learned-pos"])
-    rdv = distributed.Rendezvous(f"tcp://127.0.0.1:{port}", world, rank=index, local_rank=index,
-                                 local_world_size=world)
+    rdv = Rendezvous(f"tcp://127.0.0.1:{port}", world, rank=index, local_rank=index,
+                     local_world_size=world)
     env = distributed.init_rank(cfg, rdv, needs_process_group=True)
     try:
         _, trainer, _ = build(cfg, env)
@@ -74,13 +75,13 @@ def _gather_initial_parameters(index, world, port, out):
 
 def test_sharded_init_equals_one_process_exactly(tmp_path):
     import torch
-    import torch.multiprocessing as mp
+    from helpers import run_ranks
     from helpers import compose
     from models.transformer_lm import build_model
-    from trainer.distributed import free_port
+    from trainer.rendezvous import free_port
 
     out = tmp_path / "params.pt"
-    mp.spawn(_gather_initial_parameters, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    run_ranks(_gather_initial_parameters, (2, free_port(), str(out)), 2)
     sharded = torch.load(out)
     cfg = compose(BASE + ["--batch-size", "4", "--decoder-learned-pos"])
     whole = dict(build_model(cfg.model, 256, 32, seed=cfg.common.seed).named_parameters())

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import DUMMY, compose, parse_records, run_train
-from trainer.distributed import free_port
+from trainer.rendezvous import free_port
 from trainer.launch import launch
 
 TRAIN = str(Path(sys.executable).with_name("train"))
@@ -70,8 +70,11 @@ def snapshot(path):
 
 
 def spawned_ranks(train):
-    children = subprocess.run(["pgrep", "-P", str(train.proc.pid)], capture_output=True, text=True).stdout.split()
-    return [int(c) for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+    """The local ranks: children of the server `train` forks them from (trainer/local_ranks.py)."""
+    def children(pid):
+        return [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+    servers = [c for c in children(train.proc.pid) if "forkserver" in Path(f"/proc/{c}/cmdline").read_text()]
+    return sorted(rank for server in servers for rank in children(server))  # rank 0 is started first
 
 
 def test_a_killed_spawned_rank_is_named_and_the_same_command_resumes(tmp_path):
@@ -91,6 +94,32 @@ def test_a_killed_spawned_rank_is_named_and_the_same_command_resumes(tmp_path):
     records, r = run_train(argv)
     assert f"@ {saved} updates" in r.stdout
     assert [x["num_updates"] for x in records["train_inner"]] == list(range(saved + 1, 31))
+
+
+def test_a_launcher_killed_outright_takes_its_ranks_with_it(tmp_path):
+    """SIGKILL to `train` alone (the OOM killer's choice, `kill -9`): the server its ranks are
+    forked from, and so the ranks, end too instead of training on unwatched."""
+    run = Train(SAVE + FSDP2 + ["--distributed-world-size", "2", "--max-update", "100000", "--no-save"])
+    try:
+        run.wait_for("train_inner")
+        ranks = spawned_ranks(run)
+        assert len(ranks) == 2
+        os.kill(run.proc.pid, signal.SIGKILL)
+        deadline = time.time() + 30
+        while time.time() < deadline and any(alive(pid) for pid in ranks):
+            time.sleep(0.2)
+        assert not any(alive(pid) for pid in ranks), "a rank outlived its launcher"
+    finally:
+        run.kill()
+        run.finish(timeout=60)
+
+
+def alive(pid):
+    """Running, not a zombie left for whoever reaps orphans."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _killed_then_survivor_aborts(cfg, rdv):

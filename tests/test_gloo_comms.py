@@ -49,11 +49,11 @@ def _reduce_scatter_rank(index, world, port, out):
 
 
 def test_point_to_point_reduce_scatter_sums_as_gloo_does(tmp_path):
-    import torch.multiprocessing as mp
-    from trainer.distributed import free_port
+    from helpers import run_ranks
+    from trainer.rendezvous import free_port
 
     out = tmp_path / "ranks"
-    mp.spawn(_reduce_scatter_rank, args=(3, free_port(), str(out)), nprocs=3, join=True)
+    run_ranks(_reduce_scatter_rank, (3, free_port(), str(out)), 3)
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(3)]
     assert [r["world"] for r in ranks] == [True] * 3
     assert [ranks[0]["pair"], ranks[2]["pair"]] == [True, True] and "pair" not in ranks[1]

@@ -56,13 +56,14 @@ def test_eval_lm_equals_training_valid_loss(trained):
 def _sharded_logits(index, argv, port, out):
     import torch
     from trainer import distributed
+    from trainer.rendezvous import Rendezvous
     from trainer.checkpoint import Checkpointer
     from trainer.loop import TrainLoop
     from trainer.main import build
     from trainer.progress import Progress
 
     cfg = compose(argv)
-    rdv = distributed.Rendezvous(f"tcp://127.0.0.1:{port}", 2, rank=index, local_rank=index, local_world_size=2)
+    rdv = Rendezvous(f"tcp://127.0.0.1:{port}", 2, rank=index, local_rank=index, local_world_size=2)
     env = distributed.init_rank(cfg, rdv, needs_process_group=True)
     try:
         task, trainer, _ = build(cfg, env)
@@ -79,13 +80,13 @@ def _sharded_logits(index, argv, port, out):
 
 def test_export_logits_equal_the_sharded_model(trained, tmp_path):
     import torch
-    import torch.multiprocessing as mp
-    from trainer.distributed import free_port
+    from helpers import run_ranks
+    from trainer.rendezvous import free_port
     from trainer.inference import load_model
 
     ckpt, _ = trained
     argv = TRAIN + ["--save-dir", str(ckpt.parent), "--ddp-backend", "fully_sharded"]
-    mp.spawn(_sharded_logits, args=(argv, free_port(), str(tmp_path / "logits.pt")), nprocs=2, join=True)
+    run_ranks(_sharded_logits, (argv, free_port(), str(tmp_path / "logits.pt")), 2)
     sharded = torch.load(tmp_path / "logits.pt")
     _run("export-model", "--path", ckpt, "--out", tmp_path / "export")
     assert sorted(p.name for p in (tmp_path / "export").iterdir()) == [

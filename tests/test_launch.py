@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from helpers import DUMMY, compose, parse_records, run_train
-from trainer.distributed import free_port, infer_rendezvous
 from trainer.flags import UsageError
+from trainer.rendezvous import free_port, infer_rendezvous
 
 BIN = Path(sys.executable).parent
 ARGS = DUMMY + ["--max-update", "3", "--log-format", "json", "--log-interval", "1"]
@@ -68,6 +68,34 @@ def test_spawn_logs_once_and_matches_one_process(one_process_records):
                                    "--ddp-backend", "fully_sharded"])
     assert [x["loss"] for x in records["train_inner"]] == one_process_records  # rank 0 alone logs
     assert "training on 2 rank(s)" in r.stdout and r.stdout.count("holds") == 1
+
+
+def _write_mark(cfg, rdv):
+    """Launch target: each rank writes down the mark it inherited from the launcher."""
+    Path(f"mark.{rdv.rank}").write_text(os.environ.get("SHARDLM_TEST_MARK", ""))
+    return 0
+
+
+def test_local_ranks_inherit_each_jobs_environment_and_the_launcher_never_loads_torch(tmp_path):
+    """Two jobs launched from one process (as a sweep does): the ranks of each see the
+    environment of their own launch, not the first one's (their server is started per job),
+    and the launcher itself never imports torch (its ranks are forked from a server that did)."""
+    script = f"""
+import os, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from helpers import DUMMY, compose
+from test_launch import _write_mark
+from trainer.launch import launch
+cfg = compose(DUMMY + ["--batch-size", "2", "--distributed-world-size", "2"])
+for mark in ("first", "second"):
+    os.environ["SHARDLM_TEST_MARK"] = mark
+    assert launch(cfg, target=_write_mark) == 0
+    print(mark, open("mark.0").read(), open("mark.1").read())
+print("torch loaded:", "torch" in sys.modules)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[:3] == ["first first first", "second second second", "torch loaded: False"]
 
 
 def test_torchrun(one_process_records):

@@ -89,11 +89,11 @@ def _shard_local_rank(index, world, port, out):
 
 
 def test_shard_local_adamw_and_grad_norm_match_torch_on_fsdp_shards(tmp_path):
-    import torch.multiprocessing as mp
-    from trainer.distributed import free_port
+    from helpers import run_ranks
+    from trainer.rendezvous import free_port
 
     out = tmp_path / "ranks"
-    mp.spawn(_shard_local_rank, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    run_ranks(_shard_local_rank, (2, free_port(), str(out)), 2)
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]
     torch_path, local_path = ranks[0]["AdamW"], ranks[0]["ShardLocalAdamW"]

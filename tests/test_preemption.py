@@ -1,6 +1,7 @@
 """SIGUSR1 / SIGTERM outside SLURM: every rank finishes its update, checkpoint_last is
 saved, the job exits cleanly, and the same command resumes the same curve."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -14,26 +15,34 @@ ARGV = [a for a in DUMMY if a != "--no-save"] + ["--batch-size", "4", "--max-upd
                                                  "--log-interval", "1"]
 
 
-def _signal_after(argv, sig, after_update, cwd):
-    """Start `train`, send `sig` once update `after_update` is logged; returns (rc, stdout, stderr)."""
+def _signal_after(argv, sig, after_update, cwd, whole_group=False):
+    """Start `train`, send `sig` once update `after_update` is logged, to `train` alone or
+    to every process of the job (as SLURM and `kill -SIG -PGID` do); returns (rc, stdout,
+    stderr)."""
     cmd = [str(Path(sys.executable).with_name("train"))] + argv
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            start_new_session=whole_group)
     lines = []
     for line in proc.stdout:
         lines.append(line)
         if '"num_updates": %d,' % after_update in line and "train_inner" in line:
-            proc.send_signal(sig)
+            os.killpg(proc.pid, sig) if whole_group else proc.send_signal(sig)
             break
     out, err = proc.communicate(timeout=300)
     return proc.returncode, "".join(lines) + out, err
 
 
-@pytest.mark.parametrize("sig,extra", [(signal.SIGUSR1, ["--ddp-backend", "fully_sharded", "--distributed-world-size", "2"]),
-                                       (signal.SIGTERM, [])], ids=["usr1_fsdp_2_ranks", "term_1_rank"])
-def test_signal_saves_stops_and_the_same_command_resumes(sig, extra, tmp_path):
+FSDP_2_RANKS = ["--ddp-backend", "fully_sharded", "--distributed-world-size", "2"]
+
+
+@pytest.mark.parametrize("sig,extra,whole_group", [(signal.SIGUSR1, FSDP_2_RANKS, False),
+                                                   (signal.SIGTERM, FSDP_2_RANKS, True),
+                                                   (signal.SIGTERM, [], False)],
+                         ids=["usr1_fsdp_2_ranks", "term_fsdp_2_ranks_whole_group", "term_1_rank"])
+def test_signal_saves_stops_and_the_same_command_resumes(sig, extra, whole_group, tmp_path):
     argv = ARGV + extra + ["--save-dir", str(tmp_path / "ckpt")]
     whole, _ = run_train(ARGV + extra + ["--no-save"])
-    rc, out, err = _signal_after(argv, sig, 5, tmp_path)
+    rc, out, err = _signal_after(argv, sig, 5, tmp_path, whole_group)
     assert rc == 0, err
     first = parse_records(out)["train_inner"]
     stopped = json.loads((tmp_path / "ckpt" / "checkpoint_last" / "trainer_state.json").read_text())["num_updates"]

@@ -104,7 +104,7 @@ def test_preempted_job_saves_requeues_and_resumes(cluster, tmp_path):
 
 
 def test_awkward_node_lists_expand_with_scontrol(cluster, tmp_path):
-    from trainer.distributed import first_host
+    from trainer.rendezvous import first_host
     assert first_host("n[1-3,7]") == "n1"
     assert first_host("gpu-a[01-02],gpu-b5") == "gpu-a01"
     assert first_host("gpu-b5,gpu-a[01-02]") == "gpu-b5"

@@ -175,7 +175,7 @@ def auto_tune(cfg):
     that fit, and say which. Every rank computes the same choice from the same inputs."""
     import torch
 
-    from trainer.distributed import infer_rendezvous
+    from trainer.rendezvous import infer_rendezvous
     from trainer.plan_report import make_plan
     d = cfg.distributed_training
     device = "cuda" if torch.cuda.is_available() and not cfg.common.cpu else "cpu"

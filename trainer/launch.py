@@ -29,7 +29,7 @@ GRACE_S = 5.0  # how long the other ranks get to end on their own once one has f
 
 def launch(cfg, target=None, prog="train"):
     """Run `target(cfg, rdv)` (default: training) on every rank of the job."""
-    from trainer.distributed import huge_pages_for_large_tensors, infer_rendezvous
+    from trainer.rendezvous import huge_pages_for_large_tensors, infer_rendezvous
 
     huge_pages_for_large_tensors(cfg)
     try:
@@ -38,18 +38,21 @@ def launch(cfg, target=None, prog="train"):
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     if rdv.spawn > 1:
-        import torch.multiprocessing as mp
-
-        from trainer.preemption import forward_signals
         import tempfile
 
-        # Each rank leaves its one-line error here; the launcher prints it once for the job
-        # (every rank usually meets the same bad input, e.g. a missing --restore-file).
-        with tempfile.TemporaryDirectory(prefix="shardlm-rank-errors-") as errors_dir:
-            ranks = mp.start_processes(_spawned_rank, args=(cfg, rdv, target, prog, errors_dir), nprocs=rdv.spawn,
-                                       join=False)
-            forward_signals(ranks.processes)
-            return join_ranks(ranks, rdv.rank, prog, resume_hint(cfg, prog), errors_dir)
+        from trainer.local_ranks import start_local_ranks, start_rank_server, stop_rank_server
+        from trainer.preemption import forward_signals
+
+        start_rank_server()
+        try:
+            # Each rank leaves its one-line error here; the launcher prints it once for the job
+            # (every rank usually meets the same bad input, e.g. a missing --restore-file).
+            with tempfile.TemporaryDirectory(prefix="shardlm-rank-errors-") as errors_dir:
+                ranks = start_local_ranks(_spawned_rank, (cfg, rdv, target, prog, errors_dir), rdv.spawn, errors_dir)
+                forward_signals(ranks)
+                return join_ranks(ranks, rdv.rank, prog, resume_hint(cfg, prog), errors_dir)
+        finally:
+            stop_rank_server()
     return run_rank(cfg, rdv, target, prog)
 
 
@@ -83,11 +86,12 @@ def _exit_at_once(code):
     os._exit(code)
 
 
-def join_ranks(ctx, first_rank, prog, hint, errors_dir):
+def join_ranks(procs, first_rank, prog, hint, errors_dir):
     """Wait for the spawned ranks; once one fails, end the others and say why in one line."""
     from multiprocessing.connection import wait
 
-    procs = ctx.processes
+    from trainer.local_ranks import traceback_file
+
     waiting = {p.sentinel: i for i, p in enumerate(procs)}
     ended = []  # ranks in the order their ends were seen: the first to fail is the cause
     failed = None
@@ -119,8 +123,8 @@ def join_ranks(ctx, first_rank, prog, hint, errors_dir):
             name = f"signal {-procs[i].exitcode}"
         print(f"{prog}: error: rank {first_rank + i} (pid {procs[i].pid}) was killed by {name}; {hint}",
               file=sys.stderr)
-    elif os.access(ctx.error_files[failed], os.R_OK):  # an unexpected exception: its traceback
-        with open(ctx.error_files[failed], "rb") as f:
+    elif os.access(traceback_file(errors_dir, failed), os.R_OK):  # an unexpected exception: its traceback
+        with open(traceback_file(errors_dir, failed), "rb") as f:
             print(f"{prog}: rank {first_rank + failed} failed:\n{pickle.load(f).strip()}", file=sys.stderr)
     elif messages := _rank_errors(errors_dir):
         if len(messages) > 1 and len(set(messages.values())) == 1:  # the same on every rank: say it once
@@ -136,7 +140,7 @@ def join_ranks(ctx, first_rank, prog, hint, errors_dir):
 def _rank_errors(errors_dir):
     """rank -> its one-line error, for the spawned ranks that wrote one."""
     messages = {}
-    for name in os.listdir(errors_dir):
+    for name in filter(str.isdigit, os.listdir(errors_dir)):  # not the tracebacks
         with open(os.path.join(errors_dir, name), encoding="utf-8") as f:
             messages[int(name)] = f.read()
     return messages

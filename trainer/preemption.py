@@ -10,29 +10,40 @@ import logging
 import os
 import signal
 import subprocess
-
-from trainer.distributed import all_reduce_sum
+import time
 
 log = logging.getLogger("shardlm")
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+# A signal sent to every process of a job (SLURM, `kill -TERM -PGID`) reaches a spawned
+# rank twice: directly, and forwarded by its launcher milliseconds later. Copies this close
+# are one signal.
+SAME_SIGNAL_S = 1.0
 
 
 class Preemption:
     def __init__(self, env):
         self.env = env
         self.received = None
+        self.first_at = None
         for sig in SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
-        if self.received is not None and signum == signal.SIGTERM:
+        now = time.monotonic()
+        if self.received is not None and signum == signal.SIGTERM and now - self.first_at > SAME_SIGNAL_S:
             # A second TERM: the cluster is out of patience; die the default way.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
         self.received = signal.Signals(signum).name
+        self.first_at = self.first_at or now
 
     def agreed(self):
         """True on every rank once any rank has received a signal (one tiny all-reduce)."""
+        # Imported here: the launcher imports this module (forward_signals) and never torch.
+        from trainer.distributed import all_reduce_sum
+
         (flag,) = all_reduce_sum([1.0 if self.received else 0.0], self.env)
         return flag > 0
 
