@@ -71,14 +71,13 @@ def run_ranks(fn, args, nprocs):
     has changed since it started (its forks inherit its environment, not this process's).
     Raises if a rank fails; its traceback is on stderr."""
     import tempfile
-    from multiprocessing import forkserver
 
     from trainer import local_ranks
     from trainer.launch import join_ranks
 
     global _server_environment
     environment = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # pytest's, per test
-    if forkserver._forkserver._forkserver_pid is None or _server_environment != environment:
+    if not local_ranks.rank_server_running() or _server_environment != environment:
         local_ranks.start_rank_server()
         _server_environment = environment
     with tempfile.TemporaryDirectory(prefix="shardlm-test-ranks-") as errors_dir:

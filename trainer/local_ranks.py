@@ -41,13 +41,18 @@ def stop_rank_server():
     """End the server once the ranks have. Its own way out waits for every process that
     holds its pipe, a rank's lingering child included, and it ignores the job's signals:
     SIGKILL ends it at once."""
-    server = forkserver._forkserver  # multiprocessing's one server per process (3.11 internals)
-    if server._forkserver_pid is not None:
+    server = forkserver._forkserver
+    if rank_server_running():
         try:
             os.kill(server._forkserver_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         server._stop()
+
+
+def rank_server_running():
+    # multiprocessing keeps one server per process; these are CPython 3.11's internals
+    return forkserver._forkserver._forkserver_pid is not None
 
 
 def start_local_ranks(fn, args, nprocs, errors_dir):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from trainer.config import SHARDED_BACKENDS
 from trainer.flags import UsageError
 
+
 @dataclass
 class Rendezvous:
     """How this process finds the others; `spawn` > 0 means start that many local ranks."""
@@ -104,9 +105,9 @@ def huge_pages_for_large_tensors(cfg):
     madvise(MADV_HUGEPAGE)); a user's own setting of the variable wins.
 
     FSDP on a CPU allocates and frees every gathered layer, its gradients and the
-    activations as fresh mmap'd pages (`return_large_frees_to_os`), faulted in 4 KiB at a
-    time. Measured on bench_fsdp's 2 ranks, 5 updates: 8.8 M page faults and 23–26 s of
-    system time without, 1.6 M and 16–19 s with, at the same peak memory (1.549 GB). In
+    activations as fresh mmap'd pages (`return_large_frees_to_os` in trainer/distributed.py),
+    faulted in 4 KiB at a time. Measured on bench_fsdp's 2 ranks, 5 updates: 8.8 M page
+    faults and 23–26 s of system time without, 1.6 M and 16–19 s with, at the same peak memory (1.549 GB). In
     tokens/s the gain is within this machine's noise: 76 → 83/86 in one interleaved A/B,
     74/67 → 71/69 in another, with DDP at 78–90. DDP has few fresh pages to fault (86
     against 88 tokens/s) and grows 3 %, so it keeps the default. torch reads the variable
