@@ -47,8 +47,10 @@ def test_no_weight_decay_on_biases_norms_and_embeddings():
 
 
 def _shard_local_rank(index, world, port, out):
-    """One rank: the same sharded model stepped by torch's AdamW (through DTensor's dispatch)
-    and by ShardLocalAdamW, with clipping by global_grad_norm; returns every value as lists."""
+    """One rank: the same sharded model stepped by torch's AdamW (through DTensor's dispatch),
+    by ShardLocalAdamW, and by ShardLocalAdamW stepping the first layer's parameters first
+    (parallelize.EarlyGather's order), with clipping by global_grad_norm; returns every value
+    as lists, and, for the split step, which parameters had moved when the callback ran."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -59,7 +61,8 @@ def _shard_local_rank(index, world, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=world)
     try:
         results = {}
-        for cls in (torch.optim.AdamW, ShardLocalAdamW):
+        for name in ("AdamW", "ShardLocalAdamW", "first"):
+            cls = torch.optim.AdamW if name == "AdamW" else ShardLocalAdamW
             torch.manual_seed(0)
             # 5 rows: uneven shards over 2 ranks, one rank's last shard shorter
             model = torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
@@ -67,6 +70,14 @@ def _shard_local_rank(index, world, port, out):
                 fully_shard(layer)
             fully_shard(model)
             opt = cls(model.parameters(), lr=0.01, weight_decay=0.1, fused=True)
+            moved_at_callback = []
+            if name == "first":
+                params = list(model.parameters())
+
+                def callback():
+                    moved_at_callback.append([not torch.equal(p.to_local(), b) for p, b in zip(params, before)])
+
+                opt.first = ({id(p) for p in model[0].parameters()}, callback)
             norms = []
             for step in range(3):
                 torch.manual_seed(100 + step)
@@ -76,13 +87,15 @@ def _shard_local_rank(index, world, port, out):
                 reference = torch.nn.utils.get_total_norm(grads).full_tensor()
                 norms.append([norm.item(), reference.item()])
                 torch._foreach_mul_([g.to_local() for g in grads], torch.clamp(0.5 / (norm + 1e-6), max=1.0))
+                before = [p.to_local().clone() for p in model.parameters()]
                 opt.step()
                 opt.zero_grad()
             state = opt.state[next(iter(model.parameters()))]
-            results[cls.__name__] = {
+            results[name] = {
                 "params": [p.full_tensor().flatten().tolist() for p in model.parameters()],
                 "exp_avg_sq": state["exp_avg_sq"].full_tensor().flatten().tolist(),
-                "state_is_dtensor": isinstance(state["exp_avg"], DTensor), "norms": norms}
+                "state_is_dtensor": isinstance(state["exp_avg"], DTensor), "norms": norms,
+                "moved_at_callback": moved_at_callback}
         Path(f"{out}.{index}").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
@@ -103,3 +116,8 @@ def test_shard_local_adamw_and_grad_norm_match_torch_on_fsdp_shards(tmp_path):
     for norm, reference in local_path["norms"] + torch_path["norms"]:
         assert norm == pytest.approx(reference, rel=1e-6)
     assert local_path["norms"][0][0] > 0.5  # clipping acted
+    # Stepping some parameters first changes no value, and the callback runs between the two:
+    # the first layer's weight and bias have moved, the other four parameters not yet.
+    split = ranks[0]["first"]
+    assert split["params"] == torch_path["params"] and split["exp_avg_sq"] == torch_path["exp_avg_sq"]
+    assert split["moved_at_callback"] == [[True, True, False, False, False, False]] * 3

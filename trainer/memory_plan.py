@@ -267,7 +267,11 @@ def simulate(m: ModelShape, s: Setup):
             in_flight = 0
             if grads_now and not offload:
                 L.add("gradients", 4 * m.root_params / S)
-    # The optimizer step is fused and in place; then the gradients are freed.
+    # The optimizer step is fused and in place; then the gradients are freed. With adam
+    # (2 states) on several ranks, the root and the first layer are gathered for the next
+    # forward while the rest is stepped (parallelize.EarlyGather).
+    if s.sharded and s.world > 1 and s.optimizer_states == 2:
+        L.transient("gathered_parameters", m.root_params * c + (unit if m.layers else 0))
     return L, host
 
 

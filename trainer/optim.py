@@ -52,6 +52,11 @@ class ShardLocalAdamW(torch.optim.AdamW):
     values. The state is still created (lazily, by torch) and kept as DTensors, so
     checkpoints and `state_dict` do not change."""
 
+    # (ids of the parameters to step first, what to call once they are), set by the
+    # trainer around an update's step: see parallelize.EarlyGather. AdamW updates each
+    # element from itself alone, so stepping some parameters first computes the same values.
+    first = None
+
     @torch.no_grad()
     def step(self, closure=None):
         if "decoupled_weight_decay" not in self.defaults:  # torch < 2.7: AdamW is not an Adam yet
@@ -60,20 +65,38 @@ class ShardLocalAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        groups = []
         for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
-            has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
-            beta1, beta2 = group["betas"]
-            adam(
-                local_shards(params), local_shards(grads), local_shards(exp_avgs), local_shards(exp_avg_sqs),
-                local_shards(max_exp_avg_sqs), local_shards(steps), amsgrad=group["amsgrad"],
-                has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
-                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
-                fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
-                found_inf=getattr(self, "found_inf", None),
-                decoupled_weight_decay=group["decoupled_weight_decay"])
+            lists = [], [], [], [], [], []  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
+            has_complex = self._init_group(group, *lists)
+            groups.append((group, has_complex, lists))
+        if self.first is None:
+            for group, has_complex, lists in groups:
+                self._step_group(group, has_complex, lists, range(len(lists[0])))
+            return loss
+        ids, then = self.first
+        for group, has_complex, lists in groups:
+            self._step_group(group, has_complex, lists, [i for i, p in enumerate(lists[0]) if id(p) in ids])
+        then()
+        for group, has_complex, lists in groups:
+            self._step_group(group, has_complex, lists, [i for i, p in enumerate(lists[0]) if id(p) not in ids])
         return loss
+
+    def _step_group(self, group, has_complex, lists, indices):
+        """torch's AdamW step of one parameter group, on the local shards of `indices`."""
+        if not indices:
+            return
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = (
+            local_shards([t[i] for i in indices]) if t else [] for t in lists)
+        beta1, beta2 = group["betas"]
+        adam(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"],
+            has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+            foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
+            fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
+            found_inf=getattr(self, "found_inf", None),
+            decoupled_weight_decay=group["decoupled_weight_decay"])
 
 
 class LRSchedule:

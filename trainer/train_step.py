@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from trainer.distributed import all_reduce_sum
 from trainer.meters import LN2
-from trainer.optim import LRSchedule, build_optimizer, local_shards
+from trainer.optim import LRSchedule, ShardLocalAdamW, build_optimizer, local_shards
 from trainer.parallelize import mixed_precision_dtype, uses_fsdp
 
 log = logging.getLogger("shardlm")
@@ -25,6 +25,10 @@ class Trainer:
     def __init__(self, cfg, model, env, pad, grad_sync):
         self.cfg, self.model, self.env, self.pad, self.grad_sync = cfg, model, env, pad, grad_sync
         self.optimizer = build_optimizer(model, cfg)
+        early = grad_sync.early_gather
+        self.early_gather = None
+        if early is not None and isinstance(self.optimizer, ShardLocalAdamW):
+            self.early_gather = (early.param_ids(), early.start)
         self.schedule = LRSchedule(cfg)
         self.num_updates = 0
         # --reset-lr-scheduler on resume: the schedule counts updates from this one.
@@ -82,6 +86,10 @@ class Trainer:
         if not (math.isfinite(gnorm) and math.isfinite(loss_sum)):
             return self.skip_or_stop(loss_sum / max(total_tokens, 1) / LN2, gnorm)
         self.lr = self.schedule.apply(self.optimizer, self.num_updates - self.lr_updates_offset)
+        # Only an update's own step gathers for the next forward: torch's checkpoint API
+        # also steps the optimizer (with zero gradients, to create its state before a load),
+        # and parameters gathered then would be stale once the load has replaced them.
+        self.optimizer.first = self.early_gather
         try:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
@@ -93,6 +101,8 @@ class Trainer:
                 raise
             raise self.numerical_fault(f"the optimizer step of update {self.num_updates + 1} overflows float32 "
                                        f"(--lr {self.lr:g}); lower --lr") from None
+        finally:
+            self.optimizer.first = None
         self.optimizer.zero_grad(set_to_none=True)
         self.num_updates += 1
         clip = self.cfg.optimization.clip_norm
