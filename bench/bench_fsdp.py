@@ -11,7 +11,7 @@ DDP's in the same repetition (paired: both ran minutes apart, not a whole run ap
 Goal, for plain FSDP: ≥ 0.95× DDP's tokens/s with ≤ 0.60× its per-rank peak memory; the
 flag variants are shown against DDP for information.
 
-Usage: python bench/bench_fsdp.py [--reps 2] [--steps 4] [--only ddp fsdp …]
+Usage: python bench/bench_fsdp.py [--reps 4] [--steps 4] [--only ddp fsdp …]
 """
 from benchlib import goal, json_records, median, note, parser, report, run_train
 
@@ -41,7 +41,7 @@ def run(extra, steps):
 
 
 def main():
-    p = parser(__doc__, reps=2)
+    p = parser(__doc__, reps=4)
     p.add_argument("--steps", type=int, default=4, help="timed updates per run (after 2 warm-up ones)")
     p.add_argument("--only", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS), metavar="NAME",
                    help=f"contenders to run, of: {', '.join(CONTENDERS)}")
