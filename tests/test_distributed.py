@@ -92,6 +92,53 @@ def test_sharded_init_equals_one_process_exactly(tmp_path):
     assert sharded["local_numel"] <= total // 2 + 1000  # each rank holds about half
 
 
+def _pending_gathers_rank(index, world, port, out):
+    """Which FSDP units have an all-gather in flight: after build, after DCP's optimizer-state
+    init (it steps the optimizer), and after one update."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from helpers import compose
+    from trainer import distributed
+    from trainer.loop import grouped
+    from trainer.main import build
+    from trainer.rendezvous import Rendezvous
+
+    cfg = compose(BASE + ["--batch-size", "4", "--ddp-backend", "fully_sharded"])
+    rdv = Rendezvous(f"tcp://127.0.0.1:{port}", world, rank=index, local_rank=index, local_world_size=world)
+    env = distributed.init_rank(cfg, rdv, needs_process_group=True)
+    try:
+        task, trainer, _ = build(cfg, env)
+        units = [trainer.model] + list(trainer.model.layers)
+
+        def pending():  # FSDP2 keeps an unshard's result here until pre-forward waits for it
+            return [unit._get_fsdp_state()._fsdp_param_group._all_gather_result is not None for unit in units]
+
+        seen = {"built": pending()}
+        get_optimizer_state_dict(trainer.model, trainer.optimizer)
+        seen["checkpoint_api"] = pending()
+        itr = task.batch_iterator(cfg.dataset.train_subset, training=True)
+        trainer.train_step(next(grouped(itr.next_epoch_itr(), 1)))
+        seen["updated"] = pending()
+        Path(f"{out}.{index}").write_text(json.dumps(seen))
+    finally:
+        distributed.teardown()
+
+
+def test_the_first_all_gathers_start_during_the_optimizer_step(tmp_path):
+    """parallelize.EarlyGather: after an update, the root's and the first layer's
+    all-gathers for the next forward are already in flight, and no other unit's. The
+    optimizer step that torch's checkpoint API runs to create optimizer state gathers
+    nothing: a load would then replace the parameters under it."""
+    from helpers import run_ranks
+    from trainer.rendezvous import free_port
+
+    out = tmp_path / "pending"
+    run_ranks(_pending_gathers_rank, (2, free_port(), str(out)), 2)
+    for rank in range(2):
+        seen = json.loads(Path(f"{out}.{rank}").read_text())
+        assert seen["built"] == [False, False, False] and seen["checkpoint_api"] == [False, False, False]
+        assert seen["updated"] == [True, True, False]
+
+
 def _report_huge_pages(cfg, rdv):
     """Launch target: does a 64 MiB tensor of this rank land on transparent huge pages?"""
     import torch
