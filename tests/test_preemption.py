@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,31 @@ def test_signal_with_no_save_stops_without_writing(tmp_path):
     rc, out, err = _signal_after(ARGV + ["--no-save", "--save-dir", str(tmp_path / "ckpt")], signal.SIGTERM, 3, tmp_path)
     assert rc == 0, err
     assert "--no-save: nothing saved at update" in out + err and not (tmp_path / "ckpt").exists()
+
+
+def test_a_second_sigterm_a_second_later_kills_at_once(tmp_path):
+    """The cluster's second TERM (a second or more after the first, so not a copy of it)
+    means no patience is left: the rank dies the default way instead of finishing its
+    update and saving. The update here is 3,000 micro-batches long, so the rank is still
+    inside it when the second signal comes."""
+    from trainer.preemption import SAME_SIGNAL_S
+
+    argv = [a for a in DUMMY if a != "--no-save"] + ["--batch-size", "4", "--dataset-size", "100000",
+                                                   "--update-freq", "3000", "--save-dir", str(tmp_path / "ckpt")]
+    cmd = [str(Path(sys.executable).with_name("train"))] + argv
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        for line in proc.stdout:
+            if "training on 1 rank(s)" in line:
+                break
+        time.sleep(1.0)  # the handlers are installed right after that line
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(SAME_SIGNAL_S + 0.5)
+        assert proc.poll() is None, "the first SIGTERM alone must not stop the update"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGTERM, out[-2000:]
+    assert "received SIGTERM: stopping after update" not in out
+    assert not (tmp_path / "ckpt" / "checkpoint_last").exists()
