@@ -50,6 +50,7 @@ def _updates(cfg, env, n_updates, with_gnorm):
         losses.append(stats["loss_sum"] / stats["ntokens"])
         gnorms.append(stats["gnorm"])
         if len(losses) == n_updates:
+            trainer.finish()
             return (losses, gnorms) if with_gnorm else losses
     raise AssertionError(f"only {len(losses)} updates in an epoch")
 

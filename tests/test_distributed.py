@@ -118,6 +118,8 @@ def _pending_gathers_rank(index, world, port, out):
         itr = task.batch_iterator(cfg.dataset.train_subset, training=True)
         trainer.train_step(next(grouped(itr.next_epoch_itr(), 1)))
         seen["updated"] = pending()
+        trainer.finish()
+        seen["finished"] = pending()
         Path(f"{out}.{index}").write_text(json.dumps(seen))
     finally:
         distributed.teardown()
@@ -127,7 +129,8 @@ def test_the_first_all_gathers_start_during_the_optimizer_step(tmp_path):
     """parallelize.EarlyGather: after an update, the root's and the first layer's
     all-gathers for the next forward are already in flight, and no other unit's. The
     optimizer step that torch's checkpoint API runs to create optimizer state gathers
-    nothing: a load would then replace the parameters under it."""
+    nothing: a load would then replace the parameters under it. `finish()` leaves none in
+    flight for the process group's teardown."""
     from helpers import run_ranks
     from trainer.rendezvous import free_port
 
@@ -137,6 +140,7 @@ def test_the_first_all_gathers_start_during_the_optimizer_step(tmp_path):
         seen = json.loads(Path(f"{out}.{rank}").read_text())
         assert seen["built"] == [False, False, False] and seen["checkpoint_api"] == [False, False, False]
         assert seen["updated"] == [True, True, False]
+        assert seen["finished"] == [False, False, False]  # nothing left in flight for teardown
 
 
 def _report_huge_pages(cfg, rdv):

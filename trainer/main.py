@@ -95,6 +95,7 @@ def train(cfg, env):
             for name in remove_unfinished_saves(cfg.checkpoint.save_dir):
                 log.info(f"removed {name}, left by a run that died while saving")
         loop.run()
+        trainer.finish()
         return 0
     finally:
         if lock is not None:

@@ -139,6 +139,7 @@ class EarlyGather:
     def __init__(self, model, units):
         self.model, self.units = model, list(units)
         self.modules = [model] + self.units[:1]
+        self.handles = []
 
     def param_ids(self):
         """The ids of the parameters now registered in the root's own unit and the first
@@ -147,8 +148,16 @@ class EarlyGather:
         return {id(p) for p in self.model.parameters() if id(p) not in inner}
 
     def start(self):
-        for module in self.modules:
-            module.unshard(async_op=True)
+        self.handles = [module.unshard(async_op=True) for module in self.modules]
+
+    def wait(self):
+        """Let the gathers still in flight finish (a no-op for those a forward has waited
+        for). After the last update nothing else waits for them, and a process group
+        destroyed under them aborts the process ("terminate called without an active
+        exception"), seen when one rank finished before its peer had posted its part."""
+        for handle in self.handles:
+            handle.wait()
+        self.handles = []
 
 
 @torch.no_grad()

@@ -109,6 +109,12 @@ class Trainer:
         return dict(loss_sum=loss_sum, ntokens=total_tokens, nsentences=total_sentences, gnorm=gnorm,
                     clipped=float(clip > 0 and gnorm > clip), seconds=time.perf_counter() - start)
 
+    def finish(self):
+        """After the last update, before the process group goes: wait for the collectives
+        an update leaves in flight for the next one (parallelize.EarlyGather)."""
+        if self.grad_sync.early_gather is not None:
+            self.grad_sync.early_gather.wait()
+
     def skip_or_stop(self, loss, gnorm):
         """A non-finite loss or gradient norm: fp16 halves its scale and skips the update
         (not counted), until --min-loss-scale; fp32/bf16 stop at once (fairseq's messages,
