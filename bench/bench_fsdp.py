@@ -67,7 +67,7 @@ def main():
     for name, (wps, mem) in results.items():
         w, m = median(wps), median(mem)
         speed = median(x / d for x, d in zip(wps, results["ddp"][0])) if ddp_wps else None
-        rw = f"{speed:.3f}" if ddp_wps else "-"
+        rw = f"{speed:.3f}" if speed is not None else "-"
         rm = f"{m / ddp_mem:.3f}" if ddp_mem else "-"
         print(f"| {name} | {w:.0f} | {rw} | {m:.2f} | {rm} |")
         if not ddp_wps or name == "ddp":

@@ -25,10 +25,12 @@ class Trainer:
     def __init__(self, cfg, model, env, pad, grad_sync):
         self.cfg, self.model, self.env, self.pad, self.grad_sync = cfg, model, env, pad, grad_sync
         self.optimizer = build_optimizer(model, cfg)
+        # ShardLocalAdamW.first for an update's step: (parameters to step first, then start
+        # their all-gathers for the next forward); None where there is nothing to gather early.
         early = grad_sync.early_gather
-        self.early_gather = None
+        self.step_first = None
         if early is not None and isinstance(self.optimizer, ShardLocalAdamW):
-            self.early_gather = (early.param_ids(), early.start)
+            self.step_first = (early.param_ids(), early.start)
         self.schedule = LRSchedule(cfg)
         self.num_updates = 0
         # --reset-lr-scheduler on resume: the schedule counts updates from this one.
@@ -89,7 +91,7 @@ class Trainer:
         # Only an update's own step gathers for the next forward: torch's checkpoint API
         # also steps the optimizer (with zero gradients, to create its state before a load),
         # and parameters gathered then would be stale once the load has replaced them.
-        self.optimizer.first = self.early_gather
+        self.optimizer.first = self.step_first
         try:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
