@@ -82,16 +82,59 @@ def test_ddp_keeps_gradients_twice():
 
 def test_activation_arithmetic():
     n, d, f, h = 4 * 128, 256, 1024, 4
-    assert layer_activation_bytes(SHAPE, SETUP) == n * (4 * (9 * d + 2 * f) + 16 + 4 * h)
+    assert layer_activation_bytes(SHAPE, SETUP) == n * (4 * (8 * d + 2 * f) + 16 + 4 * h)
     relu = replace(SHAPE, activation_fn="relu")  # relu's output is both its and fc2's saved tensor
     assert layer_activation_bytes(SHAPE, SETUP) - layer_activation_bytes(relu, SETUP) == n * f * 4
     bf16 = replace(SETUP, precision="bf16")
-    assert layer_activation_bytes(SHAPE, bf16) == n * (2 * (9 * d + 2 * f) + 16 + 4 * h)
+    assert layer_activation_bytes(SHAPE, bf16) == n * (2 * (8 * d + 2 * f) + 16 + 4 * h)
     full = at_peak(SHAPE, SETUP, "activations")
     ckpt = at_peak(SHAPE, replace(SETUP, checkpoint_activations=True), "activations")
-    # checkpointing keeps each layer's input, plus one layer recomputed at a time
-    assert ckpt <= SHAPE.layers * n * d * 4 + layer_activation_bytes(SHAPE, SETUP) + 2 * n * f * 4
+    # checkpointing keeps each layer's input, plus one layer recomputed at a time and, at
+    # its first backward node, the gradient coming in and the one fc2 makes
+    assert ckpt <= SHAPE.layers * n * d * 4 + layer_activation_bytes(SHAPE, SETUP) - n * d * 4 + n * (d + f) * 4
     assert ckpt < full / 2
+
+
+@pytest.mark.parametrize("variant", [
+    {}, {"activation_fn": "relu"}, {"dropout": 0.1}, {"activation_dropout": 0.1},
+    {"activation_fn": "relu", "activation_dropout": 0.1}, {"attention_dropout": 0.1},
+    {"precision": "bf16"}, {"precision": "bf16", "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1},
+    {"normalize_before": False},
+])
+def test_activation_bytes_are_what_autograd_saves_on_the_real_layer(variant):
+    """The planner's count of one layer's saved activations against the tensors autograd
+    actually saves for backward on models/transformer_lm.py's DecoderLayer (its input
+    included, parameters not; storages shared by views counted once)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from models.transformer_lm import DecoderLayer
+    v = dict(variant)
+    precision, pre_ln = v.pop("precision", "fp32"), v.pop("normalize_before", True)
+    shape = replace(SHAPE, **v)
+    cfg = OmegaConf.create(dict(decoder_embed_dim=shape.dim, decoder_ffn_embed_dim=shape.ffn,
+                                decoder_attention_heads=shape.heads, decoder_normalize_before=pre_ln,
+                                activation_fn=shape.activation_fn, dropout=shape.dropout,
+                                attention_dropout=shape.attention_dropout,
+                                activation_dropout=shape.activation_dropout))
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    layer = DecoderLayer(cfg).to(dtype).train()
+    x = torch.randn(SETUP.sequences, SETUP.seq_len, shape.dim, dtype=dtype, requires_grad=True)
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    # bf16 norms keep their mean and rstd in bf16, where the planner counts fp32: 8 bytes a token
+    slack = 8 * SETUP.tokens if precision == "bf16" else 0
+    assert sum(saved.values()) == pytest.approx(
+        layer_activation_bytes(shape, replace(SETUP, precision=precision)), abs=slack)
 
 
 def test_gathered_layers_and_prefetch():
@@ -215,11 +258,13 @@ def test_train_auto_tune_picks_what_fits_and_trains_with_it(tmp_path, capsys):
 
 
 def test_prediction_matches_a_measured_run(tmp_path, capsys):
-    """Predicted vs measured peak resident memory per rank (the bench does 8 more configurations)."""
-    model = ["--task", "dummy_lm", "--dict-size", "8192", "--tokens-per-sample", "256", "--batch-size", "8",
-             "--decoder-layers", "6", "--decoder-embed-dim", "512", "--decoder-ffn-embed-dim", "2048",
-             "--decoder-attention-heads", "8", "--decoder-learned-pos", "--share-decoder-input-output-embed",
-             "--activation-fn", "gelu", "--dropout", "0"]
+    """Predicted vs measured peak resident memory per rank (the bench does 8 more
+    configurations): 2 FSDP ranks with checkpointing, activations larger than the model."""
+    model = ["--task", "dummy_lm", "--dict-size", "8192", "--tokens-per-sample", "256", "--batch-size", "16",
+             "--decoder-layers", "4", "--decoder-embed-dim", "384", "--decoder-ffn-embed-dim", "1536",
+             "--decoder-attention-heads", "6", "--decoder-learned-pos", "--share-decoder-input-output-embed",
+             "--activation-fn", "gelu", "--dropout", "0", "--ddp-backend", "fully_sharded",
+             "--distributed-world-size", "2", "--checkpoint-activations"]
     predicted = plan_json(capsys, *model, "--cpu")["per_rank_gb"]
     r = subprocess.run([str(BIN / "train")] + model + ["--max-update", "3", "--no-save", "--disable-validation",
                        "--log-format", "json", "--log-interval", "1"], capture_output=True, text=True, cwd=tmp_path)
@@ -227,3 +272,27 @@ def test_prediction_matches_a_measured_run(tmp_path, capsys):
     measured = max(json.loads(line[line.index("{"):])["mem_gb"] for line in r.stdout.splitlines()
                    if "| train_inner |" in line)
     assert predicted == pytest.approx(measured, rel=0.10)
+
+
+def test_deferred_gradient_sync_keeps_every_unsharded_gradient():
+    """--defer-grad-sync: no reduce-scatter before the last micro-batch, so every unit's
+    unsharded gradient is alive at once (in the reduce dtype), and the sharded gradients
+    appear only in the last micro-batch."""
+    uf2 = replace(SETUP, update_freq=2)
+    deferred = simulate(SHAPE, replace(uf2, defer_grad_sync=True))[0]
+    assert deferred.most["unsharded_gradients"] >= SHAPE.params * 4
+    assert simulate(SHAPE, uf2)[0].most["unsharded_gradients"] < SHAPE.params * 4
+    bf16 = replace(uf2, defer_grad_sync=True, precision="bf16", fp32_reduce_scatter=True)
+    assert simulate(SHAPE, bf16)[0].most["unsharded_gradients"] >= SHAPE.params * 4  # kept in fp32
+    assert predict(SHAPE, replace(uf2, defer_grad_sync=True)).per_rank_gb > predict(SHAPE, uf2).per_rank_gb
+
+
+def test_runtime_of_spawned_ranks_and_of_a_process_of_its_own():
+    """Local ranks are forked by the launcher and start smaller than a process that imports
+    torch itself (one rank, or --distributed-no-spawn)."""
+    from trainer.auto_tune import setup_of
+    assert setup_of(cfg_of("--distributed-world-size", "2", "--batch-size", "4"), "cpu", 2).spawned
+    assert not setup_of(cfg_of("--batch-size", "4"), "cpu", 1).spawned
+    assert not setup_of(cfg_of("--distributed-world-size", "2", "--distributed-no-spawn", "--distributed-init-method", "tcp://127.0.0.1:29500", "--batch-size", "4"), "cpu", 2).spawned
+    own, spawned = predict(SHAPE, SETUP), predict(SHAPE, replace(SETUP, spawned=True))
+    assert own.components["runtime"] - spawned.components["runtime"] == pytest.approx(0.045, abs=0.001)

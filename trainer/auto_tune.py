@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from trainer.flags import UsageError
 from trainer.memory_plan import ModelShape, Setup, predict
+from trainer.rendezvous import infer_rendezvous
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2}
 
@@ -72,7 +73,8 @@ def setup_of(cfg, device, ranks_per_host):
                  defer_grad_sync=d.defer_grad_sync, update_freq=cfg.optimization.update_freq,
                  sequences=sequences_per_batch(cfg), seq_len=cfg.task.tokens_per_sample,
                  precision="bf16" if c.bf16 else "fp16" if c.fp16 else "fp32",
-                 fp32_reduce_scatter=d.fp32_reduce_scatter, optimizer_states=states)
+                 fp32_reduce_scatter=d.fp32_reduce_scatter, optimizer_states=states,
+                 spawned=infer_rendezvous(cfg).spawn > 1)
 
 
 def flag_sets(s: Setup):
@@ -175,7 +177,6 @@ def auto_tune(cfg):
     that fit, and say which. Every rank computes the same choice from the same inputs."""
     import torch
 
-    from trainer.rendezvous import infer_rendezvous
     from trainer.plan_report import make_plan
     d = cfg.distributed_training
     device = "cuda" if torch.cuda.is_available() and not cfg.common.cpu else "cpu"

@@ -9,11 +9,16 @@ the loss's chunk of logits and the gradients it keeps; autocast's weight copies.
 peak of that ledger plus the runtime's own memory is the prediction; the ledger at the
 peak is the breakdown. Torch-free: `plan` answers in a fraction of a second.
 
-The saved-activation counts follow models/transformer_lm.py: a pre-LN layer saves its
-input x, the attention input, q/k/v, the attention output and its contiguous copy, the
+The saved-activation counts follow models/transformer_lm.py, as autograd's saved-tensor
+hooks see them (tests/test_plan.py counts them on the real layer): a pre-LN layer saves
+its input x, the attention input, q/k/v (one tensor), the attention output (the fused
+kernels write it token-major, so out_proj's input is a view of it, not a copy), the
 residual x1, the FFN input, fc1's output and (gelu) the activation's output — relu's
 output is the tensor both relu and fc2 keep. SDPA's fused kernels save only a row
-log-sum-exp; with attention dropout the math path keeps the T×T probabilities.
+log-sum-exp; with attention dropout a CPU takes the math path, which keeps the T×T
+probabilities, the dropout mask and the dropped probabilities, in fp32 (CUDA's fused
+kernels apply dropout themselves). Dropout keeps its mask: one byte per element on CUDA, an
+element of the input's dtype on a CPU (no fused kernel there).
 """
 from dataclasses import dataclass, field
 
@@ -27,9 +32,14 @@ def loss_chunk_rows(vocab):
 
 GB = 2 ** 30
 # Memory a rank uses before any tensor of ours: on a CPU, the resident interpreter,
-# torch's libraries and gloo (measured: a 2-layer width-64 model peaks at this); on a
-# GPU, the CUDA context, NCCL's buffers and the caching allocator's slack.
-RUNTIME_GB = {"cpu": 0.40, "cuda": 1.0}
+# torch's libraries and gloo (measured: a 2-layer width-64 model peaks at this: 0.330-
+# 0.336 GB in one process, 0.282-0.286 GB per rank spawned on 2 or 4 ranks); on a GPU,
+# the CUDA context, NCCL's buffers and the caching allocator's slack.
+RUNTIME_GB = {"cpu": 0.33, "cuda": 1.0}
+# A rank the launcher spawns is forked from its forkserver (trainer/local_ranks.py): it
+# maps only the library pages it touches, not all those a process touches importing
+# torch itself, so it starts smaller.
+SPAWNED_CPU_RUNTIME_GB = 0.285
 # The process's own resident memory on the host of a GPU rank (libraries, CUDA host state).
 HOST_RUNTIME_GB = 3.0
 
@@ -87,6 +97,7 @@ class Setup:
     precision: str  # "fp32", "bf16" or "fp16"
     fp32_reduce_scatter: bool
     optimizer_states: int  # fp32 tensors the optimizer keeps per parameter
+    spawned: bool = False  # a local rank the launcher forks (not a process of its own)
 
     @property
     def sharded(self):
@@ -132,16 +143,23 @@ def layer_activation_bytes(m: ModelShape, s: Setup):
     """Bytes one decoder layer's forward saves for backward, for s.tokens tokens."""
     n, d, f, c = s.tokens, m.dim, m.ffn, s.compute_bytes
     ffn_saved = f if m.activation_fn == "relu" else 2 * f
+    mask = 1 if s.device == "cuda" else c  # one dropout-mask element
     if s.precision != "fp32" and not s.sharded:
-        # autocast: the residual stream and the norms stay fp32; matmul inputs are saved
-        # as their low-precision casts, matmul outputs are low precision.
-        per_token = 4 * d * 2 + c * (d + 3 * d + d + d + d) + c * ffn_saved
+        # autocast: the residual stream (x, x1) and the norms stay fp32; matmul inputs are
+        # saved as their low-precision casts (the two norms' outputs), matmul outputs
+        # (q/k/v, the attention output) are low precision.
+        per_token = 4 * d * 2 + c * (d + 3 * d + d + d) + c * ffn_saved
     else:  # one dtype throughout (fp32, or FSDP's param_dtype)
-        per_token = c * (9 * d + ffn_saved)
+        per_token = c * (8 * d + ffn_saved)
     per_token += 2 * 2 * 4  # the two norms' mean and rstd, fp32
-    masks = (m.dropout > 0) * 2 * d + (m.activation_dropout > 0) * f  # bool masks
-    if m.attention_dropout > 0:  # math attention: probabilities, dropout mask, dropped probabilities
-        masks += m.heads * s.seq_len * (2 * c + 1)
+    masks = (m.dropout > 0) * 2 * d * mask + (m.activation_dropout > 0) * f * mask
+    if m.activation_dropout > 0 and m.activation_fn == "relu":
+        masks += f * c  # fc2 now keeps the dropped output, relu still its own
+    if m.attention_dropout > 0 and s.device != "cuda":
+        # the math path, in fp32 on a CPU: probabilities, dropout mask and dropped
+        # probabilities (T×T per head), and q/k/v as fp32 copies of low-precision ones
+        masks += m.heads * s.seq_len * 3 * 4
+        per_token += 3 * d * (4 - c)
     else:
         per_token += m.heads * 4  # the fused kernel's log-sum-exp
     return n * (per_token + masks)
@@ -185,7 +203,10 @@ def simulate(m: ModelShape, s: Setup):
     act = layer_activation_bytes(m, s)
     layer_input = n * m.dim * (4 if autocast else c)
     resid = 4 if autocast else c
-    act_grads = 2 * n * max(m.ffn, 3 * m.dim) * c  # gradients of one layer's activations in flight
+    # A layer's backward peaks at its first node (fc2's): every saved tensor of the layer is
+    # still alive, with the gradient coming in (n×d) and the one fc2 makes for its input (n×ffn).
+    # Later nodes free what they used before the next makes more.
+    act_grads = n * (m.dim + m.ffn) * c
     low_copies = c * (4 * m.dim ** 2 + 2 * m.dim * m.ffn)  # autocast's copies of one layer's weights
     reduce_bytes = 4 if s.fp32_reduce_scatter else c
     rs_buffer, root_rs = m.layer_params * reduce_bytes, m.root_params * reduce_bytes
@@ -195,8 +216,18 @@ def simulate(m: ModelShape, s: Setup):
     # made meanwhile take new ones, so resident memory peaks as if both were alive at once
     # (measured: 1.19 GB for 23 M parameters on one rank, 2.80 GB per rank for 109 M on two).
     heap_keeps_activations = s.device == "cpu" and not s.sharded
+    last = s.update_freq - 1
     for micro in range(s.update_freq):
         grads_now = micro == 0  # later micro-batches add into the same gradients
+        # --defer-grad-sync (FSDP): micro-batches before the last reduce nothing; each unit
+        # keeps its unsharded gradient (in the reduce dtype) until the last one reduces it.
+        deferring = s.sharded and s.defer_grad_sync and micro < last
+        kept = s.sharded and s.defer_grad_sync and micro > 0  # unsharded gradients already there
+        first_reduce = micro == (last if s.sharded and s.defer_grad_sync else 0)
+        # FSDP2's first reduction of a unit becomes its sharded gradient; a later one lands
+        # in a new output of the shard's size, added into it, then freed.
+        later_output = 0 if first_reduce else reduce_bytes / S
+        kept_unit, kept_root = m.layer_params * reduce_bytes, m.root_params * reduce_bytes
         # ---- forward
         if autocast:
             L.add("mixed_precision_copies", m.layers * low_copies)  # autocast's weight cache
@@ -229,8 +260,11 @@ def simulate(m: ModelShape, s: Setup):
         L.transient("logits_and_loss", m.vocab * m.dim * low)
         L.sub("logits_and_loss", n * m.dim * c + m.vocab * m.dim * 4)
         if s.sharded:
-            L.add("unsharded_gradients", m.root_params * c)  # the root's, reduced at the end
+            if not kept:
+                L.add("unsharded_gradients", m.root_params * c)  # the root's, reduced at the end
         elif grads_now:
+            L.add("gradients", 4 * m.root_params)
+        elif heap_keeps_activations:  # the new gradients, added in and freed: fresh pages too
             L.add("gradients", 4 * m.root_params)
         L.sub("activations", n * m.dim * resid)
         for i in reversed(range(m.layers)):
@@ -240,32 +274,45 @@ def simulate(m: ModelShape, s: Setup):
             if s.checkpoint_activations:  # recomputed; the input was kept (or comes back)
                 L.add("activations", act - (0 if offload_acts else layer_input))
             if s.sharded:
-                L.add("unsharded_gradients", unit)
-            elif grads_now:
+                if not kept:
+                    L.add("unsharded_gradients", unit)
+            elif grads_now or heap_keeps_activations:
                 L.add("gradients", 4 * m.layer_params)
             L.transient("activations", act_grads)
             if not heap_keeps_activations:
                 L.sub("activations", act)
             if autocast:
                 L.sub("mixed_precision_copies", low_copies)
-            if s.sharded:
+            if deferring:
+                if not kept and reduce_bytes != c:  # accumulated in the reduce dtype
+                    L.add("unsharded_gradients", kept_unit - unit)
+                release(i)
+            elif s.sharded:
                 # reduce-scatter: the gradients are copied into a flat input buffer in the
                 # reduce dtype, which stays alive while the collective runs, behind the next
                 # layer's backward (FSDP2's own stream on a GPU, gloo's thread here).
                 L.add("unsharded_gradients", rs_buffer)
-                L.sub("unsharded_gradients", unit + in_flight)
+                L.sub("unsharded_gradients", (kept_unit if kept else unit) + in_flight)
                 in_flight = rs_buffer
-                if grads_now and not offload:
+                L.transient("gradients", m.layer_params * later_output)
+                if first_reduce and not offload:
                     L.add("gradients", 4 * m.layer_params / S)
                 release(i)
         if heap_keeps_activations:
             L.sub("activations", m.layers * act)
-        if s.sharded:
+            if not grads_now:
+                L.sub("gradients", 4 * m.params)
+        if deferring:
+            L.sub("gathered_parameters", m.root_params * c)
+            if not kept and reduce_bytes != c:
+                L.add("unsharded_gradients", kept_root - m.root_params * c)
+        elif s.sharded:
             L.sub("gathered_parameters", m.root_params * c)
             L.add("unsharded_gradients", root_rs)
-            L.sub("unsharded_gradients", m.root_params * c + in_flight + root_rs)
+            L.transient("gradients", m.root_params * later_output)
+            L.sub("unsharded_gradients", (kept_root if kept else m.root_params * c) + in_flight + root_rs)
             in_flight = 0
-            if grads_now and not offload:
+            if first_reduce and not offload:
                 L.add("gradients", 4 * m.root_params / S)
     # The optimizer step is fused and in place; then the gradients are freed. With adam
     # (2 states) on several ranks, the root and the first layer are gathered for the next
@@ -316,7 +363,7 @@ class Prediction:
 
 def predict(m: ModelShape, s: Setup):
     ledger, offloaded = simulate(m, s)
-    runtime = RUNTIME_GB[s.device] * GB
+    runtime = (SPAWNED_CPU_RUNTIME_GB if s.device == "cpu" and s.spawned else RUNTIME_GB[s.device]) * GB
     components = {k: 0.0 for k in COMPONENTS}
     components["runtime"] = runtime
     for k, v in ledger.at_peak.items():
