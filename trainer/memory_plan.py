@@ -209,6 +209,7 @@ def simulate(m: ModelShape, s: Setup):
     act_grads = n * (m.dim + m.ffn) * c
     low_copies = c * (4 * m.dim ** 2 + 2 * m.dim * m.ffn)  # autocast's copies of one layer's weights
     reduce_bytes = 4 if s.fp32_reduce_scatter else c
+    # also the size of a unit's unsharded gradient kept in the reduce dtype (--defer-grad-sync)
     rs_buffer, root_rs = m.layer_params * reduce_bytes, m.root_params * reduce_bytes
     in_flight = 0
     # Unsharded runs on a CPU keep glibc's default allocator (trainer/distributed.py): the
@@ -227,7 +228,6 @@ def simulate(m: ModelShape, s: Setup):
         # FSDP2's first reduction of a unit becomes its sharded gradient; a later one lands
         # in a new output of the shard's size, added into it, then freed.
         later_output = 0 if first_reduce else reduce_bytes / S
-        kept_unit, kept_root = m.layer_params * reduce_bytes, m.root_params * reduce_bytes
         # ---- forward
         if autocast:
             L.add("mixed_precision_copies", m.layers * low_copies)  # autocast's weight cache
@@ -262,9 +262,7 @@ def simulate(m: ModelShape, s: Setup):
         if s.sharded:
             if not kept:
                 L.add("unsharded_gradients", m.root_params * c)  # the root's, reduced at the end
-        elif grads_now:
-            L.add("gradients", 4 * m.root_params)
-        elif heap_keeps_activations:  # the new gradients, added in and freed: fresh pages too
+        elif grads_now or heap_keeps_activations:  # later ones: added in and freed, fresh pages too
             L.add("gradients", 4 * m.root_params)
         L.sub("activations", n * m.dim * resid)
         for i in reversed(range(m.layers)):
@@ -285,14 +283,14 @@ def simulate(m: ModelShape, s: Setup):
                 L.sub("mixed_precision_copies", low_copies)
             if deferring:
                 if not kept and reduce_bytes != c:  # accumulated in the reduce dtype
-                    L.add("unsharded_gradients", kept_unit - unit)
+                    L.add("unsharded_gradients", rs_buffer - unit)
                 release(i)
             elif s.sharded:
                 # reduce-scatter: the gradients are copied into a flat input buffer in the
                 # reduce dtype, which stays alive while the collective runs, behind the next
                 # layer's backward (FSDP2's own stream on a GPU, gloo's thread here).
                 L.add("unsharded_gradients", rs_buffer)
-                L.sub("unsharded_gradients", (kept_unit if kept else unit) + in_flight)
+                L.sub("unsharded_gradients", (rs_buffer if kept else unit) + in_flight)
                 in_flight = rs_buffer
                 L.transient("gradients", m.layer_params * later_output)
                 if first_reduce and not offload:
@@ -305,12 +303,12 @@ def simulate(m: ModelShape, s: Setup):
         if deferring:
             L.sub("gathered_parameters", m.root_params * c)
             if not kept and reduce_bytes != c:
-                L.add("unsharded_gradients", kept_root - m.root_params * c)
+                L.add("unsharded_gradients", root_rs - m.root_params * c)
         elif s.sharded:
             L.sub("gathered_parameters", m.root_params * c)
             L.add("unsharded_gradients", root_rs)
             L.transient("gradients", m.root_params * later_output)
-            L.sub("unsharded_gradients", (kept_root if kept else m.root_params * c) + in_flight + root_rs)
+            L.sub("unsharded_gradients", (root_rs if kept else m.root_params * c) + in_flight + root_rs)
             in_flight = 0
             if first_reduce and not offload:
                 L.add("gradients", 4 * m.root_params / S)
