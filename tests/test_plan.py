@@ -217,6 +217,19 @@ def test_plan_json_and_text(capsys):
     assert "gathered layers" in text and "recommended:" in text and "all-gather" in text
 
 
+def test_plan_says_when_glibc_heap_holds_more_than_the_ledger(capsys):
+    """Unsharded CPU runs keep glibc's heap, whose freed pages the ledger does not count:
+    plan says so, and how to make the peak the ledger's; FSDP and GPU runs have no caveat."""
+    argv = ["--task", "dummy_lm", "--dict-size", "1000", "--arch", "transformer_lm_gpt2_tiny", "--batch-size", "4",
+            "--tokens-per-sample", "64"]
+    assert "MALLOC_MMAP_THRESHOLD_=1048576" in plan_json(capsys, *argv, "--cpu")["caveat"]
+    assert cli.plan_main(argv + ["--cpu"]) == 0
+    assert "note: without FSDP on a CPU" in capsys.readouterr().out
+    assert plan_json(capsys, *argv, "--cpu", "--distributed-world-size", "2")["caveat"]  # DDP keeps the heap too
+    assert plan_json(capsys, *argv, "--cpu", "--ddp-backend", "fully_sharded")["caveat"] is None
+    assert plan_json(capsys, *argv, "--device-memory-gb", "80")["caveat"] is None  # planned for GPUs
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--device-memory-gb", "-1"], "must be a positive number"),
     (["--format", "yaml"], "invalid choice"),

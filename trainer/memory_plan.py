@@ -104,6 +104,12 @@ class Setup:
         return self.backend in SHARDED_BACKENDS
 
     @property
+    def glibc_heap(self):
+        """Ranks without FSDP on a CPU keep glibc's default allocator (trainer/distributed.py),
+        whose freed pages stay resident: their peak is above the live bytes this ledger counts."""
+        return self.device == "cpu" and not self.sharded
+
+    @property
     def tokens(self):
         return self.sequences * self.seq_len
 
@@ -216,7 +222,7 @@ def simulate(m: ModelShape, s: Setup):
     # pages of activations freed during backward stay with the process and the gradients
     # made meanwhile take new ones, so resident memory peaks as if both were alive at once
     # (measured: 1.19 GB for 23 M parameters on one rank, 2.80 GB per rank for 109 M on two).
-    heap_keeps_activations = s.device == "cpu" and not s.sharded
+    heap_keeps_activations = s.glibc_heap
     last = s.update_freq - 1
     for micro in range(s.update_freq):
         grads_now = micro == 0  # later micro-batches add into the same gradients
