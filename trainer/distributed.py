@@ -99,14 +99,12 @@ def return_large_frees_to_os(threshold=1 << 20):
     On CPU, tensors live in glibc's heap. Its default mmap threshold grows to the size of
     any large block freed, after which FSDP's per-layer gather buffers (allocated and
     freed every layer) are recycled inside the heap and the process keeps its high-water
-    mark: measured on 2 ranks, a 109 M-parameter FSDP run peaked at 2.11 GB resident
-    per rank by default and 1.66 GB with a fixed 1 MiB threshold.
-    The fresh pages are not free: on bench_fsdp's model (2 ranks, 109 M), FSDP did
-    178-190 tokens/s with this threshold against 191-194 with glibc's default and
-    192-196 for DDP, at 1.50 against 1.98-2.05 GB per rank (interleaved, 2026-11-24);
-    3 more s of system time per run. Unsharded runs keep glibc's default: there the
-    fresh pages cost more (fp32 tokens/s fell to 0.81x on the single-process benchmark)
-    and there is no sharding for the memory to show."""
+    mark. The fresh pages are not free. On bench_fsdp's model (2 ranks, 109 M), FSDP
+    peaks at 1.50 GB per rank with this threshold against 1.98-2.05 GB with glibc's
+    default, and does 178-190 tokens/s against 191-194 (DDP: 192-196; interleaved,
+    2026-11-24), with 3 s more system time per run. Unsharded runs keep glibc's
+    default: there the fresh pages cost more (fp32 tokens/s fell to 0.81x on the
+    single-process benchmark) and there is no sharding for the memory to show."""
     try:
         import ctypes
         ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # -3 = M_MMAP_THRESHOLD

@@ -66,8 +66,9 @@ def as_text(cfg, plan):
         lines.append(f"  {LABELS[k]:<50} {p.components[k]:9.3f} GB")
     verdict = "fits" if p.per_rank_gb <= plan["device_gb"] else "does NOT fit"
     lines.append(f"  {'total':<50} {p.per_rank_gb:9.3f} GB of {plan['device_gb']:.1f} GB: {verdict}")
-    if caveat(s):
-        lines.append(f"  note: {caveat(s)}")
+    note = caveat(s)
+    if note:
+        lines.append(f"  note: {note}")
     host_verdict = "fits" if p.host_gb <= plan["host_gb"] else "does NOT fit"
     lines.append(f"host memory per host: {p.host_gb:.3f} GB of {plan['host_gb']:.1f} GB: {host_verdict}")
     c = p.comm
