@@ -102,7 +102,9 @@ def return_large_frees_to_os(threshold=1 << 20):
     mark. The fresh pages are not free. On bench_fsdp's model (2 ranks, 109 M), FSDP
     peaks at 1.50 GB per rank with this threshold against 1.98-2.05 GB with glibc's
     default, and does 178-190 tokens/s against 191-194 (DDP: 192-196; interleaved,
-    2026-11-24), with 3 s more system time per run. Unsharded runs keep glibc's
+    2026-11-24), with 3 s more system time per run; reusing the layers' all-gather and
+    reduce-scatter buffers (trainer/gloo_comms.LayerBufferPool) wins back most of that
+    on several ranks. Unsharded runs keep glibc's
     default: there the fresh pages cost more (fp32 tokens/s fell to 0.81x on the
     single-process benchmark) and there is no sharding for the memory to show."""
     try:
