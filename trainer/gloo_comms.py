@@ -59,14 +59,18 @@ class LayerBufferPool:
     def keep_gather_output(self, buffer):
         key = (buffer.numel(), buffer.dtype)
         self.gather_sizes.add(key)
-        self.kept.setdefault(key, buffer.detach())
+        self._keep(key, buffer)
 
     def keep_reduce_input(self, buffer):
         """Kept only in a size some layer's all-gather output has: the root's gradients
         are not."""
         key = (buffer.numel(), buffer.dtype)
         if key in self.gather_sizes:
-            self.kept.setdefault(key, buffer.detach())
+            self._keep(key, buffer)
+
+    def _keep(self, key, buffer):
+        if key not in self.kept:  # called every collective: no alias made once one is kept
+            self.kept[key] = buffer.detach()
 
 
 class BroadcastAllGather(AllGather):
