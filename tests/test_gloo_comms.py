@@ -60,6 +60,8 @@ def test_point_to_point_reduce_scatter_sums_as_gloo_does(tmp_path):
 
 
 def _pooled_buffers_rank(index, world, port, out):
+    import time
+
     import torch
     import torch.distributed as dist
     from trainer.gloo_comms import BroadcastAllGather, LayerBufferPool, ReduceScatterInBackground
@@ -76,6 +78,14 @@ def _pooled_buffers_rank(index, world, port, out):
             gather(out, out[index * n:(index + 1) * n], group)
             return out
 
+        def released():
+            """gloo's threads drop their hold on a finished transfer's tensors a moment after
+            wait() returns (until then the pool rightly hands out a fresh buffer): wait for it."""
+            (kept,) = pool.kept.values()
+            deadline = time.monotonic() + 10
+            while torch._C._storage_Use_Count(kept.untyped_storage()._cdata) > 2 and time.monotonic() < deadline:
+                time.sleep(0.001)
+
         first = all_gather(1.0)
         seen["first"] = first.tolist() == [1.0 + r for r in range(world) for _ in range(n)]
         address = first.data_ptr()
@@ -83,11 +93,13 @@ def _pooled_buffers_rank(index, world, port, out):
         held = all_gather(10.0)
         seen["held_not_shared"] = held.data_ptr() != address
         del first, held
+        released()
         # Released: the next gather reuses it, and every slot is written anew.
         again = all_gather(20.0)
         seen["reused"] = again.data_ptr() == address
         seen["again"] = again.tolist() == [20.0 + r for r in range(world) for _ in range(n)]
         del again
+        released()
         # A layer's reduce-scatter input has the gathered size: it reuses the buffer too.
         grads = reduce_scatter.allocate((world * n,), dtype=torch.float32, device=torch.device("cpu"))
         seen["reduce_reuses"] = grads.data_ptr() == address
