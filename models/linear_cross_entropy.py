@@ -26,27 +26,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_x = torch.empty_like(x) if needs_x else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if needs_w else None
         for start in range(0, n, chunk):
-            xs, ts = x[start:start + chunk], target[start:start + chunk]
-            logits = (xs @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            keep = ts != ignore_index
-            safe = torch.where(keep, ts, torch.zeros_like(ts))
-            picked = logits.gather(1, safe[:, None]).squeeze(1)
-            loss += torch.where(keep, lse - picked, torch.zeros_like(lse)).sum()
-            if not (needs_x or needs_w):
-                continue
-            # softmax − one-hot, zero on ignored rows, computed in place over the logits
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad[torch.arange(len(ts), device=x.device), safe] -= 1.0
-            grad.mul_(keep[:, None])
-            grad = grad.to(x.dtype)
-            if needs_x:
-                torch.mm(grad, weight, out=grad_x[start:start + chunk])
-            if needs_w:  # accumulated in fp32, without an fp32 temporary of W's size
-                if grad.dtype == grad_w.dtype:
-                    grad_w.addmm_(grad.t(), xs)
-                else:
-                    grad_w += grad.t() @ xs
+            loss += _chunk(x[start:start + chunk], weight, target[start:start + chunk], ignore_index,
+                           grad_x[start:start + chunk] if needs_x else None, grad_w if needs_w else None)
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -58,6 +39,37 @@ class LinearCrossEntropy(torch.autograd.Function):
         gx = grad_x.mul_(grad_loss.to(grad_x.dtype)) if grad_x is not None else None
         gw = grad_w.mul_(grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
         return gx, gw, None, None
+
+
+def _chunk(xs, weight, ts, ignore_index, grad_x, grad_w):
+    """One chunk's summed loss; writes its rows of grad_x and adds into grad_w. A function
+    of its own so that the chunk's logits die on return, before the next chunk makes its own."""
+    logits = (xs @ weight.t()).float()
+    keep = ts != ignore_index
+    safe = torch.where(keep, ts, torch.zeros_like(ts))
+    picked = logits.gather(1, safe[:, None]).squeeze(1)
+    # The log-sum-exp by hand, in place over the logits: torch.logsumexp would allocate a
+    # second chunk-sized tensor, and the softmax for the gradients would take another pass
+    # of exp. exp(logits - max) / its sum is the softmax itself.
+    top = logits.amax(dim=-1, keepdim=True)
+    total = logits.sub_(top).exp_().sum(dim=-1)
+    lse = total.log() + top.squeeze(1)
+    loss = torch.where(keep, lse - picked, torch.zeros_like(lse)).sum()
+    if grad_x is None and grad_w is None:
+        return loss
+    # softmax − one-hot, zero on ignored rows, in place over the logits
+    grad = logits.div_(total[:, None])
+    grad[torch.arange(len(ts), device=xs.device), safe] -= 1.0
+    grad.mul_(keep[:, None])
+    grad = grad.to(xs.dtype)
+    if grad_x is not None:
+        torch.mm(grad, weight, out=grad_x)
+    if grad_w is not None:  # accumulated in fp32, without an fp32 temporary of W's size
+        if grad.dtype == grad_w.dtype:
+            grad_w.addmm_(grad.t(), xs)
+        else:
+            grad_w += grad.t() @ xs
+    return loss
 
 
 def linear_cross_entropy(x, weight, target, ignore_index=-100):

@@ -1,4 +1,6 @@
 """The fused output projection + cross-entropy against the plain two-step form."""
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,3 +40,32 @@ def test_without_gradients_only_the_loss_is_computed():
         fused = lce.linear_cross_entropy(x, w, target, ignore_index=1)
     plain = F.cross_entropy(x @ w.t(), target, ignore_index=1, reduction="sum")
     assert fused.item() == pytest.approx(plain.item(), rel=1e-6)
+
+
+
+def _resident_mb(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc to reset the peak")
+def test_forward_holds_one_chunk_of_logits_at_a_time(monkeypatch):
+    """Beyond the gradients it keeps, forward needs about one chunk of logits at its peak:
+    the log-sum-exp and the softmax are computed in place over them, and a chunk's logits
+    are gone before the next chunk's are made. Chunks of 40 MiB are above glibc's largest
+    mmap threshold, so each is mapped on allocation and unmapped on free, and the peak
+    resident set sees exactly how many are alive at once."""
+    V, d, rows = 10240, 16, 1024
+    chunk_mb = 4 * V * rows / 2 ** 20
+    monkeypatch.setattr(lce, "CHUNK_BYTES", 4 * V * rows)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3 * rows, d, generator=g).requires_grad_()
+    w = torch.randn(V, d, generator=g).requires_grad_()
+    target = torch.randint(0, V, (3 * rows,), generator=g)
+    lce.linear_cross_entropy(x, w, target).backward()  # warm up: libraries, thread pools
+    base = _resident_mb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak to the current resident set
+    loss = lce.linear_cross_entropy(x, w, target)
+    extra = _resident_mb("VmHWM") - base
+    assert chunk_mb * 0.9 <= extra < chunk_mb * 1.5, f"{extra:.0f} MiB at the peak for {chunk_mb:.0f} MiB chunks"
+    loss.backward()
