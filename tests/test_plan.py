@@ -75,9 +75,32 @@ def test_ddp_keeps_gradients_twice():
     big = replace(SHAPE, layers=24)  # gradients outweigh the activations: the peak ends backward
     ddp = replace(SETUP, backend="pytorch_ddp", shard=1, world=2, sequences=1, seq_len=16)
     p = predict(big, ddp)
-    assert p.components["gradients"] == pytest.approx(round(8 * big.params / GB, 3), abs=0.002)  # grads + buckets
+    # grads + buckets, and at the very end the embedding's own dense gradient of the tied
+    # weight, before it is added into the one the loss made
+    tied_grad = 4 * big.vocab * big.dim
+    assert p.components["gradients"] == pytest.approx(round((8 * big.params + tied_grad) / GB, 3), abs=0.002)
     assert predict(big, replace(ddp, world=1)).components["gradients"] == pytest.approx(
-        round(4 * big.params / GB, 3), abs=0.002)
+        round((4 * big.params + tied_grad) / GB, 3), abs=0.002)
+    untied = replace(big, tied=False)
+    assert predict(untied, ddp).components["gradients"] == pytest.approx(round(8 * untied.params / GB, 3), abs=0.002)
+
+
+def test_glibc_heap_slack_arithmetic():
+    """Unsharded CPU ranks: one FFN activation per layer (one more residual block per layer
+    with dropout) that forward cannot refit; one rank's later micro-batches take fresh pages
+    for all their activations; FSDP ranks and GPUs have none."""
+    one = replace(SETUP, backend="pytorch_ddp", shard=1, world=1, ranks_per_host=1)
+    n, L = one.sequences * one.seq_len, SHAPE.layers
+    fwd = simulate(SHAPE, one)[0].most["heap_slack"]
+    assert fwd == L * n * 4 * SHAPE.ffn
+    dropped = replace(SHAPE, dropout=0.1)
+    assert simulate(dropped, one)[0].most["heap_slack"] == L * n * 4 * (SHAPE.ffn + 2 * SHAPE.dim)
+    act = layer_activation_bytes(SHAPE, one)
+    assert simulate(SHAPE, replace(one, update_freq=2))[0].most["heap_slack"] == L * act
+    # DDP's buckets keep the gradients out of the freed pages: the first-micro-batch rule holds
+    assert simulate(SHAPE, replace(one, world=2, update_freq=2))[0].most["heap_slack"] == fwd
+    for other in (SETUP, replace(one, device="cuda")):
+        assert simulate(SHAPE, other)[0].most.get("heap_slack", 0) == 0
 
 
 def test_activation_arithmetic():

@@ -44,7 +44,7 @@ SPAWNED_CPU_RUNTIME_GB = 0.285
 HOST_RUNTIME_GB = 3.0
 
 COMPONENTS = ("runtime", "parameters", "gradients", "optimizer_state", "gathered_parameters",
-              "unsharded_gradients", "activations", "logits_and_loss", "mixed_precision_copies")
+              "unsharded_gradients", "activations", "logits_and_loss", "mixed_precision_copies", "heap_slack")
 
 
 @dataclass
@@ -223,6 +223,18 @@ def simulate(m: ModelShape, s: Setup):
     # made meanwhile take new ones, so resident memory peaks as if both were alive at once
     # (measured: 1.19 GB for 23 M parameters on one rank, 2.80 GB per rank for 109 M on two).
     heap_keeps_activations = s.glibc_heap
+    # And its forward leaves holes the activations cannot fill: the pages freed by the last
+    # backward, split differently, serve this forward's requests only in part. Measured
+    # (mallinfo2 at the end of forward, 2026-11-24, 10 shapes of 2-12 layers, 0.6-8 k tokens):
+    # about one FFN activation per layer stays free, and one more residual-sized block per
+    # dropout. Freed activations fill them again in backward, where the gradients' fresh
+    # pages take over (above).
+    heap_holes = n * c * (m.ffn + 2 * m.dim * (m.dropout > 0)) if s.glibc_heap else 0
+    # Without DDP's buckets the gradients are made during the first micro-batch's backward,
+    # among the pages its activations free: later micro-batches of an --update-freq find
+    # those pages split and take fresh ones for about all their activations (measured: the
+    # free heap at the end of the second forward is one micro-batch's activations).
+    grads_split_heap = s.glibc_heap and not (s.world > 1 and s.backend in ("pytorch_ddp", "c10d"))
     last = s.update_freq - 1
     for micro in range(s.update_freq):
         grads_now = micro == 0  # later micro-batches add into the same gradients
@@ -251,6 +263,7 @@ def simulate(m: ModelShape, s: Setup):
                     L.add("activations", layer_input)
             else:
                 L.add("activations", act)
+                L.add("heap_slack", max(heap_holes, act if micro > 0 and grads_split_heap else 0))
             if s.reshard_after_forward and i + 1 < m.layers:  # the last layer's backward is next
                 release(i)
         L.add("activations", n * m.dim * resid)  # the final norm's input
@@ -263,6 +276,7 @@ def simulate(m: ModelShape, s: Setup):
         L.transient("logits_and_loss", min(n, loss_chunk_rows(m.vocab)) * m.vocab * (4 + low))
         L.transient("logits_and_loss", m.vocab * m.dim * low)
         # ---- backward: the kept gradients are scaled in place and handed on
+        L.sub("heap_slack", L.live.get("heap_slack", 0))
         L.transient("logits_and_loss", m.vocab * m.dim * low)
         L.sub("logits_and_loss", n * m.dim * c + m.vocab * m.dim * 4)
         if s.sharded:
@@ -302,6 +316,11 @@ def simulate(m: ModelShape, s: Setup):
                 if first_reduce and not offload:
                     L.add("gradients", 4 * m.layer_params / S)
                 release(i)
+        if m.tied:
+            # the embedding's backward makes a dense V×d gradient of its own, added into the
+            # one the loss made for the same (tied) weight: both are alive for a moment
+            L.transient("gradients" if not s.sharded else "unsharded_gradients",
+                        m.vocab * m.dim * (c if s.sharded else 4))
         if heap_keeps_activations:
             L.sub("activations", m.layers * act)
             if not grads_now:

@@ -12,7 +12,8 @@ LABELS = {"runtime": "runtime (interpreter, libraries, communication)",
           "unsharded_gradients": "unsharded gradients before reduce-scatter",
           "activations": "activations saved for backward",
           "logits_and_loss": "loss: fp32 logits of a chunk, gradients it keeps",
-          "mixed_precision_copies": "mixed-precision copies of weights"}
+          "mixed_precision_copies": "mixed-precision copies of weights",
+          "heap_slack": "glibc heap: freed pages forward cannot reuse"}
 
 
 # Measured on this project's CPU host (2026-11-24): one process, no FSDP, resident peaks
