@@ -28,6 +28,8 @@ M298 = model(13, 1280, 32768)                 # 298 M
 FSDP2 = ["--ddp-backend", "fully_sharded", "--distributed-world-size", "2"]
 CONFIGS = {
     "ddp 1 rank 23M": M23,
+    "ddp 1 rank 23M --update-freq 2": M23 + ["--update-freq", "2"],
+    "ddp 1 rank 20M, embedded corpus (train --batch-size 8)": ["--batch-size", "8"],
     "ddp 2 ranks 109M": M109 + ["--distributed-world-size", "2"],
     "fsdp 2 ranks 109M": M109 + FSDP2,
     "fsdp 2 ranks 109M --checkpoint-activations": M109 + FSDP2 + ["--checkpoint-activations"],

@@ -88,7 +88,7 @@ def test_ddp_keeps_gradients_twice():
 def test_glibc_heap_slack_arithmetic():
     """Unsharded CPU ranks: one FFN activation per layer (one more residual block per layer
     with dropout) that forward cannot refit; one rank's later micro-batches take fresh pages
-    for all their activations; FSDP ranks and GPUs have none."""
+    for 3/4 of their activations; FSDP ranks and GPUs have none."""
     one = replace(SETUP, backend="pytorch_ddp", shard=1, world=1, ranks_per_host=1)
     n, L = one.sequences * one.seq_len, SHAPE.layers
     fwd = simulate(SHAPE, one)[0].most["heap_slack"]
@@ -96,7 +96,7 @@ def test_glibc_heap_slack_arithmetic():
     dropped = replace(SHAPE, dropout=0.1)
     assert simulate(dropped, one)[0].most["heap_slack"] == L * n * 4 * (SHAPE.ffn + 2 * SHAPE.dim)
     act = layer_activation_bytes(SHAPE, one)
-    assert simulate(SHAPE, replace(one, update_freq=2))[0].most["heap_slack"] == L * act
+    assert simulate(SHAPE, replace(one, update_freq=2))[0].most["heap_slack"] == L * 0.75 * act
     # DDP's buckets keep the gradients out of the freed pages: the first-micro-batch rule holds
     assert simulate(SHAPE, replace(one, world=2, update_freq=2))[0].most["heap_slack"] == fwd
     for other in (SETUP, replace(one, device="cuda")):

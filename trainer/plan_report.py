@@ -16,11 +16,14 @@ LABELS = {"runtime": "runtime (interpreter, libraries, communication)",
           "heap_slack": "glibc heap: freed pages forward cannot reuse"}
 
 
-# Measured on this project's CPU host (2026-11-24): one process, no FSDP, resident peaks
-# 8-32 % above the ledger with glibc's defaults (most with large activations or
-# --update-freq), within 7 % of it with the 1 MiB threshold, at 0.81x tokens/s.
-HEAP_CAVEAT = ("without FSDP on a CPU, glibc's heap keeps freed pages: the resident peak can be up to a third "
-               "above this; MALLOC_MMAP_THRESHOLD_=1048576 returns them at once, at about 0.8x speed")
+# Measured on this project's CPU host (2026-11-24), one process or DDP, no FSDP: with
+# heap_slack the prediction was within 10 % of the resident peak on 14 of 15 shapes and
+# runs (-10.5 % to +10 %, repeated runs of one shape differ by up to 6 %); under
+# --checkpoint-activations it is 11-18 % above. With the 1 MiB threshold the peak is within
+# 7 % of the ledger without heap_slack, at 0.81x tokens/s.
+HEAP_CAVEAT = ("without FSDP on a CPU, glibc's heap keeps freed pages: heap_slack is a measured rule, and "
+               "the resident peak can differ from this by about 10 %; MALLOC_MMAP_THRESHOLD_=1048576 returns "
+               "them at once, at about 0.8x speed")
 
 
 def caveat(setup):
