@@ -110,6 +110,12 @@ class Setup:
         return self.device == "cpu" and not self.sharded
 
     @property
+    def ddp_buckets(self):
+        """torch's DDP on several ranks: every gradient is a view into its flat buckets,
+        allocated once and kept."""
+        return not self.sharded and self.world > 1 and self.backend in ("pytorch_ddp", "c10d")
+
+    @property
     def tokens(self):
         return self.sequences * self.seq_len
 
@@ -188,7 +194,7 @@ def simulate(m: ModelShape, s: Setup):
             L.add(name, nbytes)
     if offload:
         host += 4 * P / S  # the sharded gradients
-    if not s.sharded and s.world > 1 and s.backend in ("pytorch_ddp", "c10d"):
+    if s.ddp_buckets:
         L.add("gradients", 4 * P)  # DDP's buckets: a flat copy of every gradient
     unit = m.layer_params * c if s.sharded else 0  # one layer gathered, in param dtype
     # The next layer is gathered while one computes: FSDP2's own stream on a GPU, gloo's
@@ -234,7 +240,7 @@ def simulate(m: ModelShape, s: Setup):
     # among the pages its activations free: later micro-batches of an --update-freq find
     # those pages split and take fresh ones for most of their activations (measured on two
     # 23 M shapes: 0.66 and 0.95 of a micro-batch's activations; 3/4 taken).
-    grads_split_heap = s.glibc_heap and not (s.world > 1 and s.backend in ("pytorch_ddp", "c10d"))
+    grads_split_heap = s.glibc_heap and not s.ddp_buckets
     last = s.update_freq - 1
     for micro in range(s.update_freq):
         grads_now = micro == 0  # later micro-batches add into the same gradients
