@@ -12,6 +12,7 @@ successors with probabilities (0.5, 0.25, 0.15, 0.1).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -174,7 +175,10 @@ def prepare_embedded_corpus(cache_dir: Path | None = None) -> Path:
     workdir = Path(tempfile.mkdtemp(dir=root, prefix=f".{VERSION_DIR}-"))
     os.chmod(workdir, 0o755)  # mkdtemp makes it private; the cache may be shared
     try:
-        _build(workdir)
+        # preprocess reports on stdout; here that would land in the output of the command
+        # that asked for the corpus (`plan --format json` is one JSON object on stdout).
+        with contextlib.redirect_stdout(sys.stderr):
+            _build(workdir)
         try:
             # Atomic: readers see no corpus or a complete one. If another process won
             # the race, its copy is as good as ours.

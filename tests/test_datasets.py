@@ -218,7 +218,7 @@ def test_resume_yields_exactly_the_remaining_batches():
 # ---------------------------------------------------------------- embedded corpus
 
 
-def test_embedded_corpus(tmp_path):
+def test_embedded_corpus(tmp_path, capsys):
     import time
 
     from data.embedded_corpus import entropy_bits, make_language, prepare_embedded_corpus
@@ -226,6 +226,10 @@ def test_embedded_corpus(tmp_path):
     started = time.perf_counter()
     path = prepare_embedded_corpus(tmp_path)
     assert time.perf_counter() - started < 30
+    # Its progress goes to stderr: stdout belongs to the command that asked for the corpus
+    # (`plan --format json` prints one JSON object there).
+    out, err = capsys.readouterr()
+    assert out == "" and "preparing the embedded corpus" in err and "tokens/s" in err
     meta = json.loads((path / "metadata.json").read_text())
     assert set(meta["splits"]) == {"train", "valid", "test"}
     assert meta["vocab_size"] <= 1024 and meta["dtype"] == "uint16"
