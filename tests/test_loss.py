@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from models import linear_cross_entropy as lce
+from trainer.distributed import return_large_frees_to_os
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -52,9 +53,11 @@ def _resident_mb(field):
 def test_forward_holds_one_chunk_of_logits_at_a_time(monkeypatch):
     """Beyond the gradients it keeps, forward needs about one chunk of logits at its peak:
     the log-sum-exp and the softmax are computed in place over them, and a chunk's logits
-    are gone before the next chunk's are made. Chunks of 40 MiB are above glibc's largest
-    mmap threshold, so each is mapped on allocation and unmapped on free, and the peak
-    resident set sees exactly how many are alive at once."""
+    are gone before the next chunk's are made. Chunks of 40 MiB are above the 1 MiB mmap
+    threshold that FSDP ranks set, so each is mapped on allocation and unmapped on free, and
+    the peak resident set sees exactly how many are alive at once. Set here: an earlier
+    in-process run may have left this process keeping freed memory instead."""
+    return_large_frees_to_os()
     V, d, rows = 10240, 16, 1024
     chunk_mb = 4 * V * rows / 2 ** 20
     monkeypatch.setattr(lce, "CHUNK_BYTES", 4 * V * rows)

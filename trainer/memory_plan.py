@@ -105,8 +105,9 @@ class Setup:
 
     @property
     def glibc_heap(self):
-        """Ranks without FSDP on a CPU keep glibc's default allocator (trainer/distributed.py),
-        whose freed pages stay resident: their peak is above the live bytes this ledger counts."""
+        """Ranks without FSDP on a CPU keep freed memory in glibc's heap
+        (trainer/distributed.keep_freed_memory): their peak is above the live bytes this
+        ledger counts."""
         return self.device == "cpu" and not self.sharded
 
     @property
@@ -224,10 +225,12 @@ def simulate(m: ModelShape, s: Setup):
     # also the size of a unit's unsharded gradient kept in the reduce dtype (--defer-grad-sync)
     rs_buffer, root_rs = m.layer_params * reduce_bytes, m.root_params * reduce_bytes
     in_flight = 0
-    # Unsharded runs on a CPU keep glibc's default allocator (trainer/distributed.py): the
+    # Unsharded runs on a CPU keep freed memory in glibc's heap (trainer/distributed.py): the
     # pages of activations freed during backward stay with the process and the gradients
     # made meanwhile take new ones, so resident memory peaks as if both were alive at once
-    # (measured: 1.19 GB for 23 M parameters on one rank, 2.80 GB per rank for 109 M on two).
+    # (measured with glibc's defaults: 1.19 GB for 23 M parameters on one rank, 2.80 GB per
+    # rank for 109 M on two; with keep_freed_memory the rules below still hold, bench_plan
+    # 2026-11-25: -5.6 % to +1.7 % on its 5 unsharded rows).
     heap_keeps_activations = s.glibc_heap
     # And its forward leaves holes the activations cannot fill: the pages freed by the last
     # backward, split differently, serve this forward's requests only in part. Measured
