@@ -72,3 +72,27 @@ def test_forward_holds_one_chunk_of_logits_at_a_time(monkeypatch):
     extra = _resident_mb("VmHWM") - base
     assert chunk_mb * 0.9 <= extra < chunk_mb * 1.5, f"{extra:.0f} MiB at the peak for {chunk_mb:.0f} MiB chunks"
     loss.backward()
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc to reset the peak")
+def test_bf16_forward_peak_is_what_plan_counts(monkeypatch):
+    """Under mixed precision forward holds, beyond the gradients it keeps (fp32 for W), one
+    chunk's fp32 logits and low-precision product, and W's gradient in low precision, which
+    is added into the fp32 one a few MiB at a time: no fp32 temporary of W's size (that
+    was 20 MiB more here). The memory planner counts exactly these (trainer/memory_plan.py)."""
+    return_large_frees_to_os()
+    V, d, rows = 10240, 512, 1024
+    monkeypatch.setattr(lce, "CHUNK_BYTES", 4 * V * rows)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3 * rows, d, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(V, d, generator=g).bfloat16().requires_grad_()
+    target = torch.randint(0, V, (3 * rows,), generator=g)
+    lce.linear_cross_entropy(x, w, target).backward()  # warm up: libraries, thread pools
+    base = _resident_mb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    loss = lce.linear_cross_entropy(x, w, target)
+    extra = _resident_mb("VmHWM") - base
+    kept = (3 * rows * d * 2 + V * d * 4) / 2 ** 20  # grad_x (bf16), grad_w (fp32)
+    transient = (rows * V * (4 + 2) + V * d * 2) / 2 ** 20
+    assert extra == pytest.approx(kept + transient, rel=0.08), f"{extra:.0f} MiB at the peak"
+    loss.backward()

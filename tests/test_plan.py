@@ -103,6 +103,19 @@ def test_glibc_heap_slack_arithmetic():
         assert simulate(SHAPE, other)[0].most.get("heap_slack", 0) == 0
 
 
+def test_loss_arithmetic():
+    """The loss keeps grad_x (compute dtype) and W's fp32 gradient, and for a moment holds one
+    chunk of fp32 logits with, under mixed precision, their low-precision product and W's
+    gradient in low precision (models/linear_cross_entropy.py; tests/test_loss.py measures it)."""
+    from trainer.memory_plan import loss_chunk_rows
+    n, V, d = SETUP.sequences * SETUP.seq_len, SHAPE.vocab, SHAPE.dim
+    rows = min(n, loss_chunk_rows(V))
+    fp32 = simulate(SHAPE, SETUP)[0].most["logits_and_loss"]
+    assert fp32 == n * d * 4 + V * d * 4 + rows * V * 4
+    bf16 = simulate(SHAPE, replace(SETUP, precision="bf16"))[0].most["logits_and_loss"]
+    assert bf16 == n * d * 2 + V * d * 4 + rows * V * (4 + 2) + V * d * 2
+
+
 def test_activation_arithmetic():
     n, d, f, h = 4 * 128, 256, 1024, 4
     assert layer_activation_bytes(SHAPE, SETUP) == n * (4 * (8 * d + 2 * f) + 16 + 4 * h)

@@ -280,10 +280,13 @@ def simulate(m: ModelShape, s: Setup):
         # gradients for the hidden states and for W (fp32) are made in forward and kept
         low = 0 if c == 4 else c  # a low-precision copy, where there is one
         L.add("logits_and_loss", n * m.dim * c + m.vocab * m.dim * 4)
-        if autocast:  # the loss casts W itself (it runs outside autocast)
-            L.transient("mixed_precision_copies", m.vocab * m.dim * c)
-        L.transient("logits_and_loss", min(n, loss_chunk_rows(m.vocab)) * m.vocab * (4 + low))
-        L.transient("logits_and_loss", m.vocab * m.dim * low)
+        if autocast:  # the loss casts W itself (it runs outside autocast), for its forward
+            L.add("mixed_precision_copies", m.vocab * m.dim * c)
+        # one chunk's buffers (fp32 logits, their low-precision product and gradient) and
+        # W's gradient in low precision, added into the fp32 one a block at a time
+        L.transient("logits_and_loss", min(n, loss_chunk_rows(m.vocab)) * m.vocab * (4 + low) + m.vocab * m.dim * low)
+        if autocast:
+            L.sub("mixed_precision_copies", m.vocab * m.dim * c)
         # ---- backward: the kept gradients are scaled in place and handed on
         L.sub("heap_slack", L.live.get("heap_slack", 0))
         L.transient("logits_and_loss", m.vocab * m.dim * low)
