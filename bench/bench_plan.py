@@ -39,6 +39,7 @@ CONFIGS = {
     "fsdp 1 rank 298M --checkpoint-activations": M298 + ["--ddp-backend", "fully_sharded", "--checkpoint-activations"],
     "fsdp 2 ranks 298M --no-reshard-after-forward": M298 + FSDP2 + ["--no-reshard-after-forward"],
     "ddp 1 rank 23M --bf16": M23 + ["--bf16"],
+    "ddp 1 rank 23M --checkpoint-activations": M23 + ["--checkpoint-activations"],
     "fsdp 2 ranks 109M --bf16": M109 + FSDP2 + ["--bf16"],
 }
 
