@@ -229,8 +229,8 @@ def simulate(m: ModelShape, s: Setup):
     # pages of activations freed during backward stay with the process and the gradients
     # made meanwhile take new ones, so resident memory peaks as if both were alive at once
     # (measured with glibc's defaults: 1.19 GB for 23 M parameters on one rank, 2.80 GB per
-    # rank for 109 M on two; with keep_freed_memory the rules below still hold, bench_plan
-    # 2026-11-25: -5.6 % to +1.7 % on its 5 unsharded rows).
+    # rank for 109 M on two; with keep_freed_memory the rules below still hold: bench_plan's
+    # 6 unsharded rows without checkpointing at -6.1 % to +3.4 %, 8 updates, 2026-11-25).
     heap_keeps_activations = s.glibc_heap
     # And its forward leaves holes the activations cannot fill: the pages freed by the last
     # backward, split differently, serve this forward's requests only in part. Measured
