@@ -5,7 +5,7 @@ measurement. Goal: every prediction within 10 % of its measurement. The --bf16 r
 skipped on a CPU without bf16 matmul kernels (AVX512-BF16 or AMX), where a bf16 step takes
 minutes.
 
-Usage: python bench/bench_plan.py [--only NAME ...] [--updates 3]
+Usage: python bench/bench_plan.py [--only NAME ...] [--updates 8]
 """
 import json
 import subprocess

@@ -49,29 +49,36 @@ def _resident_mb(field):
         return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc to reset the peak")
-def test_forward_holds_one_chunk_of_logits_at_a_time(monkeypatch):
-    """Beyond the gradients it keeps, forward needs about one chunk of logits at its peak:
-    the log-sum-exp and the softmax are computed in place over them, and a chunk's logits
-    are gone before the next chunk's are made. Chunks of 40 MiB are above the 1 MiB mmap
-    threshold that FSDP ranks set, so each is mapped on allocation and unmapped on free, and
-    the peak resident set sees exactly how many are alive at once. Set here: an earlier
-    in-process run may have left this process keeping freed memory instead."""
+def _forward_peak_mb(monkeypatch, V, d, rows, dtype):
+    """MiB above the resident set that the loss's forward reaches, on 3 chunks of `rows`;
+    with the 1 MiB mmap threshold FSDP ranks set (an earlier in-process run may have left
+    this process keeping freed memory instead), so each large block is mapped on allocation
+    and unmapped on free, and the peak sees exactly what is alive at once."""
     return_large_frees_to_os()
-    V, d, rows = 10240, 16, 1024
-    chunk_mb = 4 * V * rows / 2 ** 20
     monkeypatch.setattr(lce, "CHUNK_BYTES", 4 * V * rows)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(3 * rows, d, generator=g).requires_grad_()
-    w = torch.randn(V, d, generator=g).requires_grad_()
+    x = torch.randn(3 * rows, d, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(V, d, generator=g).to(dtype).requires_grad_()
     target = torch.randint(0, V, (3 * rows,), generator=g)
     lce.linear_cross_entropy(x, w, target).backward()  # warm up: libraries, thread pools
     base = _resident_mb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets the peak to the current resident set
     loss = lce.linear_cross_entropy(x, w, target)
     extra = _resident_mb("VmHWM") - base
-    assert chunk_mb * 0.9 <= extra < chunk_mb * 1.5, f"{extra:.0f} MiB at the peak for {chunk_mb:.0f} MiB chunks"
     loss.backward()
+    return extra
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc to reset the peak")
+def test_forward_holds_one_chunk_of_logits_at_a_time(monkeypatch):
+    """Beyond the gradients it keeps, forward needs about one chunk of logits at its peak:
+    the log-sum-exp and the softmax are computed in place over them, and a chunk's logits
+    are gone before the next chunk's are made. Chunks of 40 MiB are above the 1 MiB mmap
+    threshold that FSDP ranks set, so the peak resident set sees how many are alive at once."""
+    V, d, rows = 10240, 16, 1024
+    chunk_mb = 4 * V * rows / 2 ** 20
+    extra = _forward_peak_mb(monkeypatch, V, d, rows, torch.float32)
+    assert chunk_mb * 0.9 <= extra < chunk_mb * 1.5, f"{extra:.0f} MiB at the peak for {chunk_mb:.0f} MiB chunks"
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc to reset the peak")
@@ -80,19 +87,8 @@ def test_bf16_forward_peak_is_what_plan_counts(monkeypatch):
     chunk's fp32 logits and low-precision product, and W's gradient in low precision, which
     is added into the fp32 one a few MiB at a time: no fp32 temporary of W's size (that
     was 20 MiB more here). The memory planner counts exactly these (trainer/memory_plan.py)."""
-    return_large_frees_to_os()
     V, d, rows = 10240, 512, 1024
-    monkeypatch.setattr(lce, "CHUNK_BYTES", 4 * V * rows)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(3 * rows, d, generator=g).bfloat16().requires_grad_()
-    w = torch.randn(V, d, generator=g).bfloat16().requires_grad_()
-    target = torch.randint(0, V, (3 * rows,), generator=g)
-    lce.linear_cross_entropy(x, w, target).backward()  # warm up: libraries, thread pools
-    base = _resident_mb("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")
-    loss = lce.linear_cross_entropy(x, w, target)
-    extra = _resident_mb("VmHWM") - base
+    extra = _forward_peak_mb(monkeypatch, V, d, rows, torch.bfloat16)
     kept = (3 * rows * d * 2 + V * d * 4) / 2 ** 20  # grad_x (bf16), grad_w (fp32)
     transient = (rows * V * (4 + 2) + V * d * 2) / 2 ** 20
     assert extra == pytest.approx(kept + transient, rel=0.08), f"{extra:.0f} MiB at the peak"
-    loss.backward()

@@ -12,7 +12,8 @@ import pytest
 import cli
 from trainer.auto_tune import model_shape
 from trainer.compose import compose_config
-from trainer.memory_plan import GB, ModelShape, Setup, comm_bytes, layer_activation_bytes, predict, simulate
+from trainer.memory_plan import (GB, ModelShape, Setup, comm_bytes, layer_activation_bytes, loss_chunk_rows,
+                                 predict, simulate)
 
 BIN = Path(sys.executable).parent
 SHAPE = ModelShape(layers=4, dim=256, ffn=1024, heads=4, vocab=5000, learned_positions=128, tied=True,
@@ -107,7 +108,6 @@ def test_loss_arithmetic():
     """The loss keeps grad_x (compute dtype) and W's fp32 gradient, and for a moment holds one
     chunk of fp32 logits with, under mixed precision, their low-precision product and W's
     gradient in low precision (models/linear_cross_entropy.py; tests/test_loss.py measures it)."""
-    from trainer.memory_plan import loss_chunk_rows
     n, V, d = SETUP.sequences * SETUP.seq_len, SHAPE.vocab, SHAPE.dim
     rows = min(n, loss_chunk_rows(V))
     fp32 = simulate(SHAPE, SETUP)[0].most["logits_and_loss"]
