@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.cpu_attention import causal_matmul_attention, use_matmul_attention
 from models.linear_cross_entropy import linear_cross_entropy
 
 ACTIVATION_FNS = {"relu": F.relu, "gelu": F.gelu}
@@ -54,8 +55,11 @@ class DecoderLayer(nn.Module):
             start = k.shape[2] - T
             mask = None if T == 1 else torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
             causal = False
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           dropout_p=self.attention_dropout if self.training else 0.0)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if causal and use_matmul_attention(q, dropout_p):
+            y = causal_matmul_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
 
     def feed_forward(self, x):

@@ -15,9 +15,10 @@ its input x, the attention input, q/k/v (one tensor), the attention output (the 
 kernels write it token-major, so out_proj's input is a view of it, not a copy), the
 residual x1, the FFN input, fc1's output and (gelu) the activation's output — relu's
 output is the tensor both relu and fc2 keep. SDPA's fused kernels save only a row
-log-sum-exp; with attention dropout a CPU takes the math path, which keeps the T×T
-probabilities, the dropout mask and the dropped probabilities, in fp32 (CUDA's fused
-kernels apply dropout themselves). Dropout keeps its mask: one byte per element on CUDA, an
+log-sum-exp, and a CPU's bf16/fp16 attention (models/cpu_attention.py) not even that;
+with attention dropout a CPU takes SDPA's math path, which keeps the T×T probabilities,
+the dropout mask and the dropped probabilities, in fp32 (CUDA's fused kernels apply
+dropout themselves). Dropout keeps its mask: one byte per element on CUDA, an
 element of the input's dtype on a CPU (no fused kernel there).
 """
 from dataclasses import dataclass, field
@@ -173,8 +174,9 @@ def layer_activation_bytes(m: ModelShape, s: Setup):
         # probabilities (T×T per head), and q/k/v as fp32 copies of low-precision ones
         masks += m.heads * s.seq_len * 3 * 4
         per_token += 3 * d * (4 - c)
-    else:
+    elif s.device == "cuda" or s.precision == "fp32":
         per_token += m.heads * 4  # the fused kernel's log-sum-exp
+    # else models/cpu_attention.py: q, k and v only (counted above); backward recomputes
     return n * (per_token + masks)
 
 

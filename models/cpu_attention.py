@@ -1,0 +1,74 @@
+"""Causal self-attention in bf16/fp16 on a CPU, as batched matmuls (what SDPA does on a GPU
+with its fused kernels, this does on a CPU with oneDNN's).
+
+SDPA's CPU flash kernel reaches about 110-130 GFLOP/s in bf16 on an AVX512-BF16 core pair
+where a bf16 matmul reaches 830 (2026-11-25): its tiles are too small for the matmul
+units, and it keeps its softmax in fp32. Here the scores and probabilities are whole T×T
+matmul results per head, in the input dtype (softmax accumulates in fp32 inside), which is
+what fairseq's and Hugging Face's eager attentions compute under mixed precision: 9.7 ms
+against 20 ms for forward and backward of bench_mfu's layer (8×6 heads of 256×64).
+
+Memory stays that of a flash kernel: forward saves only q (pre-scaled), k and v, and
+backward recomputes each head's probabilities before using them. The T×T scores exist
+only for a chunk of heads at a time (SCORES_BYTES of them), so long sequences do not
+allocate batch×heads×T² at once.
+"""
+import torch
+
+SCORES_BYTES = 8 * 2 ** 20  # one chunk's T×T scores; its backward holds three such tensors
+
+
+def _heads_per_chunk(heads, seq_len, itemsize):
+    return max(1, min(heads, SCORES_BYTES // (seq_len * seq_len * itemsize)))
+
+
+def _causal_probs(q_scaled, k, above_diagonal):
+    scores = torch.bmm(q_scaled, k.transpose(1, 2))
+    return torch.softmax(scores.masked_fill_(above_diagonal, float("-inf")), -1)
+
+
+class CausalMatmulAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        B, H, T, D = q.shape
+        q_scaled = (q * D ** -0.5).reshape(B * H, T, D)  # scaling T×D, not T×T
+        k, v = k.reshape(B * H, T, D), v.reshape(B * H, T, D)
+        above_diagonal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)
+        step = _heads_per_chunk(B * H, T, q.element_size())
+        out = [torch.bmm(_causal_probs(q_scaled[i:i + step], k[i:i + step], above_diagonal), v[i:i + step])
+               for i in range(0, B * H, step)]
+        ctx.save_for_backward(q_scaled, k, v)
+        ctx.shape = (B, H, T, D)
+        return (out[0] if len(out) == 1 else torch.cat(out)).view(B, H, T, D)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q_scaled, k, v = ctx.saved_tensors
+        B, H, T, D = ctx.shape
+        grad_out = grad_out.reshape(B * H, T, D)
+        above_diagonal = torch.ones(T, T, dtype=torch.bool, device=k.device).triu_(1)
+        step = _heads_per_chunk(B * H, T, k.element_size())
+        dq, dk, dv = [], [], []
+        for i in range(0, B * H, step):
+            chunk = slice(i, i + step)
+            probs = _causal_probs(q_scaled[chunk], k[chunk], above_diagonal)
+            dv.append(torch.bmm(probs.transpose(1, 2), grad_out[chunk]))
+            grad_probs = torch.bmm(grad_out[chunk], v[chunk].transpose(1, 2))
+            # softmax's backward in one fused pass: probs * (grad - rowsum(probs * grad));
+            # the masked positions have probability 0, so their score gradient is 0 too.
+            grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
+            dq.append(torch.bmm(grad_scores, k[chunk]))
+            dk.append(torch.bmm(grad_scores.transpose(1, 2), q_scaled[chunk]))
+        dq, dk, dv = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (dq, dk, dv))
+        return (dq.mul_(D ** -0.5).view(B, H, T, D), dk.view(B, H, T, D), dv.view(B, H, T, D))
+
+
+def use_matmul_attention(q, dropout_p):
+    """Whether causal attention over q goes through CausalMatmulAttention: low precision on
+    a CPU, without attention dropout (SDPA applies that; fp32 SDPA is as fast as this)."""
+    return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0
+
+
+def causal_matmul_attention(q, k, v):
+    """softmax(q·kᵀ/√d, causal) · v for q, k, v of shape (batch, heads, T, head_dim)."""
+    return CausalMatmulAttention.apply(q, k, v)
