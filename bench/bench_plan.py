@@ -58,7 +58,8 @@ def measured(flags, updates):
 
 def main():
     p = parser(__doc__, reps=1)
-    p.add_argument("--only", nargs="*", default=list(CONFIGS), help="configurations to run")
+    p.add_argument("--only", nargs="*", default=list(CONFIGS), choices=list(CONFIGS), metavar="NAME",
+                   help=f"configurations to run, of: {'; '.join(CONFIGS)}")
     p.add_argument("--updates", type=int, default=8,
                    help="updates per run (the optimizer state exists from 2; a heap that keeps freed memory settles over a few)")
     a = p.parse_args()
