@@ -15,7 +15,7 @@ allocate batch×heads×T² at once.
 """
 import torch
 
-SCORES_BYTES = 8 * 2 ** 20  # one chunk's T×T scores; its backward holds three such tensors
+SCORES_BYTES = 8 * 2 ** 20  # one chunk's T×T scores; its backward holds three such tensors (trainer/memory_plan.py)
 
 
 def _heads_per_chunk(heads, seq_len, itemsize):
@@ -48,19 +48,22 @@ class CausalMatmulAttention(torch.autograd.Function):
         grad_out = grad_out.reshape(B * H, T, D)
         above_diagonal = torch.ones(T, T, dtype=torch.bool, device=k.device).triu_(1)
         step = _heads_per_chunk(B * H, T, k.element_size())
-        dq, dk, dv = [], [], []
-        for i in range(0, B * H, step):
-            chunk = slice(i, i + step)
-            probs = _causal_probs(q_scaled[chunk], k[chunk], above_diagonal)
-            dv.append(torch.bmm(probs.transpose(1, 2), grad_out[chunk]))
-            grad_probs = torch.bmm(grad_out[chunk], v[chunk].transpose(1, 2))
-            # softmax's backward in one fused pass: probs * (grad - rowsum(probs * grad));
-            # the masked positions have probability 0, so their score gradient is 0 too.
-            grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
-            dq.append(torch.bmm(grad_scores, k[chunk]))
-            dk.append(torch.bmm(grad_scores.transpose(1, 2), q_scaled[chunk]))
-        dq, dk, dv = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (dq, dk, dv))
+        parts = [_chunk_backward(q_scaled[i:i + step], k[i:i + step], v[i:i + step], grad_out[i:i + step],
+                                 above_diagonal) for i in range(0, B * H, step)]
+        dq, dk, dv = (torch.cat(p) if len(p) > 1 else p[0] for p in zip(*parts))
         return (dq.mul_(D ** -0.5).view(B, H, T, D), dk.view(B, H, T, D), dv.view(B, H, T, D))
+
+
+def _chunk_backward(q_scaled, k, v, grad_out, above_diagonal):
+    """(dq·√d, dk, dv) of one chunk of heads. Its T×T tensors (probabilities and two
+    gradients, three at once at most) are freed on return, before the next chunk's."""
+    probs = _causal_probs(q_scaled, k, above_diagonal)
+    dv = torch.bmm(probs.transpose(1, 2), grad_out)
+    grad_probs = torch.bmm(grad_out, v.transpose(1, 2))
+    # softmax's backward in one fused pass: probs * (grad - rowsum(probs * grad)); the
+    # masked positions have probability 0, so their score gradient is 0 too.
+    grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
+    return torch.bmm(grad_scores, k), torch.bmm(grad_scores.transpose(1, 2), q_scaled), dv
 
 
 def use_matmul_attention(q, dropout_p):

@@ -347,3 +347,46 @@ def test_runtime_of_spawned_ranks_and_of_a_process_of_its_own():
     assert not setup_of(cfg_of("--distributed-world-size", "2", "--distributed-no-spawn", "--distributed-init-method", "tcp://127.0.0.1:29500", "--batch-size", "4"), "cpu", 2).spawned
     own, spawned = predict(SHAPE, SETUP), predict(SHAPE, replace(SETUP, spawned=True))
     assert own.components["runtime"] - spawned.components["runtime"] == pytest.approx(0.045, abs=0.001)
+
+
+@pytest.mark.parametrize("scores_bytes", [None, 4 * 128 * 128 * 2])  # default: one chunk; then 4 of 16 heads
+def test_cpu_attention_backward_holds_what_plan_counts(monkeypatch, scores_bytes):
+    """The T×T tensors alive at once in the backward of models/cpu_attention.py, tracked op
+    by op (storages counted once), against plan's count for the same layer."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    import models.cpu_attention as cpu_attention
+    import trainer.memory_plan as memory_plan
+    assert memory_plan.ATTENTION_SCORES_BYTES == cpu_attention.SCORES_BYTES
+    if scores_bytes:
+        monkeypatch.setattr(cpu_attention, "SCORES_BYTES", scores_bytes)
+        monkeypatch.setattr(memory_plan, "ATTENTION_SCORES_BYTES", scores_bytes)
+    B, H, T = SETUP.sequences, SHAPE.heads, SETUP.seq_len
+
+    class SquareTensors(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live, self.peak = [], 0  # weak references (a WeakSet would compare tensors)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.live += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                          and t.is_floating_point() and t.shape[-2:] == (T, T)]
+            alive = [t for t in (ref() for ref in self.live) if t is not None]
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}
+            self.peak = max(self.peak, sum(storages.values()))
+            return out
+
+    q, k, v = [torch.randn(B, H, T, SHAPE.dim // H).to(torch.bfloat16).requires_grad_() for _ in range(3)]
+    out = cpu_attention.causal_matmul_attention(q, k, v)
+    grad = torch.randn_like(out)
+    with SquareTensors() as tracked:
+        out.backward(grad)
+    bf16 = replace(SETUP, precision="bf16")
+    assert tracked.peak == memory_plan.cpu_attention_backward_bytes(SHAPE, bf16) > 0
+    assert memory_plan.cpu_attention_backward_bytes(SHAPE, replace(bf16, device="cuda")) == 0
+    assert memory_plan.cpu_attention_backward_bytes(SHAPE, SETUP) == 0  # fp32: SDPA

@@ -31,6 +31,21 @@ LOSS_CHUNK_BYTES = 32 * 2 ** 20  # models/linear_cross_entropy.py's CHUNK_BYTES 
 def loss_chunk_rows(vocab):
     return max(1, LOSS_CHUNK_BYTES // (4 * vocab))
 
+# models/cpu_attention.py's SCORES_BYTES: one chunk of heads' T×T scores
+ATTENTION_SCORES_BYTES = 8 * 2 ** 20
+
+
+def cpu_attention_backward_bytes(m, s):
+    """The T×T tensors a CPU's bf16/fp16 attention holds at once in one layer's backward
+    (models/cpu_attention.py): probabilities and two gradients for one chunk of heads.
+    0 where attention is SDPA's (CUDA, fp32, attention dropout)."""
+    if s.device == "cuda" or s.precision == "fp32" or m.attention_dropout > 0:
+        return 0
+    per_head = s.seq_len ** 2 * 2
+    heads = max(1, min(s.sequences * m.heads, ATTENTION_SCORES_BYTES // per_head))
+    return 3 * heads * per_head
+
+
 GB = 2 ** 30
 # Memory a rank uses before any tensor of ours: on a CPU, the resident interpreter,
 # torch's libraries and gloo (measured: a 2-layer width-64 model peaks at this: 0.330-
@@ -222,6 +237,8 @@ def simulate(m: ModelShape, s: Setup):
     # still alive, with the gradient coming in (n×d) and the one fc2 makes for its input (n×ffn).
     # Later nodes free what they used before the next makes more.
     act_grads = n * (m.dim + m.ffn) * c
+    # Or later, a CPU's low-precision attention backward, if it holds more.
+    attention_grads = cpu_attention_backward_bytes(m, s)
     low_copies = c * (4 * m.dim ** 2 + 2 * m.dim * m.ffn)  # autocast's copies of one layer's weights
     reduce_bytes = 4 if s.fp32_reduce_scatter else c
     # also the size of a unit's unsharded gradient kept in the reduce dtype (--defer-grad-sync)
@@ -310,7 +327,7 @@ def simulate(m: ModelShape, s: Setup):
                     L.add("unsharded_gradients", unit)
             elif grads_now or heap_keeps_activations:
                 L.add("gradients", 4 * m.layer_params)
-            L.transient("activations", act_grads)
+            L.transient("activations", max(act_grads, attention_grads))
             if not heap_keeps_activations:
                 L.sub("activations", act)
             if autocast:
