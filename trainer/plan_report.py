@@ -24,7 +24,7 @@ LABELS = {"runtime": "runtime (interpreter, libraries, communication)",
 # +3.4 %, its one with checkpointing +5 to +11 % over runs. With the 1 MiB threshold the
 # peak is within 7 % of the ledger without heap_slack, at 0.81x tokens/s.
 HEAP_CAVEAT = ("without FSDP on a CPU, glibc's heap keeps freed pages: heap_slack is a measured rule, and "
-               "the resident peak can differ from this by about 10 %; MALLOC_MMAP_THRESHOLD_=1048576 returns "
+               "the resident peak can differ from this by 10 % or more (up to 13 % measured); MALLOC_MMAP_THRESHOLD_=1048576 returns "
                "them at once, at a cost in speed (0.81x tokens/s of glibc's defaults, which are slower "
                "than the kept heap)")
 
