@@ -11,7 +11,7 @@ two warm-up updates (wall time between records, everything included). ref_loop m
 its peak after its own steps in its own process and prints its MFU; that is reported as
 printed. Each repetition runs peak, train, ref in turn; medians over repetitions.
 Goal: bf16 MFU of `train` ≥ 0.55 (the issue puts the plain loop at about 0.47–0.54; on an
-AVX512-BF16 host here it reached 0.38–0.42 against a 0.92–0.98 TFLOP/s peak).
+AVX512-BF16 host here it reached 0.38–0.47 against a 0.80–0.98 TFLOP/s peak; train 0.58–0.68).
 
 Usage: python bench/bench_mfu.py [--reps 3] [--steps 10] [--dtypes fp32 bf16]
 """
