@@ -22,6 +22,11 @@ def _heads_per_chunk(heads, seq_len, itemsize):
     return max(1, min(heads, SCORES_BYTES // (seq_len * seq_len * itemsize)))
 
 
+def _joined(chunks):
+    """The chunks' results as one tensor (no copy when there is one chunk)."""
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
 def _causal_probs(q_scaled, k, above_diagonal):
     scores = torch.bmm(q_scaled, k.transpose(1, 2))
     return torch.softmax(scores.masked_fill_(above_diagonal, float("-inf")), -1)
@@ -39,7 +44,7 @@ class CausalMatmulAttention(torch.autograd.Function):
                for i in range(0, B * H, step)]
         ctx.save_for_backward(q_scaled, k, v)
         ctx.shape = (B, H, T, D)
-        return (out[0] if len(out) == 1 else torch.cat(out)).view(B, H, T, D)
+        return _joined(out).view(B, H, T, D)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -50,7 +55,7 @@ class CausalMatmulAttention(torch.autograd.Function):
         step = _heads_per_chunk(B * H, T, k.element_size())
         parts = [_chunk_backward(q_scaled[i:i + step], k[i:i + step], v[i:i + step], grad_out[i:i + step],
                                  above_diagonal) for i in range(0, B * H, step)]
-        dq, dk, dv = (torch.cat(p) if len(p) > 1 else p[0] for p in zip(*parts))
+        dq, dk, dv = (_joined(p) for p in zip(*parts))
         return (dq.mul_(D ** -0.5).view(B, H, T, D), dk.view(B, H, T, D), dv.view(B, H, T, D))
 
 
