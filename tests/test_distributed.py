@@ -155,10 +155,12 @@ def _report_huge_pages(cfg, rdv):
     return 0
 
 
-@pytest.mark.parametrize("backend, huge", [("fully_sharded", True), ("pytorch_ddp", False)])
-def test_sharded_ranks_get_huge_pages_for_large_tensors(backend, huge, tmp_path, monkeypatch):
-    """FSDP's spawned ranks inherit THP_MEM_ALLOC_ENABLE=1 from the launcher, so torch backs
-    their large tensors with huge pages; DDP's ranks keep torch's default."""
+@pytest.mark.parametrize("backend, allocator, huge", [("fully_sharded", "glibc", True), ("pytorch_ddp", "glibc", False),
+                                                      ("fully_sharded", "caching", False)])
+def test_sharded_ranks_get_huge_pages_for_large_tensors(backend, allocator, huge, tmp_path, monkeypatch):
+    """Under --host-allocator glibc, FSDP's spawned ranks inherit THP_MEM_ALLOC_ENABLE=1 from
+    the launcher, so torch backs their large tensors with huge pages; DDP's ranks keep
+    torch's default, and so do ranks of the caching allocator (it maps its own blocks)."""
     from helpers import compose
     from trainer.launch import launch
 
@@ -166,7 +168,8 @@ def test_sharded_ranks_get_huge_pages_for_large_tensors(backend, huge, tmp_path,
     kernel_gives_huge_pages = thp.exists() and "[never]" not in thp.read_text()
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     monkeypatch.setenv("SHARDLM_TEST_OUT", str(tmp_path / "rank"))
-    cfg = compose(BASE + ["--batch-size", "4", "--distributed-world-size", "2", "--ddp-backend", backend])
+    cfg = compose(BASE + ["--batch-size", "4", "--distributed-world-size", "2", "--ddp-backend", backend,
+                          "--host-allocator", allocator])
     assert launch(cfg, target=_report_huge_pages) == 0
     for rank in range(2):
         report = json.loads((tmp_path / f"rank.{rank}").read_text())

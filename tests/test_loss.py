@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from models import linear_cross_entropy as lce
+from trainer import host_allocator
 from trainer.distributed import return_large_frees_to_os
 
 
@@ -53,7 +54,9 @@ def _forward_peak_mb(monkeypatch, V, d, rows, dtype):
     """MiB above the resident set that the loss's forward reaches, on 3 chunks of `rows`;
     with the 1 MiB mmap threshold FSDP ranks set (an earlier in-process run may have left
     this process keeping freed memory instead), so each large block is mapped on allocation
-    and unmapped on free, and the peak sees exactly what is alive at once."""
+    and unmapped on free, and the peak sees exactly what is alive at once. An in-process run
+    may have installed the caching host allocator: emptied, it maps only what outgrows the
+    most ever live, so the peak above the resident set is again what is alive at once."""
     return_large_frees_to_os()
     monkeypatch.setattr(lce, "CHUNK_BYTES", 4 * V * rows)
     g = torch.Generator().manual_seed(0)
@@ -61,6 +64,7 @@ def _forward_peak_mb(monkeypatch, V, d, rows, dtype):
     w = torch.randn(V, d, generator=g).to(dtype).requires_grad_()
     target = torch.randint(0, V, (3 * rows,), generator=g)
     lce.linear_cross_entropy(x, w, target).backward()  # warm up: libraries, thread pools
+    host_allocator.release_cached()
     base = _resident_mb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets the peak to the current resident set
     loss = lce.linear_cross_entropy(x, w, target)

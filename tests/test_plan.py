@@ -87,10 +87,11 @@ def test_ddp_keeps_gradients_twice():
 
 
 def test_glibc_heap_slack_arithmetic():
-    """Unsharded CPU ranks: one FFN activation per layer (one more residual block per layer
-    with dropout) that forward cannot refit; one rank's later micro-batches take fresh pages
-    for 3/4 of their activations; FSDP ranks and GPUs have none."""
-    one = replace(SETUP, backend="pytorch_ddp", shard=1, world=1, ranks_per_host=1)
+    """Unsharded CPU ranks under --host-allocator glibc: one FFN activation per layer (one
+    more residual block per layer with dropout) that forward cannot refit; one rank's later
+    micro-batches take fresh pages for 3/4 of their activations; FSDP ranks, GPUs and the
+    caching allocator have none."""
+    one = replace(SETUP, backend="pytorch_ddp", shard=1, world=1, ranks_per_host=1, host_allocator="glibc")
     n, L = one.sequences * one.seq_len, SHAPE.layers
     fwd = simulate(SHAPE, one)[0].most["heap_slack"]
     assert fwd == L * n * 4 * SHAPE.ffn
@@ -100,7 +101,7 @@ def test_glibc_heap_slack_arithmetic():
     assert simulate(SHAPE, replace(one, update_freq=2))[0].most["heap_slack"] == L * 0.75 * act
     # DDP's buckets keep the gradients out of the freed pages: the first-micro-batch rule holds
     assert simulate(SHAPE, replace(one, world=2, update_freq=2))[0].most["heap_slack"] == fwd
-    for other in (SETUP, replace(one, device="cuda")):
+    for other in (SETUP, replace(one, device="cuda"), replace(one, host_allocator="caching")):
         assert simulate(SHAPE, other)[0].most.get("heap_slack", 0) == 0
 
 
@@ -256,16 +257,19 @@ def test_plan_json_and_text(capsys):
 
 
 def test_plan_says_when_glibc_heap_holds_more_than_the_ledger(capsys):
-    """Unsharded CPU runs keep glibc's heap, whose freed pages the ledger does not count:
-    plan says so, and how to make the peak the ledger's; FSDP and GPU runs have no caveat."""
+    """Unsharded CPU runs under --host-allocator glibc keep glibc's heap, whose freed pages
+    the ledger does not count: plan says so, and how to make the peak the ledger's; the
+    caching allocator (the default), FSDP and GPU runs have no caveat."""
     argv = ["--task", "dummy_lm", "--dict-size", "1000", "--arch", "transformer_lm_gpt2_tiny", "--batch-size", "4",
             "--tokens-per-sample", "64"]
-    assert "MALLOC_MMAP_THRESHOLD_=1048576" in plan_json(capsys, *argv, "--cpu")["caveat"]
-    assert cli.plan_main(argv + ["--cpu"]) == 0
+    glibc = argv + ["--host-allocator", "glibc"]
+    assert "--host-allocator caching" in plan_json(capsys, *glibc, "--cpu")["caveat"]
+    assert cli.plan_main(glibc + ["--cpu"]) == 0
     assert "note: without FSDP on a CPU" in capsys.readouterr().out
-    assert plan_json(capsys, *argv, "--cpu", "--distributed-world-size", "2")["caveat"]  # DDP keeps the heap too
-    assert plan_json(capsys, *argv, "--cpu", "--ddp-backend", "fully_sharded")["caveat"] is None
-    assert plan_json(capsys, *argv, "--device-memory-gb", "80")["caveat"] is None  # planned for GPUs
+    assert plan_json(capsys, *glibc, "--cpu", "--distributed-world-size", "2")["caveat"]  # DDP keeps the heap too
+    assert plan_json(capsys, *glibc, "--cpu", "--ddp-backend", "fully_sharded")["caveat"] is None
+    assert plan_json(capsys, *argv, "--cpu")["caveat"] is None
+    assert plan_json(capsys, *glibc, "--device-memory-gb", "80")["caveat"] is None  # planned for GPUs
 
 
 @pytest.mark.parametrize("argv, message", [

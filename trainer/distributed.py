@@ -3,6 +3,7 @@ failed collective means. How a process finds its job's ranks (the four ways in) 
 trainer/rendezvous.py's. CUDA + NCCL where a GPU exists, CPU + gloo otherwise.
 """
 import gc
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -11,11 +12,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainer import host_allocator
 from trainer.config import SHARDED_BACKENDS
 from trainer.launch import RankStopped, resume_hint
 from trainer.rendezvous import free_port
 
 RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
+logger = logging.getLogger("shardlm")
 
 
 @dataclass
@@ -43,11 +46,7 @@ def init_rank(cfg, rdv, needs_process_group):
     """Join the job as rank `rdv.rank`. One rank joins a (one-rank) group only when its
     backend needs one: FSDP2 shards on a one-rank mesh with the same code."""
     device = select_device(cfg, rdv.local_rank)
-    if device.type == "cpu":
-        if cfg.distributed_training.ddp_backend in SHARDED_BACKENDS:
-            return_large_frees_to_os()
-        else:
-            keep_freed_memory()
+    use_host_allocator(cfg, device, rdv.rank)
     if device.type == "cpu" and rdv.local_world_size > 1:
         # Ranks on one host share its cores; without a split they fight over them.
         torch.set_num_threads(max(cpu_count() // rdv.local_world_size, 1))
@@ -94,6 +93,23 @@ def peer_lost(error, cfg, env):
         return RankStopped(f"{peer}{at} did not answer for {seconds:g} s (--heartbeat-timeout): it died or "
                            f"hangs; {hint}")
     return None
+
+
+def use_host_allocator(cfg, device, rank):
+    """Install `--host-allocator caching` (trainer/host_allocator.py) in this rank; where it
+    cannot be built, or with `--host-allocator glibc`, tune glibc for this kind of rank."""
+    if cfg.common.host_allocator == "caching":
+        try:
+            host_allocator.install()
+            return
+        except host_allocator.Unavailable as e:
+            if rank == 0:
+                logger.warning("--host-allocator caching is not available (%s): using glibc's", e)
+    if device.type == "cpu":
+        if cfg.distributed_training.ddp_backend in SHARDED_BACKENDS:
+            return_large_frees_to_os()
+        else:
+            keep_freed_memory()
 
 
 def _mallopt(**settings):

@@ -114,6 +114,7 @@ class Setup:
     fp32_reduce_scatter: bool
     optimizer_states: int  # fp32 tensors the optimizer keeps per parameter
     spawned: bool = False  # a local rank the launcher forks (not a process of its own)
+    host_allocator: str = "caching"  # --host-allocator (trainer/host_allocator.py)
 
     @property
     def sharded(self):
@@ -121,10 +122,11 @@ class Setup:
 
     @property
     def glibc_heap(self):
-        """Ranks without FSDP on a CPU keep freed memory in glibc's heap
-        (trainer/distributed.keep_freed_memory): their peak is above the live bytes this
-        ledger counts."""
-        return self.device == "cpu" and not self.sharded
+        """Ranks without FSDP on a CPU under --host-allocator glibc keep freed memory in
+        glibc's heap (trainer/distributed.keep_freed_memory): their peak is above the live
+        bytes this ledger counts. The caching allocator maps no more than the most ever
+        live, which is what the ledger counts."""
+        return self.device == "cpu" and not self.sharded and self.host_allocator == "glibc"
 
     @property
     def ddp_buckets(self):

@@ -22,12 +22,11 @@ LABELS = {"runtime": "runtime (interpreter, libraries, communication)",
 # --checkpoint-activations it is 11-18 % above. Since those ranks keep freed memory
 # (2026-11-25, 8 updates): bench_plan's 6 unsharded rows without checkpointing -10.3 % to
 # +3.4 % (the embedded corpus's row lowest: -5.5 % to -12.7 % over 8-30 updates, its heap's extent
-# varies from update to update), its one with checkpointing +3 to +11 %. With the 1 MiB
-# threshold the peak is within 7 % of the ledger without heap_slack, at 0.81x tokens/s.
-HEAP_CAVEAT = ("without FSDP on a CPU, glibc's heap keeps freed pages: heap_slack is a measured rule, and "
-               "the resident peak can differ from this by 10 % or more (up to 13 % measured); "
-               "MALLOC_MMAP_THRESHOLD_=1048576 returns them at once, at a cost in speed (0.81x tokens/s "
-               "of glibc's defaults, which are slower than the kept heap)")
+# varies from update to update), its one with checkpointing +3 to +11 %. Only under
+# --host-allocator glibc: the caching allocator maps no more than the most ever live.
+HEAP_CAVEAT = ("without FSDP on a CPU under --host-allocator glibc, glibc's heap keeps freed pages: heap_slack "
+               "is a measured rule, and the resident peak can differ from this by 10 % or more (up to 13 % "
+               "measured); --host-allocator caching (the default) maps no more than the most ever live")
 
 
 def caveat(setup):

@@ -100,7 +100,8 @@ def _tasks_per_node(env, ntasks, nnodes):
 
 
 def huge_pages_for_large_tensors(cfg):
-    """Under FSDP, have torch's CPU allocator back tensors of 2 MiB and more with
+    """Under FSDP with --host-allocator glibc (the caching allocator maps its own blocks,
+    and after the first update faults none in), have torch's CPU allocator back tensors of 2 MiB and more with
     transparent huge pages (its THP_MEM_ALLOC_ENABLE: 2 MiB alignment and
     madvise(MADV_HUGEPAGE)); a user's own setting of the variable wins.
 
@@ -114,7 +115,7 @@ def huge_pages_for_large_tensors(cfg):
     once, at its first CPU allocation: this runs in the launcher, before any rank is
     spawned (they inherit it) or, for a rank started on its own, builds anything.
     """
-    if cfg.distributed_training.ddp_backend in SHARDED_BACKENDS:
+    if cfg.distributed_training.ddp_backend in SHARDED_BACKENDS and cfg.common.host_allocator == "glibc":
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
