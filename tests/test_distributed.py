@@ -32,6 +32,20 @@ def one_process():
     return update_losses(BASE + ["--batch-size", "8"], UPDATES, with_gnorm=True)
 
 
+@pytest.mark.parametrize("model", [["--layernorm-embedding"], ["model.share_decoder_input_output_embed=false"]])
+def test_fsdp_root_given_back_after_forward_trains_the_same(model, tmp_path):
+    """FSDP gives the root's weights back after forward and does not gather them for
+    backward (trainer/parallelize.py); the norms outside the layers, which backward reads,
+    are units of their own. With an embedding norm, and with an untied output projection,
+    the updates are one process's."""
+    argv = BASE + model
+    ref_losses, ref_gnorms = update_losses(argv + ["--batch-size", "8"], UPDATES, with_gnorm=True)
+    losses, gnorms = multi_rank_losses(argv + ["--batch-size", "4", "--ddp-backend", "fully_sharded"], 2,
+                                       UPDATES, tmp_path)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert gnorms == pytest.approx(ref_gnorms, rel=1e-4)
+
+
 @pytest.mark.parametrize("name", list(FIDELITY))
 def test_backend_matches_one_process(name, one_process, tmp_path):
     world, extra = FIDELITY[name]

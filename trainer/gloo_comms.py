@@ -132,7 +132,7 @@ class ReduceScatterInBackground(ReduceScatter):
     FSDP unit of a model, so that `wait()` finds all the sums still open."""
 
     def __init__(self, can_ever_defer, pool=None):
-        self.pool = pool or LayerBufferPool()
+        self.pool = pool  # None: every buffer is a new tensor
         # False where FSDP reads the reduced gradient at once: it casts it to another
         # dtype (reduce dtype != parameter dtype), or all-reduces it again across
         # replicas (hybrid_shard).
@@ -141,12 +141,15 @@ class ReduceScatterInBackground(ReduceScatter):
         self.pending = []
 
     def allocate(self, size, *, dtype, device):
+        if self.pool is None:
+            return torch.empty(*size, dtype=dtype, device=device)
         # Safe for the reduce-scatter output too (the sharded gradient, which lives on):
         # a kept buffer is only handed out when nothing holds it.
         return self.pool.take(size, dtype, device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self.pool.keep_reduce_input(input_tensor)
+        if self.pool is not None:
+            self.pool.keep_reduce_input(input_tensor)
         # FSDP may add this output into a gradient an earlier sum still fills; the earlier
         # ones' bytes crossed while this layer's backward ran. Finishing them now keeps
         # one gradient buffer alive at a time, as a synchronous reduce-scatter would.
@@ -169,10 +172,14 @@ class ReduceScatterInBackground(ReduceScatter):
             reduction.finish()
 
 
-def use_gloo_fast_comms(root, layers, can_defer_reduction):
+def use_gloo_fast_comms(root, layers, can_defer_reduction, reuse_buffers):
     """Give every FSDP unit the gloo collectives above; returns the shared reduce-scatter,
-    whose `wait()` must run before gradients are read."""
-    pool = LayerBufferPool()
+    whose `wait()` must run before gradients are read. `reuse_buffers`: keep the layers'
+    buffers in a `LayerBufferPool`; not wanted under the caching host allocator, which
+    reuses their pages anyway, and where the kept buffer would only add to the peak (one
+    layer's all-gather output, 48 MB per rank on bench_fsdp's model, alive at the end of
+    forward)."""
+    pool = LayerBufferPool() if reuse_buffers else None
     reduce_scatter = ReduceScatterInBackground(can_defer_reduction, pool)
     root.set_custom_all_gather(BroadcastAllGather(pool=None))
     for layer in layers:

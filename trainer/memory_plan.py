@@ -280,7 +280,7 @@ def simulate(m: ModelShape, s: Setup):
         if autocast:
             L.add("mixed_precision_copies", m.layers * low_copies)  # autocast's weight cache
         if s.sharded:
-            L.add("gathered_parameters", m.root_params * c)  # the root stays gathered all update
+            L.add("gathered_parameters", m.root_params * c)  # the root, gathered until the loss
         for i in range(m.layers):
             gather(i)
             if prefetch:
@@ -308,6 +308,8 @@ def simulate(m: ModelShape, s: Setup):
         L.transient("logits_and_loss", min(n, loss_chunk_rows(m.vocab)) * m.vocab * (4 + low) + m.vocab * m.dim * low)
         if autocast:
             L.sub("mixed_precision_copies", m.vocab * m.dim * c)
+        if s.sharded:  # the root's weights are not read in backward: given back (trainer/parallelize.py)
+            L.sub("gathered_parameters", m.root_params * c)
         # ---- backward: the kept gradients are scaled in place and handed on
         L.sub("heap_slack", L.live.get("heap_slack", 0))
         L.transient("logits_and_loss", m.vocab * m.dim * low)
@@ -359,11 +361,9 @@ def simulate(m: ModelShape, s: Setup):
             if not grads_now:
                 L.sub("gradients", 4 * m.params)
         if deferring:
-            L.sub("gathered_parameters", m.root_params * c)
             if not kept and reduce_bytes != c:
                 L.add("unsharded_gradients", root_rs - m.root_params * c)
         elif s.sharded:
-            L.sub("gathered_parameters", m.root_params * c)
             L.add("unsharded_gradients", root_rs)
             L.transient("gradients", m.root_params * later_output)
             L.sub("unsharded_gradients", (root_rs if kept else m.root_params * c) + in_flight + root_rs)
