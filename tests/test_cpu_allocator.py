@@ -1,4 +1,5 @@
-"""What each kind of CPU rank asks of glibc's allocator (trainer/distributed.py), seen as
+"""What each kind of CPU rank asks of glibc's allocator under --host-allocator glibc
+(trainer/distributed.py; the default allocator is tests/test_host_allocator.py's), seen as
 the page faults of a step-like pattern: tensors of 6-40 MiB made and touched one after
 another, as forward makes activations, then all freed, as backward frees them; counted on
 the fourth such step. Each case runs in a fresh process: allocator settings are

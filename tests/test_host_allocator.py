@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers import DUMMY, multi_rank_losses
+from helpers import DUMMY, multi_rank_losses, run_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mremap: Linux only")
@@ -130,3 +130,14 @@ def test_fsdp_trains_the_same_with_either_host_allocator(tmp_path):
     caching = multi_rank_losses(argv + ["--host-allocator", "caching"], 2, 4, tmp_path)
     glibc = multi_rank_losses(argv + ["--host-allocator", "glibc"], 2, 4, tmp_path)
     assert caching == glibc
+
+
+@pytest.mark.parametrize("env, why", [({"CXX": "/no/such/g++"}, "cannot run the C++ compiler /no/such/g++"),
+                                      ({"SHARDLM_CACHE": "/proc/shardlm"}, "cannot write to /proc/shardlm")])
+def test_without_a_compiler_or_a_writable_cache_training_says_so_and_uses_glibc(env, why, tmp_path):
+    env = {"SHARDLM_CACHE": str(tmp_path / "cache"), **env}  # nothing built there yet
+    records, done = run_train(DUMMY + ["--batch-size", "4", "--max-update", "2", "--log-format", "json",
+                                       "--log-interval", "1"], env=env)
+    warning = [line for line in (done.stdout + done.stderr).splitlines() if "--host-allocator caching" in line]
+    assert len(warning) == 1 and why in warning[0] and warning[0].endswith("using glibc's"), warning
+    assert len(records["train_inner"]) == 2

@@ -18,8 +18,9 @@ gloo's threads while the backward of the layer below goes on, as DDP's buckets d
 sum is taken at the next reduce-scatter, or at `wait()` before the gradients are used.
 NCCL's own collectives stay in use on GPUs.
 
-The decoder layers' all-gather and reduce-scatter buffers are reused from layer to layer
-(`LayerBufferPool`), as CUDA's caching allocator reuses them on a GPU.
+Under --host-allocator glibc the decoder layers' all-gather and reduce-scatter buffers are
+reused from layer to layer (`LayerBufferPool`), as CUDA's caching allocator reuses them on
+a GPU; the caching host allocator (trainer/host_allocator.py) reuses their pages itself.
 """
 import torch
 import torch.distributed as dist

@@ -58,15 +58,22 @@ def build():
         raise Unavailable("no C++ compiler (g++) found; install one or pass --host-allocator glibc")
     torch_dir = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    path.parent.mkdir(parents=True, exist_ok=True)
     # Ranks may build at once: each writes its own file, then renames it into place.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    except OSError as e:
+        raise Unavailable(f"cannot write to {path.parent} ({e.strerror}); set SHARDLM_CACHE to a writable "
+                          "directory") from None
     os.close(fd)
     cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
            f"-I{torch_dir / 'include'}", str(SOURCE), f"-L{torch_dir / 'lib'}", "-lc10",
            f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", tmp]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            raise Unavailable(f"cannot run the C++ compiler {compiler} ({e.strerror})") from None
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise Unavailable(f"compiling {SOURCE.name} failed: {last}")

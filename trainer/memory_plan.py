@@ -246,7 +246,7 @@ def simulate(m: ModelShape, s: Setup):
     # also the size of a unit's unsharded gradient kept in the reduce dtype (--defer-grad-sync)
     rs_buffer, root_rs = m.layer_params * reduce_bytes, m.root_params * reduce_bytes
     in_flight = 0
-    # Unsharded runs on a CPU keep freed memory in glibc's heap (trainer/distributed.py): the
+    # Unsharded runs on a CPU under --host-allocator glibc keep freed memory in glibc's heap: the
     # pages of activations freed during backward stay with the process and the gradients
     # made meanwhile take new ones, so resident memory peaks as if both were alive at once
     # (measured with glibc's defaults: 1.19 GB for 23 M parameters on one rank, 2.80 GB per
