@@ -41,10 +41,10 @@ class CommonConfig:
     min_loss_scale: float = _f(1e-4, "stop training when the fp16 loss scale falls below this")
     peak_tflops: Optional[float] = _f(None, "the device's peak TFLOP/s per rank in the training dtype: "
                                       "log records add mfu = tflops / (peak x ranks)")
-    host_allocator: str = _f("caching", "how tensors in host memory get pages: caching keeps freed pages and "
-                             "reuses them for later tensors of any size, as CUDA's allocator does (built on "
-                             "first use with the system's C++ compiler; Linux); glibc returns or keeps them as "
-                             "glibc does", choices=("caching", "glibc"))
+    host_allocator: str = _f("caching", "allocator of tensors in host memory: caching keeps freed pages and "
+                             "serves later tensors of any size from them, as CUDA's allocator does (built on "
+                             "first use with the system's C++ compiler; Linux); glibc: glibc's malloc, tuned "
+                             "per backend", choices=("caching", "glibc"))
     compile: bool = _f(False, "compile each decoder layer with torch.compile (inductor) before sharding; "
                        "the first updates are slower while it compiles (on a CPU it needs a C++ compiler)")
 

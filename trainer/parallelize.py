@@ -149,9 +149,9 @@ class EarlyGather:
     first (`ShardLocalAdamW.step`: AdamW updates each element on its own, so the order
     changes no value), then both all-gathers start, asynchronously, while the rest of
     the model is stepped; the next forward's pre-forward hooks wait for them (FSDP2's
-    documented use of `unshard(async_op=True)`). Memory: the root is held gathered
-    through forward and backward anyway; the first layer's gathered copy comes one forward
-    early, while activations are freed."""
+    documented use of `unshard(async_op=True)`). Memory: the root (held gathered through
+    forward anyway) and the first layer come during the step, when the activations are
+    gone and the gradients are all that backward left (plan's ledger counts both there)."""
 
     def __init__(self, model, units):
         self.model, self.units = model, list(units)
