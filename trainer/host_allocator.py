@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_suffix(".cpp")
+TORCH_DIR = Path(torch.__file__).parent  # its headers and libc10 are what the library builds against
 MIN_BYTES = 1 << 20  # smaller blocks stay with glibc: its bins already reuse them
 STATS = ("served_exact", "served_split", "served_moved", "fresh_bytes", "moved_bytes", "mapped_bytes",
          "kept_bytes", "live_bytes", "peak_live_bytes", "released_bytes")
@@ -41,8 +42,7 @@ class Unavailable(Exception):
 
 def _library_path():
     from data.embedded_corpus import default_cache_dir
-    torch_dir = Path(torch.__file__).parent
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + str(torch_dir).encode()).hexdigest()
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + str(TORCH_DIR).encode()).hexdigest()
     return default_cache_dir() / "host_allocator" / f"host_allocator-{key[:16]}.so"
 
 
@@ -56,7 +56,6 @@ def build():
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise Unavailable("no C++ compiler (g++) found; install one or pass --host-allocator glibc")
-    torch_dir = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # Ranks may build at once: each writes its own file, then renames it into place.
     try:
@@ -67,8 +66,8 @@ def build():
                           "directory") from None
     os.close(fd)
     cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           f"-I{torch_dir / 'include'}", str(SOURCE), f"-L{torch_dir / 'lib'}", "-lc10",
-           f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", tmp]
+           f"-I{TORCH_DIR / 'include'}", str(SOURCE), f"-L{TORCH_DIR / 'lib'}", "-lc10",
+           f"-Wl,-rpath,{TORCH_DIR / 'lib'}", "-o", tmp]
     try:
         try:
             done = subprocess.run(cmd, capture_output=True, text=True)

@@ -101,9 +101,9 @@ def _tasks_per_node(env, ntasks, nnodes):
 
 def huge_pages_for_large_tensors(cfg):
     """Under FSDP with --host-allocator glibc (the caching allocator maps its own blocks,
-    and after the first update faults none in), have torch's CPU allocator back tensors of 2 MiB and more with
-    transparent huge pages (its THP_MEM_ALLOC_ENABLE: 2 MiB alignment and
-    madvise(MADV_HUGEPAGE)); a user's own setting of the variable wins.
+    and after the first update faults none in), have torch's CPU allocator back tensors of
+    2 MiB and more with transparent huge pages (its THP_MEM_ALLOC_ENABLE: 2 MiB alignment
+    and madvise(MADV_HUGEPAGE)); a user's own setting of the variable wins.
 
     FSDP on a CPU allocates and frees every gathered layer, its gradients and the
     activations as fresh mmap'd pages (`return_large_frees_to_os` in trainer/distributed.py),
