@@ -5,29 +5,28 @@ Nothing here imports torch: `train --help` and a bad flag answer before it loads
 import os
 import sys
 
-from trainer import debug
-from trainer.flags import UsageError
+from trainer.errors import DEBUG_ENV, UsageError, show_traceback
 
 
 def _note_debug(argv):
     """`--debug` (every command has it) turns on SHARDLM_DEBUG, in the environment so
     that spawned ranks inherit it: errors then show their traceback too."""
     if "--debug" in argv:
-        os.environ[debug.ENV] = "1"
+        os.environ[DEBUG_ENV] = "1"
 
 
 def _fail(prog, message, code):
-    debug.show_traceback()  # called from an except block: the error being handled
+    show_traceback()  # called from an except block: the error being handled
     print(f"{prog}: error: {message}", file=sys.stderr)
     return code
 
 
 def train_main(argv=None):
     from data.errors import DataError
-    from trainer.checks import check_config
-    from trainer.preflight import check_inputs
-    from trainer.compose import compose_config
-    from trainer.flags import build_parser, parse_flags
+    from trainer.config.checks import check_config
+    from trainer.launch.preflight import check_inputs
+    from trainer.config.compose import compose_config
+    from trainer.config.flags import build_parser, parse_flags
 
     argv = sys.argv[1:] if argv is None else argv
     _note_debug(argv)
@@ -53,16 +52,16 @@ def train_main(argv=None):
             check_config(cfg)
             check_inputs(cfg)
             if cfg.distributed_training.auto_tune:
-                from trainer.auto_tune import auto_tune
+                from trainer.launch.auto_tune import auto_tune
                 print(auto_tune(cfg), file=sys.stderr, flush=True)
     except UsageError as e:
         return _fail("train", e, 2)
     except DataError as e:
         return _fail("train", e, 1)
     if multirun:
-        from trainer.sweep import multirun as run_sweep
+        from trainer.launch.sweep import multirun as run_sweep
         return run_sweep(settings, overrides)
-    from trainer.launch import launch
+    from trainer.launch.launcher import launch
     return launch(cfg)
 
 
@@ -78,7 +77,7 @@ def preprocess_main(argv=None):
     from data.errors import DataError
     from data.preprocess import build_parser, preprocess
 
-    from trainer.flags import _Parser
+    from trainer.config.flags import _Parser
 
     argv = sys.argv[1:] if argv is None else argv
     _note_debug(argv)
@@ -95,7 +94,7 @@ def preprocess_main(argv=None):
 def _parser(prog, description):
     import argparse
 
-    from trainer.flags import _Parser
+    from trainer.config.flags import _Parser
     parser = _Parser(prog=prog, description=description, allow_abbrev=False,
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
@@ -144,15 +143,15 @@ def eval_lm_main(argv=None):
         if args.data:  # before any rank starts or the model loads
             from data.data_dir import check_data_dir
             check_data_dir(args.data, [args.gen_subset], subset_flag="--gen-subset")
-        from trainer.compose import compose_config
+        from trainer.config.compose import compose_config
         cfg = compose_config([("distributed_training.distributed_world_size", args.distributed_world_size),
                               ("common.cpu", args.cpu)], [], None, None)
     except UsageError as e:
         return _fail("eval-lm", e, 2)
     except DataError as e:
         return _fail("eval-lm", e, 1)
-    from trainer import eval_lm
-    from trainer.launch import launch
+    from trainer.inference import eval_lm
+    from trainer.launch.launcher import launch
     return launch(cfg, functools.partial(eval_lm.run, args), prog="eval-lm")
 
 
@@ -176,7 +175,7 @@ def generate_main(argv=None):
         if not args.temperature >= 0 or args.temperature == float("inf") or args.top_k < 0 \
                 or not 0 < args.top_p <= 1:
             raise UsageError("need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
-        from trainer.generate_text import generate
+        from trainer.inference.generate import generate
         return generate(args)
     except UsageError as e:
         return _fail("generate", e, 2)
@@ -200,7 +199,7 @@ def export_model_main(argv=None):
         args = p.parse_args(argv)
         import torch
 
-        from trainer.inference import export_model
+        from trainer.inference.load import export_model
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
         out = export_model(args.path, args.out, args.format, dtype)
     except UsageError as e:
@@ -213,12 +212,10 @@ def export_model_main(argv=None):
 
 def plan_main(argv=None):
     """Predict per-rank memory for `train`'s flags and pick the fastest flags that fit."""
-    import os
-
-    from trainer.auto_tune import host_memory_gb
-    from trainer.checks import check_config
-    from trainer.compose import compose_config
-    from trainer.flags import build_parser, parse_flags
+    from trainer.host import host_memory_gb, runs_on_gpu
+    from trainer.config.checks import check_config
+    from trainer.config.compose import compose_config
+    from trainer.config.flags import build_parser, parse_flags
 
     argv = sys.argv[1:] if argv is None else argv
     _note_debug(argv)
@@ -242,7 +239,7 @@ def plan_main(argv=None):
         check_config(cfg)
         world = cfg.distributed_training.distributed_world_size
         device = "cuda" if ns.device_memory_gb and not cfg.common.cpu else "cpu"
-        if device == "cpu" and not cfg.common.cpu and os.path.exists("/dev/nvidia0"):
+        if device == "cpu" and runs_on_gpu(cfg):
             raise UsageError("this host has a GPU: give its memory with --device-memory-gb, or --cpu to plan "
                              "for the CPU")
         if ns.ranks_per_host and ns.ranks_per_host > world:
@@ -253,7 +250,7 @@ def plan_main(argv=None):
         if host_gb is None:
             raise UsageError("cannot read this host's memory: give --host-memory-gb")
         device_gb = ns.device_memory_gb if device == "cuda" else (ns.device_memory_gb or host_gb / ranks_per_host)
-        from trainer import plan_report
+        from trainer.plan import report as plan_report
         plan = plan_report.make_plan(cfg, device, device_gb, host_gb, ranks_per_host)
     except UsageError as e:
         return _fail("plan", e, 2)

@@ -61,7 +61,7 @@ def main():
     p.add_argument("--only", nargs="*", default=list(CONFIGS), choices=list(CONFIGS), metavar="NAME",
                    help=f"configurations to run, of: {'; '.join(CONFIGS)}")
     p.add_argument("--updates", type=int, default=8,
-                   help="updates per run (the optimizer state exists from 2; a heap that keeps freed memory settles over a few)")
+                   help="updates per run (the optimizer state exists from the 2nd; the largest peak counts)")
     a = p.parse_args()
     names = a.only
     why = bf16_unsupported() if any("--bf16" in CONFIGS[n] for n in names) else None

@@ -10,7 +10,7 @@ the process is then stopped. So it counts interpreter and torch start-up, config
 composition, model build, data loading and the first update. `train --help` is timed to
 its exit. The same run on 2 local FSDP ranks (`--distributed-world-size 2 --ddp-backend
 fully_sharded`) is timed too, for information: its ranks are forks of a server that
-imported torch once (trainer/local_ranks.py).
+imported torch once (trainer/launch/local_ranks.py).
 Runs alternate (help, train, 2 ranks, help, …); medians. Goal: first update ≤ 8 s;
 `--help` has no goal (it answers before torch is imported, so it should take well under
 torch's import time).

@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainer.checkpoint_files import TMP_PREFIX, UPDATE_CKPT, is_checkpoint
+from trainer.checkpoint.files import TMP_PREFIX, UPDATE_CKPT, is_checkpoint
 
 BIN = Path(sys.executable).parent  # `train` of the same venv
 MODEL = ["--arch", "transformer_lm_gpt2_tiny", "--decoder-attention-heads", "2", "--decoder-ffn-embed-dim", "128",
@@ -66,7 +66,7 @@ def parse_args(argv=None):
 
 def child_pids(parent):
     """The rank processes of `train`: children of the server it forks them from
-    (trainer/local_ranks.py), itself a child of `train`."""
+    (trainer/launch/local_ranks.py), itself a child of `train`."""
     children = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

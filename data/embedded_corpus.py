@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from data.errors import DataError
+from data.preprocess import build_parser, preprocess
 
 VERSION_DIR = "embedded-v1"
 _SEED = 20240611
@@ -121,7 +122,6 @@ def default_cache_dir() -> Path:
 
 
 def _build(workdir: Path) -> None:
-    from data.preprocess import build_parser, preprocess
 
     language = make_language()
     text_dir = workdir / "text"

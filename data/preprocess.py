@@ -21,6 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from data.encode import EncodePool, encode_splits
 from data.errors import DataError
 from data.indexed_dataset import best_fitting_dtype
 from data.sources import INPUT_FORMATS, Source, load_rows, resolve_sources, split_specs
@@ -141,7 +142,6 @@ def _write_training_text(rows, path: Path) -> int:
 
 
 def _build(args, sources: dict[str, list[Source]], work: Path, out: Path) -> dict:
-    from data.encode import EncodePool
 
     # The workers start first: they spawn while this process imports datasets and reads.
     with EncodePool(args.workers) as pool:
@@ -149,7 +149,6 @@ def _build(args, sources: dict[str, list[Source]], work: Path, out: Path) -> dic
 
 
 def _load_and_encode(args, sources: dict[str, list[Source]], work: Path, out: Path, pool) -> dict:
-    from data.encode import encode_splits
 
     rows = {
         split: load_rows(split_sources, args.text_column, work / "hf-cache")

@@ -15,7 +15,7 @@ allocate batch×heads×T² at once.
 """
 import torch
 
-SCORES_BYTES = 8 * 2 ** 20  # one chunk's T×T scores; its backward holds three such tensors (trainer/memory_plan.py)
+SCORES_BYTES = 8 * 2 ** 20  # one chunk's T×T scores; its backward holds three such tensors (trainer/plan/ledger.py)
 
 
 def _heads_per_chunk(heads, seq_len, itemsize):

@@ -2,7 +2,7 @@
 
 Reads top to bottom: embeddings → N decoder layers → final norm → output projection.
 It holds no parallelism: sharding, activation checkpointing and mixed precision are
-applied from the outside by trainer/parallelize.py, one `DecoderLayer` at a time.
+applied from the outside by trainer/parallel/parallelize.py, one `DecoderLayer` at a time.
 Generation passes a `KVCache` so each new token runs each layer over one position only.
 """
 import math

@@ -5,9 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer.checks import check_config
-from trainer.compose import compose_config
-from trainer.flags import build_parser, parse_flags
+from trainer.config.checks import check_config
+from trainer.config.compose import compose_config
+from trainer.config.flags import build_parser, parse_flags
 
 TINY = ["--arch", "transformer_lm_gpt2_tiny", "--decoder-attention-heads", "2", "--decoder-ffn-embed-dim", "128",
         "--dropout", "0", "--attention-dropout", "0", "--tokens-per-sample", "32", "--no-save",
@@ -25,8 +25,8 @@ def compose(argv):
 def update_losses(argv, n_updates, rdv=None, with_gnorm=False):
     """Per-update mean token loss (nats) of the first n updates (and gnorm), run in this
     process through the same build and train_step that `train` uses."""
-    from trainer import distributed
-    from trainer.parallelize import uses_fsdp
+    from trainer.parallel import ranks as distributed
+    from trainer.parallel.parallelize import uses_fsdp
     from trainer.rendezvous import Rendezvous
 
     cfg = compose(argv)
@@ -39,8 +39,8 @@ def update_losses(argv, n_updates, rdv=None, with_gnorm=False):
 
 
 def _updates(cfg, env, n_updates, with_gnorm):
-    from trainer.loop import grouped
-    from trainer.main import build
+    from trainer.train.loop import grouped
+    from trainer.train.main import build
 
     task, trainer, _ = build(cfg, env)
     itr = task.batch_iterator(cfg.dataset.train_subset, training=True)
@@ -67,14 +67,14 @@ _server_environment = None  # os.environ when the rank server now running was st
 
 def run_ranks(fn, args, nprocs):
     """`fn(index, *args)` on `nprocs` real processes, forked as `train` forks its local ranks
-    (trainer/local_ranks.py). The server they are forked from is kept from one test to the
+    (trainer/launch/local_ranks.py). The server they are forked from is kept from one test to the
     next, so each test's ranks start with torch imported, and restarted when the environment
     has changed since it started (its forks inherit its environment, not this process's).
     Raises if a rank fails; its traceback is on stderr."""
     import tempfile
 
-    from trainer import local_ranks
-    from trainer.launch import join_ranks
+    from trainer.launch import local_ranks
+    from trainer.launch.launcher import join_ranks
 
     global _server_environment
     environment = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # pytest's, per test
@@ -120,9 +120,9 @@ def parse_records(text):
 def _recording_rank(index, argv, world, port, out):
     """One rank of `train` run through trainer.main.run (the real loop, checkpoints and
     all), recording each update's exact loss: the log rounds it to 3 decimals."""
-    from trainer import main
+    from trainer.train import main
     from trainer.rendezvous import Rendezvous
-    from trainer.train_step import Trainer
+    from trainer.train.step import Trainer
 
     step, updates = Trainer.train_step, []
 

@@ -52,8 +52,8 @@ def test_compiled_fsdp_with_checkpointing_matches_eager(eager_one_process, tmp_p
 
 
 def test_compiled_layers_keep_the_bare_state_dict_keys():
-    from trainer.distributed import DistEnv
-    from trainer.main import build
+    from trainer.parallel.ranks import DistEnv
+    from trainer.train.main import build
 
     import torch
 

@@ -8,10 +8,11 @@ from dataclasses import MISSING
 import pytest
 from omegaconf import OmegaConf
 
-from trainer.checks import check_config
-from trainer.compose import compose_config
-from trainer.config import GROUP_OPTIONS
-from trainer.flags import UsageError, build_parser, flag_name, iter_fields, parse_flags
+from trainer.config.checks import check_config
+from trainer.config.compose import compose_config
+from trainer.config.schema import GROUP_OPTIONS
+from trainer.errors import UsageError
+from trainer.config.flags import build_parser, flag_name, iter_fields, parse_flags
 
 
 def compose(argv, config_dir=None):

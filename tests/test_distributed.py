@@ -35,7 +35,7 @@ def one_process():
 @pytest.mark.parametrize("model", [["--layernorm-embedding"], ["model.share_decoder_input_output_embed=false"]])
 def test_fsdp_root_given_back_after_forward_trains_the_same(model, tmp_path):
     """FSDP gives the root's weights back after forward and does not gather them for
-    backward (trainer/parallelize.py); the norms outside the layers, which backward reads,
+    backward (trainer/parallel/parallelize.py); the norms outside the layers, which backward reads,
     are units of their own. With an embedding norm, and with an untied output projection,
     the updates are one process's."""
     argv = BASE + model
@@ -68,9 +68,9 @@ def test_mixed_precision_fsdp_matches_ddp(precision, tmp_path):
 def _gather_initial_parameters(index, world, port, out):
     import torch
     from helpers import compose
-    from trainer import distributed
+    from trainer.parallel import ranks as distributed
     from trainer.rendezvous import Rendezvous
-    from trainer.main import build
+    from trainer.train.main import build
 
     cfg = compose(BASE + ["--batch-size", "4", "--ddp-backend", "fully_sharded", "--decoder-learned-pos"])
     rdv = Rendezvous(f"tcp://127.0.0.1:{port}", world, rank=index, local_rank=index,
@@ -89,8 +89,7 @@ def _gather_initial_parameters(index, world, port, out):
 
 def test_sharded_init_equals_one_process_exactly(tmp_path):
     import torch
-    from helpers import run_ranks
-    from helpers import compose
+    from helpers import compose, run_ranks
     from models.transformer_lm import build_model
     from trainer.rendezvous import free_port
 
@@ -111,9 +110,9 @@ def _pending_gathers_rank(index, world, port, out):
     init (it steps the optimizer), and after one update."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from helpers import compose
-    from trainer import distributed
-    from trainer.loop import grouped
-    from trainer.main import build
+    from trainer.parallel import ranks as distributed
+    from trainer.train.loop import grouped
+    from trainer.train.main import build
     from trainer.rendezvous import Rendezvous
 
     cfg = compose(BASE + ["--batch-size", "4", "--ddp-backend", "fully_sharded"])
@@ -155,38 +154,3 @@ def test_the_first_all_gathers_start_during_the_optimizer_step(tmp_path):
         assert seen["built"] == [False, False, False] and seen["checkpoint_api"] == [False, False, False]
         assert seen["updated"] == [True, True, False]
         assert seen["finished"] == [False, False, False]  # nothing left in flight for teardown
-
-
-def _report_huge_pages(cfg, rdv):
-    """Launch target: does a 64 MiB tensor of this rank land on transparent huge pages?"""
-    import torch
-    x = torch.ones(64 << 20, dtype=torch.uint8)
-    with open("/proc/self/smaps_rollup") as f:
-        huge_kb = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
-    out = os.environ["SHARDLM_TEST_OUT"]
-    with open(f"{out}.{rdv.rank}", "w") as f:
-        json.dump({"variable": os.environ.get("THP_MEM_ALLOC_ENABLE"), "huge_kb": huge_kb, "bytes": x.numel()}, f)
-    return 0
-
-
-@pytest.mark.parametrize("backend, allocator, huge", [("fully_sharded", "glibc", True), ("pytorch_ddp", "glibc", False),
-                                                      ("fully_sharded", "caching", False)])
-def test_sharded_ranks_get_huge_pages_for_large_tensors(backend, allocator, huge, tmp_path, monkeypatch):
-    """Under --host-allocator glibc, FSDP's spawned ranks inherit THP_MEM_ALLOC_ENABLE=1 from
-    the launcher, so torch backs their large tensors with huge pages; DDP's ranks keep
-    torch's default, and so do ranks of the caching allocator (it maps its own blocks)."""
-    from helpers import compose
-    from trainer.launch import launch
-
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    kernel_gives_huge_pages = thp.exists() and "[never]" not in thp.read_text()
-    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    monkeypatch.setenv("SHARDLM_TEST_OUT", str(tmp_path / "rank"))
-    cfg = compose(BASE + ["--batch-size", "4", "--distributed-world-size", "2", "--ddp-backend", backend,
-                          "--host-allocator", allocator])
-    assert launch(cfg, target=_report_huge_pages) == 0
-    for rank in range(2):
-        report = json.loads((tmp_path / f"rank.{rank}").read_text())
-        assert report["variable"] == ("1" if huge else None)
-        if kernel_gives_huge_pages:  # with THP off the kernel ignores the request: nothing to see
-            assert (report["huge_kb"] >= 32 * 1024) == huge, report

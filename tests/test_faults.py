@@ -15,7 +15,7 @@ import pytest
 
 from helpers import DUMMY, compose, parse_records, run_train
 from trainer.rendezvous import free_port
-from trainer.launch import launch
+from trainer.launch.launcher import launch
 
 TRAIN = str(Path(sys.executable).with_name("train"))
 SAVE = [a for a in DUMMY if a != "--no-save"] + ["--batch-size", "2", "--log-format", "json", "--log-interval", "1"]
@@ -70,7 +70,7 @@ def snapshot(path):
 
 
 def spawned_ranks(train):
-    """The local ranks: children of the server `train` forks them from (trainer/local_ranks.py)."""
+    """The local ranks: children of the server `train` forks them from (trainer/launch/local_ranks.py)."""
     def children(pid):
         return [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
     servers = [c for c in children(train.proc.pid) if "forkserver" in Path(f"/proc/{c}/cmdline").read_text()]

@@ -1,4 +1,4 @@
-"""`--host-allocator caching` (trainer/host_allocator.cpp), built with this machine's
+"""`--host-allocator caching` (trainer/cpu/host_allocator.cpp), built with this machine's
 compiler and installed in fresh processes: the allocator is process-wide, and each case
 must see it from its first tensor."""
 import json
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mr
 
 PRELUDE = """
 import json, os, resource, sys, torch
-from trainer import host_allocator
+from trainer.cpu import host_allocator
 host_allocator.install()
 MB = 1 << 20
 def faults():

@@ -55,12 +55,12 @@ def test_eval_lm_equals_training_valid_loss(trained):
 
 def _sharded_logits(index, argv, port, out):
     import torch
-    from trainer import distributed
+    from trainer.parallel import ranks as distributed
     from trainer.rendezvous import Rendezvous
-    from trainer.checkpoint import Checkpointer
-    from trainer.loop import TrainLoop
-    from trainer.main import build
-    from trainer.progress import Progress
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.train.loop import TrainLoop
+    from trainer.train.main import build
+    from trainer.train.progress import Progress
 
     cfg = compose(argv)
     rdv = Rendezvous(f"tcp://127.0.0.1:{port}", 2, rank=index, local_rank=index, local_world_size=2)
@@ -82,7 +82,7 @@ def test_export_logits_equal_the_sharded_model(trained, tmp_path):
     import torch
     from helpers import run_ranks
     from trainer.rendezvous import free_port
-    from trainer.inference import load_model
+    from trainer.inference.load import load_model
 
     ckpt, _ = trained
     argv = TRAIN + ["--save-dir", str(ckpt.parent), "--ddp-backend", "fully_sharded"]
@@ -106,7 +106,7 @@ def test_export_logits_equal_the_sharded_model(trained, tmp_path):
 def test_export_hf_loads_in_transformers_with_the_same_logits(trained, tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
-    from trainer.inference import load_model
+    from trainer.inference.load import load_model
 
     ckpt, _ = trained
     _run("export-model", "--path", ckpt, "--out", tmp_path / "hf", "--format", "hf")

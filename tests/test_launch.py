@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from helpers import DUMMY, compose, parse_records, run_train
-from trainer.flags import UsageError
+from trainer.errors import UsageError
 from trainer.rendezvous import free_port, infer_rendezvous
 
 BIN = Path(sys.executable).parent
@@ -85,7 +85,7 @@ import os, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from helpers import DUMMY, compose
 from test_launch import _write_mark
-from trainer.launch import launch
+from trainer.launch.launcher import launch
 cfg = compose(DUMMY + ["--batch-size", "2", "--distributed-world-size", "2"])
 for mark in ("first", "second"):
     os.environ["SHARDLM_TEST_MARK"] = mark

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from models import linear_cross_entropy as lce
-from trainer import host_allocator
-from trainer.distributed import return_large_frees_to_os
+from trainer.cpu import host_allocator
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -51,13 +50,10 @@ def _resident_mb(field):
 
 
 def _forward_peak_mb(monkeypatch, V, d, rows, dtype):
-    """MiB above the resident set that the loss's forward reaches, on 3 chunks of `rows`;
-    with the 1 MiB mmap threshold FSDP ranks set (an earlier in-process run may have left
-    this process keeping freed memory instead), so each large block is mapped on allocation
-    and unmapped on free, and the peak sees exactly what is alive at once. An in-process run
-    may have installed the caching host allocator: emptied, it maps only what outgrows the
-    most ever live, so the peak above the resident set is again what is alive at once."""
-    return_large_frees_to_os()
+    """MiB above the resident set that the loss's forward reaches, on 3 chunks of `rows`,
+    under the caching host allocator every CPU rank installs: emptied, it maps only what
+    outgrows the most ever live, so the peak above the resident set is what is alive at once."""
+    host_allocator.install()
     monkeypatch.setattr(lce, "CHUNK_BYTES", 4 * V * rows)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3 * rows, d, generator=g).to(dtype).requires_grad_()
@@ -90,7 +86,7 @@ def test_bf16_forward_peak_is_what_plan_counts(monkeypatch):
     """Under mixed precision forward holds, beyond the gradients it keeps (fp32 for W), one
     chunk's fp32 logits and low-precision product, and W's gradient in low precision, which
     is added into the fp32 one a few MiB at a time: no fp32 temporary of W's size (that
-    was 20 MiB more here). The memory planner counts exactly these (trainer/memory_plan.py)."""
+    was 20 MiB more here). The memory planner counts exactly these (trainer/plan/ledger.py)."""
     V, d, rows = 10240, 512, 1024
     extra = _forward_peak_mb(monkeypatch, V, d, rows, torch.bfloat16)
     kept = (3 * rows * d * 2 + V * d * 4) / 2 ** 20  # grad_x (bf16), grad_w (fp32)

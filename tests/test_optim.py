@@ -10,7 +10,7 @@ from helpers import compose
 
 
 def schedule(*argv):
-    from trainer.optim import LRSchedule
+    from trainer.train.optim import LRSchedule
     return LRSchedule(compose(["--batch-size", "1"] + list(argv)))
 
 
@@ -35,7 +35,7 @@ def test_cosine_and_fixed():
 
 def test_no_weight_decay_on_biases_norms_and_embeddings():
     from models.transformer_lm import build_model
-    from trainer.optim import param_groups
+    from trainer.train.optim import param_groups
     cfg = compose(["--batch-size", "1", "--arch", "transformer_lm_gpt2_tiny", "--decoder-learned-pos"])
     model = build_model(cfg.model, 100, 16)
     decay, rest = param_groups(model, 0.1)
@@ -55,8 +55,8 @@ def _shard_local_rank(index, world, port, out):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
-    from trainer.optim import ShardLocalAdamW
-    from trainer.train_step import global_grad_norm
+    from trainer.train.optim import ShardLocalAdamW
+    from trainer.train.step import global_grad_norm
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=world)
     try:
@@ -77,7 +77,9 @@ def _shard_local_rank(index, world, port, out):
                 def callback():
                     moved_at_callback.append([not torch.equal(p.to_local(), b) for p, b in zip(params, before)])
 
-                opt.first = ({id(p) for p in model[0].parameters()}, callback)
+                step_kwargs = dict(first={id(p) for p in model[0].parameters()}, then=callback)
+            else:
+                step_kwargs = {}
             norms = []
             for step in range(3):
                 torch.manual_seed(100 + step)
@@ -88,7 +90,7 @@ def _shard_local_rank(index, world, port, out):
                 norms.append([norm.item(), reference.item()])
                 torch._foreach_mul_([g.to_local() for g in grads], torch.clamp(0.5 / (norm + 1e-6), max=1.0))
                 before = [p.to_local().clone() for p in model.parameters()]
-                opt.step()
+                opt.step(**step_kwargs)
                 opt.zero_grad()
             state = opt.state[next(iter(model.parameters()))]
             results[name] = {

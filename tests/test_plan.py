@@ -1,6 +1,6 @@
 """The memory planner: each component's arithmetic, the published cases (fairseq's README,
 the FSDP paper), the `plan` command, `train --auto-tune`, and one prediction against a
-measured run. bench/bench_plan.py compares predictions with measurements on 8 more."""
+measured run. bench/bench_plan.py compares predictions with measurements on more."""
 import json
 import subprocess
 import sys
@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 
 import cli
-from trainer.auto_tune import model_shape
-from trainer.compose import compose_config
-from trainer.memory_plan import (GB, ModelShape, Setup, comm_bytes, layer_activation_bytes, loss_chunk_rows,
-                                 predict, simulate)
+from trainer.plan.search import model_shape
+from trainer.config.compose import compose_config
+from trainer.plan.ledger import GB, ModelShape, Setup, comm_bytes, layer_activation_bytes, loss_chunk_rows, predict, simulate
 
 BIN = Path(sys.executable).parent
 SHAPE = ModelShape(layers=4, dim=256, ffn=1024, heads=4, vocab=5000, learned_positions=128, tied=True,
@@ -36,7 +35,7 @@ def plan_json(capsys, *argv):
 
 
 def cfg_of(*flags):
-    from trainer.flags import build_parser, parse_flags
+    from trainer.config.flags import build_parser, parse_flags
     _, settings, overrides = parse_flags(build_parser(), list(flags))
     return compose_config(settings, overrides)
 
@@ -84,25 +83,6 @@ def test_ddp_keeps_gradients_twice():
         round((4 * big.params + tied_grad) / GB, 3), abs=0.002)
     untied = replace(big, tied=False)
     assert predict(untied, ddp).components["gradients"] == pytest.approx(round(8 * untied.params / GB, 3), abs=0.002)
-
-
-def test_glibc_heap_slack_arithmetic():
-    """Unsharded CPU ranks under --host-allocator glibc: one FFN activation per layer (one
-    more residual block per layer with dropout) that forward cannot refit; one rank's later
-    micro-batches take fresh pages for 3/4 of their activations; FSDP ranks, GPUs and the
-    caching allocator have none."""
-    one = replace(SETUP, backend="pytorch_ddp", shard=1, world=1, ranks_per_host=1, host_allocator="glibc")
-    n, L = one.sequences * one.seq_len, SHAPE.layers
-    fwd = simulate(SHAPE, one)[0].most["heap_slack"]
-    assert fwd == L * n * 4 * SHAPE.ffn
-    dropped = replace(SHAPE, dropout=0.1)
-    assert simulate(dropped, one)[0].most["heap_slack"] == L * n * 4 * (SHAPE.ffn + 2 * SHAPE.dim)
-    act = layer_activation_bytes(SHAPE, one)
-    assert simulate(SHAPE, replace(one, update_freq=2))[0].most["heap_slack"] == L * 0.75 * act
-    # DDP's buckets keep the gradients out of the freed pages: the first-micro-batch rule holds
-    assert simulate(SHAPE, replace(one, world=2, update_freq=2))[0].most["heap_slack"] == fwd
-    for other in (SETUP, replace(one, device="cuda"), replace(one, host_allocator="caching")):
-        assert simulate(SHAPE, other)[0].most.get("heap_slack", 0) == 0
 
 
 def test_loss_arithmetic():
@@ -256,22 +236,6 @@ def test_plan_json_and_text(capsys):
     assert "gathered layers" in text and "recommended:" in text and "all-gather" in text
 
 
-def test_plan_says_when_glibc_heap_holds_more_than_the_ledger(capsys):
-    """Unsharded CPU runs under --host-allocator glibc keep glibc's heap, whose freed pages
-    the ledger does not count: plan says so, and how to make the peak the ledger's; the
-    caching allocator (the default), FSDP and GPU runs have no caveat."""
-    argv = ["--task", "dummy_lm", "--dict-size", "1000", "--arch", "transformer_lm_gpt2_tiny", "--batch-size", "4",
-            "--tokens-per-sample", "64"]
-    glibc = argv + ["--host-allocator", "glibc"]
-    assert "--host-allocator caching" in plan_json(capsys, *glibc, "--cpu")["caveat"]
-    assert cli.plan_main(glibc + ["--cpu"]) == 0
-    assert "note: without FSDP on a CPU" in capsys.readouterr().out
-    assert plan_json(capsys, *glibc, "--cpu", "--distributed-world-size", "2")["caveat"]  # DDP keeps the heap too
-    assert plan_json(capsys, *glibc, "--cpu", "--ddp-backend", "fully_sharded")["caveat"] is None
-    assert plan_json(capsys, *argv, "--cpu")["caveat"] is None
-    assert plan_json(capsys, *glibc, "--device-memory-gb", "80")["caveat"] is None  # planned for GPUs
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--device-memory-gb", "-1"], "must be a positive number"),
     (["--format", "yaml"], "invalid choice"),
@@ -313,7 +277,7 @@ def test_train_auto_tune_picks_what_fits_and_trains_with_it(tmp_path, capsys):
 
 
 def test_prediction_matches_a_measured_run(tmp_path, capsys):
-    """Predicted vs measured peak resident memory per rank (the bench does 8 more
+    """Predicted vs measured peak resident memory per rank (bench/bench_plan.py does more
     configurations): 2 FSDP ranks with checkpointing, activations larger than the model."""
     model = ["--task", "dummy_lm", "--dict-size", "8192", "--tokens-per-sample", "256", "--batch-size", "16",
              "--decoder-layers", "4", "--decoder-embed-dim", "384", "--decoder-ffn-embed-dim", "1536",
@@ -345,7 +309,7 @@ def test_deferred_gradient_sync_keeps_every_unsharded_gradient():
 def test_runtime_of_spawned_ranks_and_of_a_process_of_its_own():
     """Local ranks are forked by the launcher and start smaller than a process that imports
     torch itself (one rank, or --distributed-no-spawn)."""
-    from trainer.auto_tune import setup_of
+    from trainer.plan.search import setup_of
     assert setup_of(cfg_of("--distributed-world-size", "2", "--batch-size", "4"), "cpu", 2).spawned
     assert not setup_of(cfg_of("--batch-size", "4"), "cpu", 1).spawned
     assert not setup_of(cfg_of("--distributed-world-size", "2", "--distributed-no-spawn", "--distributed-init-method", "tcp://127.0.0.1:29500", "--batch-size", "4"), "cpu", 2).spawned
@@ -364,7 +328,7 @@ def test_cpu_attention_backward_holds_what_plan_counts(monkeypatch, scores_bytes
     from torch.utils._pytree import tree_leaves
 
     import models.cpu_attention as cpu_attention
-    import trainer.memory_plan as memory_plan
+    import trainer.plan.ledger as memory_plan
     assert memory_plan.ATTENTION_SCORES_BYTES == cpu_attention.SCORES_BYTES
     if scores_bytes:
         monkeypatch.setattr(cpu_attention, "SCORES_BYTES", scores_bytes)

@@ -66,7 +66,7 @@ def test_a_second_sigterm_a_second_later_kills_at_once(tmp_path):
     means no patience is left: the rank dies the default way instead of finishing its
     update and saving. The update here is 3,000 micro-batches long, so the rank is still
     inside it when the second signal comes."""
-    from trainer.preemption import SAME_SIGNAL_S
+    from trainer.train.preemption import SAME_SIGNAL_S
 
     argv = [a for a in DUMMY if a != "--no-save"] + ["--batch-size", "4", "--dataset-size", "100000",
                                                    "--update-freq", "3000", "--save-dir", str(tmp_path / "ckpt")]

@@ -55,7 +55,7 @@ def poison(kind, trained, where, marker):
     """A copy of the checkpoint (or export) with one file replaced by a crafted one."""
     import torch
 
-    from trainer.checkpoint_files import read_metadata
+    from trainer.checkpoint.files import read_metadata
     src = trained / ("export" if kind == "export" else "ck/checkpoint_last")
     shutil.copytree(src, where)
     evil = RunsCommand(f"touch {marker}")

@@ -90,7 +90,7 @@ def test_simple_format_and_log_file(tmp_path):
 def test_presets_build_on_meta_device():
     from models.config import PRESETS
     from models.transformer_lm import build_model, num_parameters
-    from trainer.compose import compose_config
+    from trainer.config.compose import compose_config
     for name in PRESETS:
         cfg = compose_config([("model._name", name)], [])
         model = build_model(cfg.model, 50264, 2048, device="meta")

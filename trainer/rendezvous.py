@@ -7,16 +7,14 @@ One code path, four ways in (fairseq's `infer_init_method`):
 4. `--distributed-init-method tcp://host:port` with `--distributed-rank` is explicit.
 
 Nothing here imports torch: a launcher that spawns local ranks never needs it (they are
-forked from a server that has imported it, trainer/local_ranks.py), and what the ranks
-inherit from the launcher's environment is set here, before any rank or torch exists.
+forked from a server that has imported it, trainer/launch/local_ranks.py).
 """
 import os
 import socket
 import subprocess
 from dataclasses import dataclass
 
-from trainer.config import SHARDED_BACKENDS
-from trainer.flags import UsageError
+from trainer.errors import UsageError
 
 
 @dataclass
@@ -97,26 +95,6 @@ def first_host(nodelist):
 def _tasks_per_node(env, ntasks, nnodes):
     per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # "2(x3)" → 2
     return int(per_node) if per_node.isdigit() else max(ntasks // max(nnodes, 1), 1)
-
-
-def huge_pages_for_large_tensors(cfg):
-    """Under FSDP with --host-allocator glibc (the caching allocator maps its own blocks,
-    and after the first update faults none in), have torch's CPU allocator back tensors of
-    2 MiB and more with transparent huge pages (its THP_MEM_ALLOC_ENABLE: 2 MiB alignment
-    and madvise(MADV_HUGEPAGE)); a user's own setting of the variable wins.
-
-    FSDP on a CPU allocates and frees every gathered layer, its gradients and the
-    activations as fresh mmap'd pages (`return_large_frees_to_os` in trainer/distributed.py),
-    faulted in 4 KiB at a time. Measured on bench_fsdp's 2 ranks, 5 updates: 8.8 M page
-    faults and 23–26 s of system time without, 1.6 M and 16–19 s with, at the same peak memory (1.549 GB). In
-    tokens/s the gain is within this machine's noise: 76 → 83/86 in one interleaved A/B,
-    74/67 → 71/69 in another, with DDP at 78–90. DDP has few fresh pages to fault (86
-    against 88 tokens/s) and grows 3 %, so it keeps the default. torch reads the variable
-    once, at its first CPU allocation: this runs in the launcher, before any rank is
-    spawned (they inherit it) or, for a rank started on its own, builds anything.
-    """
-    if cfg.distributed_training.ddp_backend in SHARDED_BACKENDS and cfg.common.host_allocator == "glibc":
-        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def free_port():

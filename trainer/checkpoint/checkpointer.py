@@ -1,0 +1,383 @@
+"""Save and restore everything a run needs to continue exactly where it stopped.
+
+Tensors (model parameters and optimizer state) go through torch.distributed.checkpoint:
+every rank writes its own shards in parallel and nobody gathers the model, and a
+checkpoint loads into any number of ranks and any backend, because DCP records each
+tensor's global shape and every rank reads just the slices it holds. Only tensors are
+saved there (the optimizer's hyper-parameters come from the config), so loading never
+unpickles anything; the rest is JSON: `trainer_state.json` (updates, data position,
+loss scale, meters, best metric) and one `rng/rank{r}.json` per rank.
+fairseq's semantics: `trainer/checkpoint/files.py` names, publishes and prunes.
+"""
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from trainer.checkpoint import files
+from trainer.config.flags import flag_name, iter_fields
+from trainer.errors import RankStopped, UsageError
+from trainer.parallel.ranks import all_reduce_sum
+
+log = logging.getLogger("shardlm")
+FORMAT_VERSION = 1
+# One process without a process group is a normal way to save and load here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class NoBytesLoadPlanner:
+    """Loads tensors only: a checkpoint whose DCP files hold pickled objects is refused."""
+
+    def __new__(cls):
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+
+        class _Planner(DefaultLoadPlanner):
+            def load_bytes(self, read_item, value):
+                raise UsageError(f"checkpoint entry {read_item.dest_index.fqn} is a pickled object; "
+                                 "shardlm only loads tensors and JSON")
+        return _Planner()
+
+
+def tensor_state(model, optimizer, with_optimizer=True):
+    """{"model": …, "optim": …} as DCP saves it: sharded DTensors under FSDP, whole tensors
+    otherwise; names without wrapper prefixes, so every backend reads every other's."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    if with_optimizer and optimizer is not None:
+        # Only the per-parameter tensors: lr, betas, … come from the config on resume.
+        state["optim"] = get_optimizer_state_dict(model, optimizer)["state"]
+    return state
+
+
+# The options that decide which parameters a model has and their shapes, in the order a
+# mismatch is best explained by.
+SHAPE_OPTIONS = ("model.decoder_embed_dim", "model.decoder_ffn_embed_dim", "model.decoder_layers",
+                 "model.share_decoder_input_output_embed", "model.decoder_learned_pos",
+                 "model.no_token_positional_embeddings", "model.layernorm_embedding", "model.no_decoder_final_norm",
+                 "model.max_target_positions", "task.tokens_per_sample", "task.dict_size", "task.data")
+
+
+def shape_option_difference(path, cfg):
+    """'--decoder-embed-dim 128 in the checkpoint, 64 here' for the first model option
+    that differs from the checkpoint's config.yaml; '' when none does or it cannot be read."""
+
+    try:
+        saved = OmegaConf.load(Path(path) / "config.yaml")
+    except Exception:  # an old or hand-made checkpoint: the parameter names will do
+        return ""
+    flags = {f"{group}.{f.name}": flag_name(f) for group, f in iter_fields()}
+    for key in SHAPE_OPTIONS:
+        there, here = OmegaConf.select(saved, key), OmegaConf.select(cfg, key)
+        if there != here:
+            flag = "DATA" if key == "task.data" else flags.get(key, key)
+            return f"{flag} {there} in the checkpoint, {here} here"
+    return ""
+
+
+def check_shapes(path, model_state, cfg=None):
+    """Refuse a checkpoint of another model in one line naming the first difference."""
+    saved = files.tensor_specs(path)
+    fix = "pass the model flags it was trained with, or another --save-dir"
+
+    def refuse(what):
+        option = shape_option_difference(path, cfg) if cfg is not None else ""
+        return UsageError(f"checkpoint {path} holds a different model: " + (f"{option} ({what})" if option else what)
+                          + f"; {fix}")
+    for name, tensor in model_state.items():
+        if name not in saved:
+            raise refuse(f"it has no parameter {name}")
+        shape = tuple(tensor.shape)
+        if saved[name][0] != shape:
+            raise refuse(f"{name} is {list(saved[name][0])} there and {list(shape)} here")
+    extra = sorted(set(saved) - set(model_state))
+    if extra:
+        raise refuse(f"it has parameter {extra[0]}, which this model lacks")
+
+
+def check_optimizer_state(path, optim_state):
+    """Refuse optimizer state the checkpoint does not have (another --optimizer) in one line."""
+    saved = set(files.read_metadata(path).state_dict_metadata)
+    for fqn, entries in optim_state.items():
+        for key in entries:
+            if f"optim.{fqn}.{key}" not in saved:
+                raise UsageError(f"checkpoint {path} has no optimizer state {key!r} for {fqn} (saved with another "
+                                 "--optimizer?); pass --reset-optimizer to start the optimizer afresh")
+
+
+def load_tensors(path, state):
+    """Fill `state`'s tensors in place from checkpoint `path` (any world size, any backend)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        dcp.load(state, storage_reader=files.safe_reader(path), planner=NoBytesLoadPlanner())
+    except UsageError:
+        raise
+    except (Exception, CheckpointException) as e:  # a truncated or damaged shard: DCP's error is pages long
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        why = (lines[-1] if lines else type(e).__name__).split(". ")[0][:200]
+        raise UsageError(f"checkpoint {path} could not be read ({why}); pass another --restore-file "
+                         "(an older checkpoint_N_M) or move this one away") from None
+
+
+def rng_state():
+    py = random.getstate()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": [py[0], list(py[1]), py[2]], "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+             "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state):
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def write_json(path, obj):
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def read_trainer_state(path):
+    state = json.loads((Path(path) / files.STATE_FILE).read_text())
+    if state.get("format") != FORMAT_VERSION:
+        raise UsageError(f"checkpoint {path} has format {state.get('format')}, this shardlm reads "
+                         f"{FORMAT_VERSION}; use the shardlm version that wrote it")
+    return state
+
+
+class Checkpointer:
+    """When to save, under which names, and how a run restores itself (fairseq's
+    checkpoint_utils.save_checkpoint / load_checkpoint)."""
+
+    def __init__(self, cfg, env, trainer, task):
+        self.cfg, self.c, self.env, self.trainer, self.task = cfg, cfg.checkpoint, env, trainer, task
+        self.save_dir = Path(self.c.save_dir)
+        self.best = None  # best value of --best-checkpoint-metric so far
+        self.pending = None  # an asynchronous save in flight: (future, tmp, names, num_updates)
+        self.group = None
+        if self.c.save_async and dist.is_initialized() and not self.c.no_save:
+            # The background write runs its own collectives: a separate group keeps them
+            # from interleaving with training's.
+            self.group = dist.new_group(backend="gloo")
+
+    # ---------------------------------------------------------------- save
+    def names(self, epoch, end_of_epoch, valid_metric):
+        """Which checkpoints this save writes, fairseq's conditions; the first is written,
+        the others are hard links to it."""
+        c, n = self.c, self.trainer.num_updates
+        names = []
+        if end_of_epoch and not c.no_epoch_checkpoints and epoch % c.save_interval == 0:
+            names.append(f"checkpoint{epoch}")
+        if not end_of_epoch and c.save_interval_updates > 0 and n % c.save_interval_updates == 0:
+            names.append(f"checkpoint_{epoch}_{n}")
+        if valid_metric is not None:
+            better = max if c.maximize_best_checkpoint_metric else min
+            prev = self.best
+            self.best = valid_metric if prev is None else better(valid_metric, prev)
+            if prev is None or self.best == valid_metric:
+                names.append("checkpoint_best")
+                if c.keep_best_checkpoints > 0:
+                    names.append(f"checkpoint.best_{c.best_checkpoint_metric}_{valid_metric:.3f}")
+        if not c.no_last_checkpoints:
+            names.append("checkpoint_last")
+        return names
+
+    def save(self, epoch, end_of_epoch, valid_metric, loop):
+        names = self.names(epoch, end_of_epoch, valid_metric)
+        if self.c.no_save or not names:
+            return
+        self.finish_pending()
+        import torch.distributed.checkpoint as dcp
+
+        tmp = files.temporary_dir(self.save_dir, names[0])
+        failed = None
+        if self.env.is_master:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving
+            failed = files.write_failure(lambda: (tmp / "rng").mkdir(parents=True), self.save_dir)
+        self.agree_saved(failed, tmp, names[0])
+        with_optim = not self.c.no_save_optimizer_state
+        state = tensor_state(self.trainer.model, self.trainer.optimizer, with_optim)
+        rng_file = tmp / "rng" / f"rank{self.env.rank}.json"
+        failed = files.write_failure(lambda: write_json(rng_file, rng_state()), self.save_dir)
+        if self.env.is_master and failed is None:
+            def small_files():
+                self.write_small_files(tmp, epoch, end_of_epoch, loop, with_optim)
+            failed = files.write_failure(small_files, self.save_dir)
+        self.agree_saved(failed, tmp, names[0])
+        writer = dcp.FileSystemWriter(os.fspath(tmp))
+        if self.c.save_async:
+            future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            self.pending = (future, tmp, names, self.trainer.num_updates)
+            return
+        failed = files.write_failure(lambda: dcp.save(state, storage_writer=writer), self.save_dir)
+        self.agree_saved(failed, tmp, names[0], agreed=True)
+        # DCP's coordinator (rank 0) writes .metadata only after every rank has written
+        # its shards, so rank 0 may publish as soon as save returns.
+        self.publish(tmp, names, self.trainer.num_updates)
+
+    def agree_saved(self, failed, tmp, name, agreed=False):
+        """Stop every rank together when a write failed on any (a full disk, a read-only
+        one): the half-written directory goes, the previous checkpoints stay as they were.
+        `agreed`: DCP has already told every rank about any rank's failure."""
+        if not agreed:
+            (count,) = all_reduce_sum([0.0 if failed is None else 1.0], self.env)
+            if count == 0:
+                return
+        elif failed is None:
+            return
+        if self.env.is_master:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if failed is None or not self.env.is_master:
+            raise RankStopped(f"another rank could not write {name}; see rank 0's error")
+        last = files.resolve(self.save_dir / "checkpoint_last")
+        kept = f"{last.name} still holds update {read_trainer_state(last)['num_updates']}" if last else "nothing saved"
+        raise UsageError(f"could not save {name} in {self.save_dir}: {failed}; {kept}; free space or point "
+                         "--save-dir elsewhere")
+
+    def write_small_files(self, tmp, epoch, end_of_epoch, loop, with_optim):
+        itr, d = loop.itr, self.cfg.dataset
+        scaler = self.trainer.scaler
+        write_json(tmp / files.STATE_FILE, {
+            "format": FORMAT_VERSION, "num_updates": self.trainer.num_updates,
+            "lr_updates_offset": self.trainer.lr_updates_offset,
+            "iterator": {**itr.state_dict(), "world_size": self.env.world_size, "batch_size": d.batch_size,
+                         "max_tokens": d.max_tokens},
+            "best": self.best, "best_valid_loss": _finite_or_none(loop.best_valid_loss),
+            "meters": loop.epoch_meters.state_dict(), "has_optimizer": with_optim,
+            "scaler": scaler.state_dict() if scaler is not None and with_optim else None,
+            "ddp_backend": self.cfg.distributed_training.ddp_backend, "lr": self.trainer.lr,
+            "torch": torch.__version__})
+        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
+        data_dir = getattr(self.task, "data_dir", None)
+        for name in ("tokenizer.model", "dict.txt", "metadata.json"):
+            if data_dir is not None and (Path(data_dir) / name).is_file():
+                shutil.copyfile(Path(data_dir) / name, tmp / name)
+
+    def publish(self, tmp, names, num_updates):
+        if self.env.is_master:
+            files.publish(tmp, self.save_dir / names[0])
+            for name in names[1:]:
+                files.link_copy(self.save_dir / names[0], self.save_dir / name)
+            removed = files.prune(self.save_dir, self.c)
+            log.info(f"Saved checkpoint {self.save_dir / names[0]} ({num_updates} updates"
+                     + (f", also as {', '.join(names[1:])}" if names[1:] else "")
+                     + (f"; removed {', '.join(removed)}" if removed else "") + ")")
+
+    def poll(self):
+        """Publish an asynchronous save once its write has finished (rank 0 only needs to)."""
+        if self.pending is not None and self.pending[0].done():
+            self.finish_pending()
+
+    def finish_pending(self):
+        if self.pending is None:
+            return
+        future, tmp, names, num_updates = self.pending
+        self.pending = None
+        # rank 0's completes after every rank has written (DCP's finish step)
+        self.agree_saved(files.write_failure(future.result, self.save_dir), tmp, names[0], agreed=True)
+        self.publish(tmp, names, num_updates)
+
+    def barrier(self):
+        if self.env.world_size > 1:
+            dist.barrier()
+
+    # ------------------------------------------------------------- restore
+    def restore_path(self):
+        """What to resume from: --restore-file (default checkpoint_last in --save-dir), else
+        --finetune-from-model, else nothing. Returns (path, finetune)."""
+        c = self.c
+        restore = Path(c.restore_file)
+        default = c.restore_file in ("checkpoint_last", "checkpoint_last.pt")
+        if not restore.is_absolute() and not restore.exists():
+            restore = self.save_dir / restore
+        found = files.resolve(restore)
+        if found is not None:
+            return found, False
+        if not default:
+            raise UsageError(f"--restore-file {c.restore_file} is not a checkpoint (looked for {restore}); "
+                             f"pass a checkpoint directory from --save-dir")
+        if c.finetune_from_model:
+            found = files.resolve(c.finetune_from_model)
+            if found is None:
+                raise UsageError(f"--finetune-from-model {c.finetune_from_model} is not a checkpoint directory")
+            return found, True
+        return None, False
+
+    def restore(self, loop):
+        """Load the checkpoint to resume from, if any; returns its path or None."""
+        path, finetune = self.restore_path()
+        if path is None:
+            return None
+        c, trainer = self.c, self.trainer
+        saved = read_trainer_state(path)
+        with_optim = not (finetune or c.reset_optimizer) and saved.get("has_optimizer")
+        state = tensor_state(trainer.model, trainer.optimizer, with_optim)
+        check_shapes(path, state["model"], self.cfg)
+        if with_optim:
+            check_optimizer_state(path, state["optim"])
+        load_tensors(path, state)
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(trainer.model, state["model"])
+        if with_optim:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+            groups = get_optimizer_state_dict(trainer.model, trainer.optimizer)["param_groups"]
+            set_optimizer_state_dict(trainer.model, trainer.optimizer, {"state": state["optim"], "param_groups": groups})
+            if trainer.scaler is not None and saved.get("scaler"):
+                trainer.scaler.load_state_dict(saved["scaler"])
+        if finetune:
+            log.info(f"fine-tuning from {path}: weights only; optimizer, lr schedule, data position and meters start fresh")
+            return path
+        trainer.num_updates = saved["num_updates"]
+        trainer.lr_updates_offset = saved["num_updates"] if c.reset_lr_scheduler else saved.get("lr_updates_offset", 0)
+        trainer.lr = trainer.schedule.apply(trainer.optimizer, trainer.num_updates - trainer.lr_updates_offset)
+        self.best = saved.get("best")
+        if saved.get("best_valid_loss") is not None:
+            loop.best_valid_loss = saved["best_valid_loss"]
+        if not c.reset_dataloader:
+            loop.itr.load_state_dict(self.convert_position(saved["iterator"]))
+        if not c.reset_meters and not c.reset_dataloader:
+            loop.epoch_meters.load_state_dict(saved["meters"])
+        rng = path / "rng" / f"rank{self.env.rank}.json"
+        if rng.is_file():
+            set_rng_state(json.loads(rng.read_text()))
+        log.info(f"loaded checkpoint {path} (epoch {loop.itr.epoch} @ {trainer.num_updates} updates"
+                 + ("" if with_optim else ", optimizer reset") + ")")
+        return path
+
+    def convert_position(self, it):
+        """The saved data position in this run's batches: the same sequences consumed
+        when the world size or per-rank batch changes but the global batch does not."""
+        d = self.cfg.dataset
+        old = it["world_size"] * (it.get("batch_size") or 0)
+        new = self.env.world_size * (d.batch_size or 0)
+        if old == new or it["iterations_in_epoch"] == 0:
+            return it
+        consumed = it["iterations_in_epoch"] * old
+        if not old or not new or consumed % new:
+            log.warning(f"the checkpoint's data position ({it['iterations_in_epoch']} batches of {old} sequences) "
+                        f"is not a whole number of this run's batches of {new}: resuming at the nearest earlier one")
+        return {**it, "iterations_in_epoch": consumed // new if new else 0}
+
+
+def _finite_or_none(x):
+    return x if x is not None and math.isfinite(x) else None

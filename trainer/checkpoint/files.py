@@ -1,0 +1,224 @@
+"""Checkpoint directories on disk: names, atomic publication, retention, safe reading.
+
+A checkpoint is a directory (fairseq's names without `.pt`: `checkpoint_last`,
+`checkpoint3`, `checkpoint_3_1200`, `checkpoint_best`, `checkpoint.best_loss_2.310`)
+holding `torch.distributed.checkpoint` files (one `.distcp` per rank, `.metadata`),
+`trainer_state.json`, `rng/rank{r}.json`, `config.yaml` and the tokenizer.
+
+It is written under `.tmp-<name>` and becomes visible by one rename, after every rank
+has finished writing. A name that already exists is swapped atomically
+(renameat2 RENAME_EXCHANGE) where the filesystem allows it; elsewhere the old
+directory is first renamed to `<name>.old`, which `resolve()` still finds if the
+process dies between the two renames. Further names of the same checkpoint are hard
+links to the same files, so a save costs one write whatever the number of names.
+"""
+import ctypes
+import errno
+import io
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+from trainer.errors import UsageError
+
+TMP_PREFIX = ".tmp-"
+STATE_FILE = "trainer_state.json"
+UPDATE_CKPT = re.compile(r"^checkpoint_(\d+)_(\d+)$")
+EPOCH_CKPT = re.compile(r"^checkpoint(\d+)$")
+BEST_CKPT = re.compile(r"^checkpoint\.best_(\w+)_(-?[\d.]+|inf|nan)$")
+LOW_SPACE = 64 << 20  # a write that failed with less than this free ran out of space
+
+
+def is_checkpoint(path):
+    path = Path(path)
+    return (path / STATE_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def resolve(path):
+    """The checkpoint directory at `path` (fairseq's `.pt` suffix tolerated), or None."""
+    path = Path(path)
+    if path.suffix == ".pt":
+        path = path.with_suffix("")
+    for candidate in (path, path.with_name(path.name + ".old")):
+        if is_checkpoint(candidate):
+            return candidate
+    return None
+
+
+def temporary_dir(save_dir, name):
+    return Path(save_dir) / f"{TMP_PREFIX}{name}"
+
+
+def _rename_exchange(src, dst):
+    """Atomically swap two existing paths; False where the OS or filesystem cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    if renameat2(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), RENAME_EXCHANGE) == 0:
+        return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(ctypes.get_errno(), f"cannot replace {dst}: {os.strerror(ctypes.get_errno())}")
+
+
+def publish(tmp, final):
+    """Make the complete directory `tmp` visible as `final`, replacing what was there."""
+    tmp, final = Path(tmp), Path(final)
+    _fsync_dir(tmp)
+    if not final.exists():
+        os.rename(tmp, final)
+    elif _rename_exchange(tmp, final):
+        shutil.rmtree(tmp)  # now holds the previous checkpoint
+    else:
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    _fsync_dir(final.parent)
+
+
+def link_copy(src, final):
+    """Publish a second name for checkpoint `src`: hard links (a copy where links fail)."""
+    src, final = Path(src), Path(final)
+    tmp = temporary_dir(final.parent, final.name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    for path in sorted(src.rglob("*")):
+        target = tmp / path.relative_to(src)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:
+            shutil.copy2(path, target)
+    publish(tmp, final)
+
+
+def remove_unfinished_saves(save_dir):
+    """Delete the `.tmp-*` directories of saves that never finished (the process died);
+    published checkpoints are never touched. Only safe while this run holds the save
+    directory's lock. Returns the names removed."""
+    leftovers = sorted(p for p in Path(save_dir).glob(f"{TMP_PREFIX}*") if p.is_dir())
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    return [p.name for p in leftovers]
+
+
+def write_failure(write, save_dir):
+    """Run `write`; the reason it could not write (one line, e.g. "No space left on device"), else None."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        write()
+    except OSError as e:
+        return e.strerror or str(e)
+    except (RuntimeError, CheckpointException) as e:  # DCP gathers every rank's failure
+        text = str(e)
+        for reason in ("No space left on device", "Read-only file system", "Permission denied",
+                       "Disk quota exceeded", "Input/output error"):
+            if reason in text:
+                return reason
+        # torch.save's zip writer loses ENOSPC's errno ("[enforce fail at inline_container.cc:672]
+        # unexpected pos 704 vs 598"): ask the disk.
+        free = shutil.disk_usage(save_dir).free
+        if "inline_container" in text and free < LOW_SPACE:
+            return f"No space left on device ({free >> 10} KiB free)"
+        raise
+    return None
+
+
+def _fsync_dir(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def prune(save_dir, c):
+    """fairseq's retention: the newest --keep-interval-updates update checkpoints, the
+    newest --keep-last-epochs epoch checkpoints, the best --keep-best-checkpoints."""
+    save_dir = Path(save_dir)
+    names = [p.name for p in save_dir.iterdir() if p.is_dir()]
+    doomed = []
+    if c.keep_interval_updates >= 0:
+        updates = sorted((int(m.group(2)), n) for n in names if (m := UPDATE_CKPT.match(n)))
+        doomed += [n for _, n in updates[:max(len(updates) - c.keep_interval_updates, 0)]]
+    if c.keep_last_epochs >= 0:
+        epochs = sorted((int(m.group(1)), n) for n in names if (m := EPOCH_CKPT.match(n)))
+        doomed += [n for _, n in epochs[:max(len(epochs) - c.keep_last_epochs, 0)]]
+    if c.keep_best_checkpoints >= 0:
+        best = sorted((float(m.group(2)), n) for n in names if (m := BEST_CKPT.match(n)))
+        if not c.maximize_best_checkpoint_metric:
+            best.reverse()  # worst first
+        doomed += [n for _, n in best[:max(len(best) - c.keep_best_checkpoints, 0)]]
+    for name in doomed:
+        shutil.rmtree(save_dir / name, ignore_errors=True)
+    return doomed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle; only its own metadata classes, torch sizes and
+    dtypes may come out of it, so a checkpoint cannot run code when it is read."""
+
+    TORCH_NAMES = {"Size", "device", "layout", "memory_format", "strided", "sparse_coo", "contiguous_format",
+                   "preserve_format", "channels_last"}
+
+    def find_class(self, module, name):
+        import torch
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) == ("collections", "OrderedDict"):
+            return super().find_class(module, name)
+        if module == "torch" and (name in self.TORCH_NAMES or isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        if (module, name) in (("torch.serialization", "_get_layout"),  # a layout by its name
+                              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")):  # the checkpoint's id
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+
+
+def read_metadata(path):
+    """The DCP metadata of checkpoint `path`, read without running arbitrary code."""
+    with open(Path(path) / ".metadata", "rb") as f:
+        data = f.read()
+    try:
+        return _MetadataUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+        raise UsageError(f"{path}/.metadata is not a readable checkpoint index ({e}); "
+                         "pass another checkpoint") from None
+
+
+def safe_reader(path):
+    """A DCP FileSystemReader whose metadata goes through the restricted unpickler."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = read_metadata(self.path)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(os.fspath(path))
+
+
+def tensor_specs(path, prefix="model."):
+    """{name: (shape, dtype)} of the tensors under `prefix` in checkpoint `path`, from its metadata."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = read_metadata(path)
+    return {k[len(prefix):]: (tuple(v.size), v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+            if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}

@@ -1,0 +1,214 @@
+"""The config schema: one dataclass per config group, registered in Hydra's ConfigStore.
+
+Every field is settable three ways — a fairseq flag generated from the field
+(trainer/config/flags.py), a YAML key, a dotted override (trainer/config/compose.py) — so a field is
+the single definition of an option. Field metadata: `help`; `choices`; `flag` when the
+fairseq spelling is not `--field-name`; `alias` for a second spelling.
+Torch-free: `train --help` must answer before torch is imported.
+"""
+from dataclasses import dataclass, field, fields
+from typing import List, Optional
+
+from models.config import PRESETS, TransformerLMConfig
+
+DDP_BACKENDS = ("pytorch_ddp", "c10d", "legacy_ddp", "no_c10d", "fully_sharded", "hybrid_shard")
+SHARDED_BACKENDS = ("fully_sharded", "hybrid_shard")
+# fairseq's second names of two backends: the config keeps what the user wrote, the code
+# reads ddp_backend(cfg).
+BACKEND_ALIASES = {"c10d": "pytorch_ddp", "no_c10d": "legacy_ddp"}
+LOG_FORMATS = ("json", "simple", "tqdm", "none")
+BREAK_MODES = ("none", "complete", "complete_doc", "eos")
+
+
+def _f(default, help, **meta):
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class CommonConfig:
+    log_interval: int = _f(100, "log a train_inner record every N updates")
+    log_format: Optional[str] = _f(None, "log format (default: tqdm on a terminal, else simple)",
+                                   choices=LOG_FORMATS)
+    log_file: Optional[str] = _f(None, "also write the log to this file")
+    no_progress_bar: bool = _f(False, "no progress bar (log format defaults to simple)")
+    tensorboard_logdir: Optional[str] = _f(None, "write scalars for TensorBoard under this directory")
+    seed: int = _f(1, "random seed; the same seed gives the same run")
+    cpu: bool = _f(False, "train on the CPU even when a GPU is present")
+    fp16: bool = _f(False, "fp16 mixed precision with dynamic loss scaling")
+    bf16: bool = _f(False, "bf16 mixed precision (no loss scaling)")
+    fp16_init_scale: float = _f(128.0, "initial fp16 loss scale")
+    fp16_scale_window: Optional[int] = _f(None, "updates without overflow before the loss scale doubles "
+                                          "(default: 2**14 / world size / update freq)")
+    min_loss_scale: float = _f(1e-4, "stop training when the fp16 loss scale falls below this")
+    peak_tflops: Optional[float] = _f(None, "the device's peak TFLOP/s per rank in the training dtype: "
+                                      "log records add mfu = tflops / (peak x ranks)")
+    host_allocator: str = _f("caching", "allocator of tensors in host memory: caching keeps freed pages and "
+                             "serves later tensors of any size from them, as CUDA's allocator does (built on "
+                             "first use with the system's C++ compiler; Linux); glibc: glibc's malloc, tuned "
+                             "per backend", choices=("caching", "glibc"))
+    compile: bool = _f(False, "compile each decoder layer with torch.compile (inductor) before sharding; "
+                       "the first updates are slower while it compiles (on a CPU it needs a C++ compiler)")
+
+
+@dataclass
+class DistributedTrainingConfig:
+    distributed_world_size: int = _f(1, "total number of ranks")
+    distributed_port: int = _f(-1, "port for the rendezvous (-1: a free one locally, derived from "
+                               "SLURM_JOB_ID under SLURM)")
+    distributed_init_method: Optional[str] = _f(None, "rendezvous address, e.g. tcp://host:port "
+                                                "(default: from torchrun or SLURM variables, else local)")
+    distributed_rank: int = _f(0, "rank of the first process started here, with --distributed-init-method")
+    distributed_no_spawn: bool = _f(False, "run one rank in this process (rank --distributed-rank) "
+                                    "instead of spawning --distributed-world-size local ranks")
+    heartbeat_timeout: int = _f(-1, "seconds a collective may wait for the other ranks before the job ends "
+                                "(a dead or hung rank); -1: 30 minutes")
+    shard_group_size: Optional[int] = _f(None, "hybrid_shard: ranks that shard one copy of the model "
+                                         "(default: ranks per node); copies are replicated across groups")
+    defer_grad_sync: bool = _f(False, "with --update-freq: keep gradients unsynchronized until the last "
+                               "micro-batch (FSDP: unsharded, more memory; DDP: no_sync)")
+    ddp_backend: str = _f("pytorch_ddp", "data-parallel backend", choices=DDP_BACKENDS)
+    cpu_offload: bool = _f(False, "FSDP: keep parameter shards and the optimizer step on the CPU")
+    no_reshard_after_forward: bool = _f(False, "FSDP: keep parameters gathered from forward to "
+                                        "backward (ZeRO-2-like: faster, more memory)")
+    fp32_reduce_scatter: bool = _f(False, "FSDP: reduce-scatter gradients in fp32 under --fp16/--bf16")
+    auto_tune: bool = _f(False, "let the memory planner (`plan`) pick the backend, resharding, activation "
+                         "checkpointing, offload and --update-freq that fit --memory-budget-gb; prints the choice")
+    memory_budget_gb: Optional[float] = _f(None, "--auto-tune: memory per rank to plan for (default: the "
+                                           "device's memory; on a CPU the host's, shared by its ranks)")
+
+
+@dataclass
+class DatasetConfig:
+    batch_size: Optional[int] = _f(None, "sequences per batch per rank", alias="--max-sentences")
+    max_tokens: Optional[int] = _f(None, "tokens per batch per rank")
+    train_subset: str = _f("train", "split to train on")
+    valid_subset: str = _f("valid", "split(s) to validate on, comma-separated")
+    batch_size_valid: Optional[int] = _f(None, "validation batch size (default: --batch-size)")
+    max_tokens_valid: Optional[int] = _f(None, "validation max tokens (default: --max-tokens)")
+    validate_interval: int = _f(1, "validate every N epochs")
+    validate_interval_updates: int = _f(0, "also validate every N updates (0: only at epoch ends)")
+    max_valid_steps: Optional[int] = _f(None, "validate on at most N batches", alias="--nval")
+    disable_validation: bool = _f(False, "never validate")
+
+
+@dataclass
+class OptimizationConfig:
+    max_epoch: int = _f(0, "stop after N epochs (0: no limit)")
+    max_update: int = _f(0, "stop after N updates (0: no limit)")
+    lr: float = _f(0.25, "peak learning rate")
+    clip_norm: float = _f(0.0, "clip the global gradient norm to this (0: no clipping; gnorm is logged anyway)")
+    update_freq: int = _f(1, "micro-batches per optimizer update (gradient accumulation)")
+
+
+@dataclass
+class CheckpointConfig:
+    save_dir: str = _f("checkpoints", "directory for config.yaml and checkpoints")
+    restore_file: str = _f("checkpoint_last", "checkpoint to resume from: a name in --save-dir or a path "
+                           "(the default resumes a run re-started with the same command)")
+    finetune_from_model: Optional[str] = _f(None, "start from this checkpoint's weights with a fresh optimizer, "
+                                            "lr schedule, data position and meters (unless --save-dir "
+                                            "already holds checkpoint_last)")
+    reset_optimizer: bool = _f(False, "do not restore the optimizer state (or the fp16 loss scale)")
+    reset_lr_scheduler: bool = _f(False, "do not restore the lr schedule's position: count updates from 0 for it")
+    reset_dataloader: bool = _f(False, "do not restore the data position: start at epoch 1")
+    reset_meters: bool = _f(False, "do not restore the epoch's running meters")
+    save_interval: int = _f(1, "save checkpoint{epoch} every N epochs")
+    save_interval_updates: int = _f(0, "also save checkpoint_{epoch}_{updates} (and validate) every N updates")
+    keep_interval_updates: int = _f(-1, "keep only the last N checkpoint_{epoch}_{updates} (-1: all)")
+    keep_last_epochs: int = _f(-1, "keep only the last N checkpoint{epoch} (-1: all)")
+    keep_best_checkpoints: int = _f(-1, "also keep the best N as checkpoint.best_{metric}_{value} (-1: none)")
+    no_save: bool = _f(False, "write nothing to --save-dir")
+    no_epoch_checkpoints: bool = _f(False, "do not save checkpoint{epoch} at the end of epochs")
+    no_last_checkpoints: bool = _f(False, "do not save checkpoint_last")
+    no_save_optimizer_state: bool = _f(False, "leave the optimizer state out of checkpoints")
+    best_checkpoint_metric: str = _f("loss", "validation metric that picks checkpoint_best (loss or ppl)",
+                                     choices=("loss", "ppl"))
+    maximize_best_checkpoint_metric: bool = _f(False, "a higher --best-checkpoint-metric is better")
+    save_async: bool = _f(False, "write checkpoints in the background while training goes on",
+                          alias="--write-checkpoints-asynchronously")
+
+
+@dataclass
+class TaskConfig:
+    _name: str = _f("language_modeling", "task", flag="--task",
+                    choices=("language_modeling", "dummy_lm"))
+    data: Optional[str] = _f(None, "data directory from `preprocess` or fairseq-preprocess "
+                             "(default: the embedded corpus)", flag="data")
+    tokens_per_sample: int = _f(1024, "tokens per sample (block length)")
+    sample_break_mode: str = _f("none", "how samples are cut from the token stream", choices=BREAK_MODES)
+    dict_size: int = _f(49996, "dummy_lm: vocabulary size")
+    dataset_size: int = _f(100000, "dummy_lm: samples per epoch")
+
+
+@dataclass
+class OptimizerConfig:
+    _name: str = _f("adam", "optimizer (adam's weight decay is decoupled, as in fairseq and AdamW)",
+                    flag="--optimizer", choices=("adam", "adamw", "sgd"))
+    adam_betas: List[float] = _f([0.9, 0.999], "Adam betas, e.g. \"(0.9, 0.98)\"")
+    adam_eps: float = _f(1e-8, "Adam epsilon")
+    weight_decay: float = _f(0.0, "weight decay (never applied to biases, norms and embeddings)")
+    momentum: float = _f(0.0, "SGD momentum")
+
+
+@dataclass
+class LRSchedulerConfig:
+    _name: str = _f("fixed", "learning-rate schedule", flag="--lr-scheduler",
+                    choices=("fixed", "inverse_sqrt", "polynomial_decay", "cosine"))
+    warmup_updates: int = _f(0, "linear warmup over N updates")
+    warmup_init_lr: float = _f(-1.0, "lr at the start of warmup (-1: 0)")
+    end_learning_rate: float = _f(0.0, "polynomial_decay: final lr")
+    power: float = _f(1.0, "polynomial_decay: power")
+    total_num_update: Optional[int] = _f(None, "polynomial_decay: updates to decay over (default: --max-update)")
+    min_lr: float = _f(0.0, "cosine: lr at the end of the cycle")
+    lr_period_updates: int = _f(-1, "cosine: cycle length in updates (-1: --max-update minus warmup)")
+
+
+@dataclass
+class ShardLMConfig:
+    common: CommonConfig = field(default_factory=CommonConfig)
+    distributed_training: DistributedTrainingConfig = field(default_factory=DistributedTrainingConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    optimization: OptimizationConfig = field(default_factory=OptimizationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: TransformerLMConfig = field(default_factory=TransformerLMConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+
+
+GROUPS = {f.name: f.type for f in fields(ShardLMConfig)}
+
+# Groups whose `_name` picks an option that sets several keys at once (fairseq's
+# registries): `model=NAME` / `--arch NAME`, `optimizer=adamw`, … Each option lists
+# only the keys it changes.
+GROUP_OPTIONS = {
+    "model": PRESETS,
+    "task": {"language_modeling": {}, "dummy_lm": {"tokens_per_sample": 512}},
+    "optimizer": {"adam": {}, "adamw": {}, "sgd": {}},
+    "lr_scheduler": {"fixed": {}, "inverse_sqrt": {"warmup_updates": 4000},
+                     "polynomial_decay": {}, "cosine": {}},
+}
+
+
+def ddp_backend(cfg):
+    """--ddp-backend by its first name (c10d is pytorch_ddp, no_c10d legacy_ddp)."""
+    backend = cfg.distributed_training.ddp_backend
+    return BACKEND_ALIASES.get(backend, backend)
+
+
+def uses_fsdp(cfg):
+    """The one test of "is this backend sharded" on a composed config."""
+    return ddp_backend(cfg) in SHARDED_BACKENDS
+
+
+def register_configs():
+    """Put the schema and every group option in Hydra's ConfigStore."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="shardlm_schema", node=ShardLMConfig)
+    for group, options in GROUP_OPTIONS.items():
+        for name, values in options.items():
+            cs.store(group=group, name=name, node={"_name": name, **values})

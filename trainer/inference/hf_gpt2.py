@@ -1,0 +1,165 @@
+"""Our TransformerLM as a HuggingFace GPT-2 (GPT2LMHeadModel): config and tensors.
+
+A pre-LN TransformerLM with a final norm is GPT-2 up to renaming, with three twists:
+- HF's Conv1D stores weights as [in, out], the transpose of our nn.Linear's [out, in];
+- we scale token embeddings by sqrt(d) on input only, so wte = scale·E and, when the
+  output is tied to E, lm_head = E becomes a separate tensor (tie_word_embeddings=False);
+- sinusoidal positions are not parameters here; HF gets them as a fixed wpe table
+  (and zeros when the model has no positions at all, which adds nothing either).
+Every tensor is built alone from our full parameters, so an export streams one at a time.
+"""
+import json
+import math
+import os
+import re
+
+import torch
+
+from models.transformer_lm import sinusoidal_positions
+from trainer.errors import UsageError
+from trainer.inference.safetensors_file import write_safetensors
+
+# F.gelu is the exact erf form: HF's "gelu", not its tanh approximation "gelu_new".
+HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu"}
+
+# transformers checks the "format" metadata of model.safetensors before loading it.
+HF_METADATA = {"format": "pt"}
+
+# HF name inside transformer.h.{i} → (our name inside layers.{i}, stored transposed).
+_LAYER_TENSORS = {
+    "ln_1.weight": ("self_attn_layer_norm.weight", False),
+    "ln_1.bias": ("self_attn_layer_norm.bias", False),
+    "attn.c_attn.weight": ("qkv_proj.weight", True),  # q, k, v blocks of d columns: same split
+    "attn.c_attn.bias": ("qkv_proj.bias", False),
+    "attn.c_proj.weight": ("out_proj.weight", True),
+    "attn.c_proj.bias": ("out_proj.bias", False),
+    "ln_2.weight": ("final_layer_norm.weight", False),
+    "ln_2.bias": ("final_layer_norm.bias", False),
+    "mlp.c_fc.weight": ("fc1.weight", True),
+    "mlp.c_fc.bias": ("fc1.bias", False),
+    "mlp.c_proj.weight": ("fc2.weight", True),
+    "mlp.c_proj.bias": ("fc2.bias", False),
+}
+
+
+def check_hf_compatible(model_cfg):
+    """Raise UsageError naming the first option GPT-2 cannot express."""
+    why = None
+    if not model_cfg.decoder_normalize_before:
+        why = "post-norm layers (decoder_normalize_before=False); GPT-2 normalizes before each sublayer"
+    elif model_cfg.no_decoder_final_norm:
+        why = "no final layer norm (no_decoder_final_norm); GPT-2 always applies ln_f"
+    elif model_cfg.layernorm_embedding:
+        why = "a layer norm after the embeddings (layernorm_embedding); GPT-2 has none"
+    elif model_cfg.activation_fn not in HF_ACTIVATIONS:
+        why = f"activation {model_cfg.activation_fn!r} has no GPT-2 equivalent"
+    elif model_cfg.decoder_embed_dim % model_cfg.decoder_attention_heads:
+        why = "decoder_embed_dim is not a multiple of decoder_attention_heads"
+    if why:
+        raise UsageError(f"cannot export as a HuggingFace GPT-2 model: {why}")
+
+
+def _embed_scale(model_cfg):
+    return 1.0 if model_cfg.no_scale_embedding else math.sqrt(model_cfg.decoder_embed_dim)
+
+
+def _tied(model_cfg):
+    # HF ties lm_head to wte; ours is tied to the unscaled table, so a scale unties it.
+    return model_cfg.share_decoder_input_output_embed and _embed_scale(model_cfg) == 1.0
+
+
+def hf_config(model_cfg, vocab_size, max_positions, bos_token_id=None, eos_token_id=None,
+              pad_token_id=None, dtype=None):
+    """config.json for GPT2LMHeadModel, dropouts off (export is for inference)."""
+    check_hf_compatible(model_cfg)
+    config = {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": vocab_size,
+        "n_positions": max_positions,
+        "n_ctx": max_positions,
+        "n_embd": model_cfg.decoder_embed_dim,
+        "n_layer": model_cfg.decoder_layers,
+        "n_head": model_cfg.decoder_attention_heads,
+        "n_inner": model_cfg.decoder_ffn_embed_dim,
+        "activation_function": HF_ACTIVATIONS[model_cfg.activation_fn],
+        "layer_norm_epsilon": 1e-5,  # nn.LayerNorm's default, which our layers use
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "summary_first_dropout": 0.0,
+        "scale_attn_weights": True,  # 1/sqrt(head_dim), as scaled_dot_product_attention does
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": _tied(model_cfg),
+        "use_cache": True,
+        # Written even when None: GPT2Config would otherwise default both to GPT-2's 50256.
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+    }
+    if pad_token_id is not None:
+        config["pad_token_id"] = pad_token_id
+    if dtype is not None:
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return config
+
+
+def hf_tensor_specs(model_cfg, vocab_size, max_positions, dtype):
+    """[(hf_name, shape, dtype)] in file order, for write_safetensors."""
+    check_hf_compatible(model_cfg)
+    d, ffn = model_cfg.decoder_embed_dim, model_cfg.decoder_ffn_embed_dim
+    shapes = [("transformer.wte.weight", (vocab_size, d)), ("transformer.wpe.weight", (max_positions, d))]
+    layer_shapes = {
+        "ln_1.weight": (d,), "ln_1.bias": (d,),
+        "attn.c_attn.weight": (d, 3 * d), "attn.c_attn.bias": (3 * d,),
+        "attn.c_proj.weight": (d, d), "attn.c_proj.bias": (d,),
+        "ln_2.weight": (d,), "ln_2.bias": (d,),
+        "mlp.c_fc.weight": (d, ffn), "mlp.c_fc.bias": (ffn,),
+        "mlp.c_proj.weight": (ffn, d), "mlp.c_proj.bias": (d,),
+    }
+    for i in range(model_cfg.decoder_layers):
+        shapes += [(f"transformer.h.{i}.{name}", shape) for name, shape in layer_shapes.items()]
+    shapes += [("transformer.ln_f.weight", (d,)), ("transformer.ln_f.bias", (d,))]
+    if not _tied(model_cfg):
+        shapes.append(("lm_head.weight", (vocab_size, d)))
+    return [(name, shape, dtype) for name, shape in shapes]
+
+
+def hf_tensor(hf_name, get_ours, model_cfg, max_positions, dtype=None):
+    """HF tensor `hf_name` built from our parameters; `get_ours(name)` returns one of
+    ours (full, on the CPU) by its TransformerLM name. Cast to `dtype` when given."""
+    d = model_cfg.decoder_embed_dim
+    if hf_name == "transformer.wte.weight":
+        table, scale = get_ours("embed_tokens.weight"), _embed_scale(model_cfg)
+        tensor = table if scale == 1.0 else table.float() * scale  # as TransformerLM.embed does
+    elif hf_name == "transformer.wpe.weight":
+        if model_cfg.no_token_positional_embeddings:
+            tensor = torch.zeros(max_positions, d)
+        elif model_cfg.decoder_learned_pos:
+            tensor = get_ours("embed_positions.weight")
+        else:
+            tensor = sinusoidal_positions(max_positions, d, "cpu", torch.float32)
+    elif hf_name == "lm_head.weight":
+        shared = model_cfg.share_decoder_input_output_embed
+        tensor = get_ours("embed_tokens.weight" if shared else "output_projection.weight")
+    elif hf_name in ("transformer.ln_f.weight", "transformer.ln_f.bias"):
+        tensor = get_ours("layer_norm." + hf_name.rsplit(".", 1)[1])
+    else:
+        match = re.fullmatch(r"transformer\.h\.(\d+)\.(.+)", hf_name)
+        if not match or match[2] not in _LAYER_TENSORS:
+            raise ValueError(f"{hf_name!r} is not a GPT-2 tensor this export writes")
+        ours, transposed = _LAYER_TENSORS[match[2]]
+        tensor = get_ours(f"layers.{match[1]}.{ours}")
+        if transposed:
+            tensor = tensor.t()
+    return tensor.to(dtype or tensor.dtype).contiguous()
+
+
+def write_hf_gpt2(out_dir, get_ours, model_cfg, vocab_size, max_positions, dtype=torch.float32, **token_ids):
+    """A directory GPT2LMHeadModel.from_pretrained loads: config.json + model.safetensors,
+    streamed one tensor at a time. token_ids: bos_token_id, eos_token_id, pad_token_id."""
+    os.makedirs(out_dir, exist_ok=True)
+    specs = hf_tensor_specs(model_cfg, vocab_size, max_positions, dtype)
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), specs,
+                      lambda name: hf_tensor(name, get_ours, model_cfg, max_positions, dtype), HF_METADATA)
+    config = hf_config(model_cfg, vocab_size, max_positions, dtype=dtype, **token_ids)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")

@@ -1,0 +1,142 @@
+"""Start the job's ranks: in this process, or spawned locally (fairseq's call_main).
+
+A rank that fails ends the whole job: the launcher gives the other ranks a moment to
+notice (a collective with a dead peer fails at once) and then kills them, so nobody
+waits in a collective for the timeout. The job says once why it ended: a rank's own
+one-line error, or, for a rank killed by a signal, which rank and by what.
+"""
+import dataclasses
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+
+from trainer.errors import USER_ERRORS, RankStopped, resume_hint, show_traceback
+from trainer.launch.local_ranks import (forward_signals, start_local_ranks, start_rank_server, stop_rank_server,
+                                        traceback_file)
+from trainer.rendezvous import infer_rendezvous
+
+STOPPED = 3  # exit code of a spawned rank that stopped because of another rank
+GRACE_S = 5.0  # how long the other ranks get to end on their own once one has failed
+
+
+def launch(cfg, target=None, prog="train"):
+    """Run `target(cfg, rdv)` (default: training) on every rank of the job."""
+    try:
+        rdv = infer_rendezvous(cfg)  # SLURM's variables and scontrol can be wrong too
+    except USER_ERRORS as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    if rdv.spawn > 1:
+        start_rank_server()
+        try:
+            # Each rank leaves its one-line error here; the launcher prints it once for the job
+            # (every rank usually meets the same bad input, e.g. a missing --restore-file).
+            with tempfile.TemporaryDirectory(prefix="shardlm-rank-errors-") as errors_dir:
+                ranks = start_local_ranks(_spawned_rank, (cfg, rdv, target, prog, errors_dir), rdv.spawn, errors_dir)
+                forward_signals(ranks)
+                return join_ranks(ranks, rdv.rank, prog, resume_hint(cfg, prog), errors_dir)
+        finally:
+            stop_rank_server()
+    return run_rank(cfg, rdv, target, prog)
+
+
+def _spawned_rank(index, cfg, rdv, target, prog, errors_dir):
+    rdv = dataclasses.replace(rdv, rank=rdv.rank + index, local_rank=index, spawn=0)
+    if target is None:
+        from trainer.train.main import run as target  # the rank imports torch; the launcher never does
+    try:
+        code = target(cfg, rdv)
+    except RankStopped:
+        # The launcher reports the rank that caused it. This rank's cleanup (finally blocks,
+        # the process group's teardown) has run; finalizing the interpreter would also
+        # destroy collectives still pending on the dead peer, which can abort in C++
+        # ("terminate called without an active exception", seen in CI): leave without it.
+        _exit_at_once(STOPPED)
+    except USER_ERRORS as e:
+        show_traceback()
+        with open(os.path.join(errors_dir, str(rdv.rank)), "w", encoding="utf-8") as f:
+            f.write(str(e))
+        code = 1
+    if code:
+        sys.exit(code)
+
+
+def _exit_at_once(code):
+    import logging
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def join_ranks(procs, first_rank, prog, hint, errors_dir):
+    """Wait for the spawned ranks; once one fails, end the others and say why in one line."""
+    from multiprocessing.connection import wait
+
+    waiting = {p.sentinel: i for i, p in enumerate(procs)}
+    ended = []  # ranks in the order their ends were seen: the first to fail is the cause
+    failed = None
+    while waiting and failed is None:
+        for sentinel in wait(list(waiting)):
+            i = waiting.pop(sentinel)
+            procs[i].join()
+            ended.append(i)
+        failed = next((i for i in ended if procs[i].exitcode != 0), None)
+    if failed is None:
+        return 0
+    deadline = time.monotonic() + GRACE_S
+    for i, p in enumerate(procs):
+        p.join(max(deadline - time.monotonic(), 0))
+        if not p.is_alive() and i not in ended:
+            ended.append(i)
+    ended_by_us = {i for i, p in enumerate(procs) if p.is_alive()}
+    for i in ended_by_us:
+        procs[i].kill()
+        procs[i].join()
+    # A survivor may die of a signal too once its peer is gone (gloo can abort it), but
+    # later: the rank named is the one whose death was seen first.
+    killed = [i for i in ended if procs[i].exitcode < 0]
+    if killed:
+        i = killed[0]
+        try:
+            name = signal.Signals(-procs[i].exitcode).name
+        except ValueError:
+            name = f"signal {-procs[i].exitcode}"
+        print(f"{prog}: error: rank {first_rank + i} (pid {procs[i].pid}) was killed by {name}; {hint}",
+              file=sys.stderr)
+    elif os.access(traceback_file(errors_dir, failed), os.R_OK):  # an unexpected exception: its traceback
+        with open(traceback_file(errors_dir, failed), "rb") as f:
+            print(f"{prog}: rank {first_rank + failed} failed:\n{pickle.load(f).strip()}", file=sys.stderr)
+    elif messages := _rank_errors(errors_dir):
+        if len(messages) > 1 and len(set(messages.values())) == 1:  # the same on every rank: say it once
+            print(f"{prog}: error: {next(iter(messages.values()))}", file=sys.stderr)
+        else:
+            rank = min(messages)
+            print(f"{prog}: error: [rank {rank}] {messages[rank]}", file=sys.stderr)
+    elif all(procs[i].exitcode == STOPPED for i in range(len(procs)) if i not in ended_by_us):
+        print(f"{prog}: error: the ranks lost each other; {hint}", file=sys.stderr)
+    return 1
+
+
+def _rank_errors(errors_dir):
+    """rank -> its one-line error, for the spawned ranks that wrote one."""
+    messages = {}
+    for name in filter(str.isdigit, os.listdir(errors_dir)):  # not the tracebacks
+        with open(os.path.join(errors_dir, name), encoding="utf-8") as f:
+            messages[int(name)] = f.read()
+    return messages
+
+
+def run_rank(cfg, rdv, target=None, prog="train"):
+    if target is None:
+        from trainer.train.main import run as target  # the rank imports torch; the launcher never does
+    try:
+        return target(cfg, rdv)
+    except USER_ERRORS as e:
+        show_traceback()
+        where = f"[rank {rdv.rank}] " if rdv.world_size > 1 else ""
+        print(f"{prog}: error: {where}{e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,32 @@
+"""What a failed collective means: another rank died or hangs, said as one line that
+names it, instead of gloo's or NCCL's message deep in a traceback."""
+import re
+
+from trainer.errors import RankStopped, resume_hint
+from trainer.parallel.ranks import collective_timeout
+
+# What gloo says when the other end of a collective died (the kernel closed its sockets)
+# or stopped answering for longer than the collective timeout.
+CLOSED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+TIMED_OUT = ("Timed out", "timed out", "timeout", "Timeout")
+
+
+def peer_lost(error, cfg, env):
+    """A RankStopped naming the lost rank when `error` is a collective failing because
+    another rank died or hangs; None for any other error."""
+    collective_error = isinstance(error, (RuntimeError, OSError)) or \
+        type(error).__name__ == "CheckpointException"  # DCP wraps a failed save or load in it
+    if env.world_size < 2 or not collective_error:
+        return None
+    text, hint = str(error), resume_hint(cfg, "train")
+    peer = f"rank {1 - env.rank}" if env.world_size == 2 else "a peer rank"
+    address = re.search(r"\[([^\]]+)\]:(\d+)", text)
+    at = f" at {address.group(1)}" if address and env.world_size > 2 else ""
+    if any(m in text for m in CLOSED):
+        return RankStopped(f"lost {peer}{at}: its connection closed (the process died or was killed); "
+                           f"{hint}")
+    if any(m in text for m in TIMED_OUT):
+        seconds = collective_timeout(cfg).total_seconds()
+        return RankStopped(f"{peer}{at} did not answer for {seconds:g} s (--heartbeat-timeout): it died or "
+                           f"hangs; {hint}")
+    return None

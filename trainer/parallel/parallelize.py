@@ -1,0 +1,177 @@
+"""The one place that wraps the model for its backend, and says how gradients sync.
+
+FSDP order (torchtitan's): checkpoint each decoder layer → compile it (--compile) →
+`fully_shard` each layer whose parameter count reaches --min-params-to-wrap →
+`fully_shard` the root, which keeps the tied embedding/output projection and the final
+norm in one group. Sharded models are built on the meta device and each rank initializes
+only its shards, to exactly the values one process with the same --seed would have.
+"""
+import functools
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from trainer.config.schema import ddp_backend, uses_fsdp
+from trainer.cpu.gloo_comms import prefetch_in_background, use_gloo_fast_comms
+from trainer.errors import UsageError
+from trainer.parallel.grad_sync import EarlyGather, GradSync
+
+log = logging.getLogger("shardlm")
+
+
+def mixed_precision_dtype(cfg):
+    if cfg.common.bf16:
+        return torch.bfloat16
+    if cfg.common.fp16:
+        return torch.float16
+    return None
+
+
+def apply_activation_checkpointing(model, offload, env):
+    """Recompute each layer in backward (non-reentrant). The layer's own forward is
+    replaced, so FSDP's hooks on the layer still run around it and the state-dict keys
+    stay those of the bare model."""
+    if offload and env.device.type != "cuda":
+        if env.is_master:  # the same on every rank: say it once
+            log.warning("--offload-activations: activations already live in host memory on a CPU-only host; "
+                        "it has no effect here beyond --checkpoint-activations")
+        offload = False
+    for layer in model.layers:
+        inner = layer.forward
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, **kwargs):
+            if offload:
+                with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                    return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+
+
+def compile_layers(model):
+    """`torch.compile` each decoder layer in place (torchtitan's per-block compile): all
+    layers share one class, so one compiled graph serves every layer. `Module.compile`
+    keeps the layer itself in the model, so state-dict keys, and so checkpoints, are those
+    of the bare model: a run may resume with or without --compile. FSDP2's hooks around
+    the layer stay outside the compiled graph (dynamo skips them by default)."""
+    for layer in model.layers:
+        layer.compile()
+
+
+def device_mesh(cfg, env):
+    """1-D mesh for fully_sharded; (replicate, shard) for hybrid_shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    d = cfg.distributed_training
+    if d.ddp_backend != "hybrid_shard":
+        return init_device_mesh(env.device.type, (env.world_size,))
+    shard = d.shard_group_size or env.local_world_size
+    if env.world_size % shard:
+        raise UsageError(f"--shard-group-size {shard} does not divide the world size {env.world_size}")
+    return init_device_mesh(env.device.type, (env.world_size // shard, shard),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def shard_model(model, cfg, env):
+    """FSDP2: one unit per decoder layer (above --min-params-to-wrap), then the root.
+    Returns the model, on CPU ranks the reduce-scatter to wait for (else None), and the
+    EarlyGather of the first units (None on one rank: nothing is gathered)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    d = cfg.distributed_training
+    kwargs = dict(mesh=device_mesh(cfg, env), reshard_after_forward=not d.no_reshard_after_forward)
+    param_dtype = mixed_precision_dtype(cfg)
+    reduce_dtype = None
+    if param_dtype is not None:
+        reduce_dtype = torch.float32 if d.fp32_reduce_scatter else param_dtype
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if d.cpu_offload:
+        # Pinned memory needs an accelerator; without one the policy must not pin.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
+        if env.device.type == "cpu" and env.is_master:
+            log.warning("--cpu-offload: parameters already live in host memory on a CPU-only host; "
+                        "it runs, with no memory effect here")
+    units = [layer for layer in model.layers
+             if sum(p.numel() for p in layer.parameters()) >= cfg.model.min_params_to_wrap]
+    for i, unit in enumerate(units):
+        # The last layer's backward starts right after its forward: resharding it in
+        # between would only all-gather the same parameters again (torchtitan does the same).
+        last = i == len(units) - 1
+        fully_shard(unit, **{**kwargs, "reshard_after_forward": kwargs["reshard_after_forward"] and not last})
+    # The root's own weights (the embeddings and the output projection, tied or not) are not
+    # read in backward: the loss makes their gradient in forward (models/linear_cross_entropy
+    # .py) and an embedding's backward needs only the ids. So the root gives its gathered
+    # weights back after forward and is not gathered for backward (FSDP2's
+    # set_unshard_in_backward): on bench_fsdp's model, 128 MB less per rank through all of
+    # backward. The norms outside the layers do read their weights in backward: each is a
+    # unit of its own, gathered from its forward to its backward (a few KB). Layers left
+    # unwrapped (--min-params-to-wrap) are in the root and need it gathered, as before.
+    norms = []
+    root_free_in_backward = len(units) == len(model.layers)
+    if root_free_in_backward:
+        norms = [m for m in (model.layernorm_embedding, model.layer_norm) if m is not None]
+        for norm in norms:
+            fully_shard(norm, **{**kwargs, "reshard_after_forward": False})
+    # Otherwise the root is used last in forward and first in backward: never resharded in
+    # between, as FSDP2 does for a root by default.
+    fully_shard(model, **{**kwargs, "reshard_after_forward": root_free_in_backward})
+    model.set_unshard_in_backward(not root_free_in_backward)
+    for unit in units + norms + [model]:
+        # Plain sums across ranks: the trainer already divides the loss by the update's
+        # token count over all ranks, so an average would only add a pass over the grads.
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    background = None
+    if env.device.type == "cpu" and env.world_size > 1:
+        can_defer = d.ddp_backend != "hybrid_shard" and reduce_dtype in (None, torch.float32)
+        background = use_gloo_fast_comms(model, units + norms, can_defer)
+        prefetch_in_background(model, units)
+    early = EarlyGather(model, units) if env.world_size > 1 else None
+    return model, background, early
+
+
+@torch.no_grad()
+def materialize_shards(model, cfg, env):
+    """Allocate this rank's shards and give them their single-process initial values:
+    each parameter is built whole, one at a time, and only the local shard is kept."""
+    from torch.distributed.tensor import distribute_tensor
+
+    model.to_empty(device="cpu" if cfg.distributed_training.cpu_offload else env.device)
+    for name, p in model.named_parameters():
+        full = torch.empty(p.shape, dtype=p.dtype, device=env.device)
+        model.init_parameter(name, full, cfg.common.seed)
+        p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
+
+
+def parallelize(model, cfg, env):
+    """Wrap `model` (built on the meta device when sharded) for the configured backend;
+    returns the model to train and its GradSync."""
+    m = cfg.model
+    if m.checkpoint_activations or m.offload_activations:
+        apply_activation_checkpointing(model, m.offload_activations, env)
+    if cfg.common.compile:
+        compile_layers(model)
+        if env.is_master:
+            log.info(f"--compile: {len(model.layers)} decoder layers compiled with torch.compile (inductor); "
+                     "the first updates, and the first validation, include compiling")
+    backend = ddp_backend(cfg)
+    background_reduce = early_gather = None
+    if uses_fsdp(cfg):
+        model, background_reduce, early_gather = shard_model(model, cfg, env)
+        materialize_shards(model, cfg, env)
+    elif env.world_size > 1 and backend == "pytorch_ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+    return model, GradSync(model, cfg, env, background_reduce, early_gather)
+
+
+def sharded_bytes(model):
+    """Bytes of parameters this rank holds (its shards under FSDP)."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total

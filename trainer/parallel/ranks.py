@@ -1,0 +1,80 @@
+"""Where each rank runs once it is started: device, threads, process group. How a process
+finds its job's ranks (the four ways in) is trainer/rendezvous.py's. CUDA + NCCL
+where a GPU exists, CPU + gloo otherwise.
+"""
+import gc
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from trainer.cpu.rank import prepare_cpu_rank
+
+RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    init_method: str = ""
+
+    @property
+    def is_master(self):
+        return self.rank == 0
+
+
+def select_device(cfg, local_rank=0):
+    if torch.cuda.is_available() and not cfg.common.cpu:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_rank(cfg, rdv, needs_process_group):
+    """Join the job as rank `rdv.rank`. One rank joins a (one-rank) group only when its
+    backend needs one: FSDP2 shards on a one-rank mesh with the same code."""
+    device = select_device(cfg, rdv.local_rank)
+    if device.type == "cpu":
+        prepare_cpu_rank(cfg, rdv)
+    env = DistEnv(rdv.rank, rdv.world_size, rdv.local_rank, rdv.local_world_size, device, rdv.init_method)
+    if rdv.world_size > 1 or (needs_process_group and not dist.is_initialized()):
+        if rdv.init_method:
+            # The store keeps the long timeout: ranks of a cluster job start minutes apart,
+            # and only collectives should give up after --heartbeat-timeout.
+            store, _, _ = next(dist.rendezvous(rdv.init_method, rdv.rank, rdv.world_size,
+                                               timeout=RENDEZVOUS_TIMEOUT))
+        else:  # one rank alone: nobody to meet
+            store = dist.HashStore()
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=store,
+                                rank=rdv.rank, world_size=rdv.world_size, timeout=collective_timeout(cfg))
+    return env
+
+
+def collective_timeout(cfg):
+    """How long a collective waits for the other ranks: --heartbeat-timeout seconds, else
+    30 minutes. A rank that died or hangs ends the job after that, not never."""
+    seconds = cfg.distributed_training.heartbeat_timeout
+    return timedelta(seconds=seconds) if seconds > 0 else RENDEZVOUS_TIMEOUT
+
+
+def teardown():
+    if dist.is_available() and dist.is_initialized():
+        # DDP's reducer must go before its process group, or its destructor aborts the
+        # process at exit; the model is unreachable by now but may sit in a cycle.
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values, env):
+    """Sum a list of numbers over ranks (one collective); the identity on one rank."""
+    if env.world_size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    dist.all_reduce(t)
+    return t.tolist()

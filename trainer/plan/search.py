@@ -1,0 +1,154 @@
+"""From a composed config to a memory plan, and the fastest flag set that fits.
+
+`plan` prints what trainer/plan/ledger.py predicts for the config as given and for each
+flag set it would consider; `train --auto-tune` applies the choice. Flag sets are tried
+fastest first: no resharding, resharding, + activation checkpointing, + activation
+offload (GPU), + --cpu-offload (GPU); each at the requested micro-batch, then at
+smaller ones with --update-freq raised so that the global batch stays the same.
+A DDP run keeps DDP when it fits (it communicates least). Torch-free.
+"""
+import os
+from dataclasses import replace
+
+from data.embedded_corpus import prepare_embedded_corpus
+from data.errors import DataError
+from data.tokenizer import load_tokenizer
+from trainer.config.schema import ddp_backend
+from trainer.errors import UsageError
+from trainer.plan.ledger import ModelShape, Setup, predict
+from trainer.rendezvous import infer_rendezvous
+
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2}
+
+
+def vocab_size(cfg):
+    t = cfg.task
+    if t._name == "dummy_lm":
+        return t.dict_size
+    if t.data:
+        if not os.path.isdir(t.data):
+            raise UsageError(f"data directory {t.data} does not exist; pass a directory written by `preprocess`")
+        data_dir = t.data
+    else:
+        data_dir = prepare_embedded_corpus()
+    try:
+        return load_tokenizer(data_dir).vocab_size
+    except DataError as e:
+        raise UsageError(str(e)) from None
+
+
+def model_shape(cfg, vocab):
+    m = cfg.model
+    positions = m.max_target_positions or cfg.task.tokens_per_sample
+    learned = m.decoder_learned_pos and not m.no_token_positional_embeddings
+    final_norm = m.decoder_normalize_before and not m.no_decoder_final_norm
+    return ModelShape(layers=m.decoder_layers, dim=m.decoder_embed_dim, ffn=m.decoder_ffn_embed_dim,
+                      heads=m.decoder_attention_heads, vocab=vocab, learned_positions=positions if learned else 0,
+                      tied=m.share_decoder_input_output_embed,
+                      norms_outside_layers=int(final_norm) + int(m.layernorm_embedding),
+                      activation_fn=m.activation_fn, dropout=m.dropout, attention_dropout=m.attention_dropout,
+                      activation_dropout=m.activation_dropout)
+
+
+def sequences_per_batch(cfg):
+    d, T = cfg.dataset, cfg.task.tokens_per_sample
+    if d.batch_size:
+        return min(d.batch_size, d.max_tokens // T) if d.max_tokens else d.batch_size
+    return max(d.max_tokens // T, 1)
+
+
+def setup_of(cfg, device, ranks_per_host):
+    d, c = cfg.distributed_training, cfg.common
+    world = d.distributed_world_size
+    shard = 1
+    if d.ddp_backend == "fully_sharded":
+        shard = world
+    elif d.ddp_backend == "hybrid_shard":
+        shard = d.shard_group_size or min(ranks_per_host, world)
+    o = cfg.optimizer
+    states = OPTIMIZER_STATES.get(o._name, 1 if o.momentum else 0)
+    return Setup(device=device, world=world, ranks_per_host=ranks_per_host, backend=ddp_backend(cfg), shard=shard,
+                 reshard_after_forward=not d.no_reshard_after_forward,
+                 checkpoint_activations=cfg.model.checkpoint_activations or cfg.model.offload_activations,
+                 offload_activations=cfg.model.offload_activations, cpu_offload=d.cpu_offload,
+                 defer_grad_sync=d.defer_grad_sync, update_freq=cfg.optimization.update_freq,
+                 sequences=sequences_per_batch(cfg), seq_len=cfg.task.tokens_per_sample,
+                 precision="bf16" if c.bf16 else "fp16" if c.fp16 else "fp32",
+                 fp32_reduce_scatter=d.fp32_reduce_scatter, optimizer_states=states,
+                 spawned=infer_rendezvous(cfg).spawn > 1, host_allocator=c.host_allocator)
+
+
+def flag_sets(s: Setup):
+    """(label, Setup) for every backend/flag combination worth trying, fastest first."""
+    off = dict(checkpoint_activations=False, offload_activations=False, cpu_offload=False)
+    sets, fsdp = [], s
+    if not s.sharded:
+        sets.append((s.backend, replace(s, **off)))
+        fsdp = replace(s, backend="fully_sharded", shard=s.world)
+        if s.world == 1:  # nothing to shard over: checkpointing is the next step
+            sets.append((s.backend + " + checkpoint", replace(s, **{**off, "checkpoint_activations": True})))
+    if s.world > 1 or s.sharded:
+        sets += [("no reshard", replace(fsdp, reshard_after_forward=False, **off)),
+                 ("reshard", replace(fsdp, reshard_after_forward=True, **off)),
+                 ("reshard + checkpoint", replace(fsdp, reshard_after_forward=True,
+                                                  **{**off, "checkpoint_activations": True}))]
+    if s.device == "cuda":  # on a CPU, both offloads keep the same bytes in the same memory
+        ckpt = dict(reshard_after_forward=True, checkpoint_activations=True)
+        sets += [("+ offload activations", replace(fsdp, **ckpt, offload_activations=True, cpu_offload=False)),
+                 ("+ cpu offload", replace(fsdp, **ckpt, offload_activations=False, cpu_offload=True)),
+                 ("+ both offloads", replace(fsdp, **ckpt, offload_activations=True, cpu_offload=True))]
+    return sets
+
+
+def micro_batches(s: Setup):
+    """The requested micro-batch, then its divisors, largest first: the global batch stays."""
+    total = s.sequences
+    return [replace(s, sequences=b, update_freq=s.update_freq * total // b)
+            for b in range(total, 0, -1) if total % b == 0]
+
+
+def fits(p, device_gb, host_gb):
+    return p.per_rank_gb <= device_gb and p.host_gb <= host_gb
+
+
+# The on/off flags a Setup stands for: (flag, config key, its value in Setup s). Setup
+# counts --offload-activations as checkpointing too; the flag --checkpoint-activations
+# is only needed without it.
+MEMORY_FLAGS = (
+    ("--no-reshard-after-forward", "distributed_training.no_reshard_after_forward",
+     lambda s: s.sharded and not s.reshard_after_forward),
+    ("--checkpoint-activations", "model.checkpoint_activations",
+     lambda s: s.checkpoint_activations and not s.offload_activations),
+    ("--offload-activations", "model.offload_activations", lambda s: s.offload_activations),
+    ("--cpu-offload", "distributed_training.cpu_offload", lambda s: s.cpu_offload),
+)
+
+
+def flags_of(s: Setup, given: Setup):
+    """What to add to the command line to turn `given` into `s`: flags that switch a
+    behaviour on, `key=false` overrides for one the user gave that is not needed."""
+    out = [f"--ddp-backend {s.backend}"] if s.backend != given.backend else []
+    for flag, key, value_in in MEMORY_FLAGS:
+        want, have = value_in(s), value_in(given)
+        if want and not have:
+            out.append(flag)
+        elif have and not want:
+            out.append(f"{key}=false")
+    if s.sequences != given.sequences:
+        out.append(f"--batch-size {s.sequences} --update-freq {s.update_freq}")
+    return " ".join(out)
+
+
+def choose(m: ModelShape, given: Setup, device_gb, host_gb):
+    """Every candidate tried (label, Setup, Prediction, fits), and the first that fits (or None)."""
+    tried, choice = [], None
+    for label, s in flag_sets(given):
+        for sb in micro_batches(s):
+            p = predict(m, sb)
+            ok = fits(p, device_gb, host_gb)
+            if sb.sequences == given.sequences or ok:
+                tried.append((label, sb, p, ok))
+            if ok:
+                choice = choice or (label, sb, p)
+                break
+    return tried, choice

@@ -1,0 +1,159 @@
+"""The epoch loop: group micro-batches, step, log, validate, stop (fairseq_cli/train.py)."""
+import logging
+import math
+import time
+
+from trainer.parallel.ranks import all_reduce_sum
+from trainer.train.meters import LN2, TrainMeters, peak_memory_gb, perplexity
+
+log = logging.getLogger("shardlm")
+
+
+def grouped(iterable, n):
+    """Lists of n consecutive items; the last list may be shorter (fairseq's GroupedIterator)."""
+    group = []
+    for item in iterable:
+        group.append(item)
+        if len(group) == n:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+class TrainLoop:
+    def __init__(self, cfg, trainer, task, progress, env, flops_per_token=0.0, checkpointer=None, preemption=None):
+        self.cfg, self.trainer, self.task, self.progress, self.env = cfg, trainer, task, progress, env
+        self.flops_per_token = flops_per_token
+        self.checkpointer, self.preemption = checkpointer, preemption
+        self.start = time.perf_counter()
+        self.best_valid_loss = math.inf
+        self.valid_subsets = [s for s in cfg.dataset.valid_subset.split(",") if s]
+        self.itr = task.batch_iterator(cfg.dataset.train_subset, training=True)
+        self.epoch_meters = TrainMeters()  # restored with the data position on resume
+
+    def reached_max_update(self):
+        o = self.cfg.optimization
+        if o.max_update and self.trainer.num_updates >= o.max_update:
+            log.info(f"Stopping training due to num_updates: {self.trainer.num_updates} >= max_update: {o.max_update}")
+            return True
+        return False
+
+    def run(self):
+        c, o = self.cfg, self.cfg.optimization
+        updates_per_epoch = math.ceil(len(self.itr) / o.update_freq)
+        stop = self.reached_max_update()  # a resumed run may have nothing left to do
+        while not stop:
+            resumed = self.itr.iterations_in_epoch > 0 and not self.itr.end_of_epoch()
+            batches = self.itr.next_epoch_itr()
+            epoch = self.itr.epoch
+            if not resumed:
+                self.epoch_meters.reset()
+            interval = TrainMeters()
+            first_step = self.itr.iterations_in_epoch // o.update_freq + 1
+            peak_memory_gb(self.env.device)  # start this epoch's first interval from now
+            for step, samples in enumerate(self.progress.epoch_bar(grouped(batches, o.update_freq), epoch,
+                                                                    updates_per_epoch), start=first_step):
+                stats = self.trainer.train_step(samples)
+                if stats is None:  # fp16 overflow: skipped, not counted
+                    continue
+                interval.add_update(**stats)
+                self.epoch_meters.add_update(**stats)
+                n = self.trainer.num_updates
+                if n % c.common.log_interval == 0:
+                    self.log_train("train_inner", interval, epoch, step / updates_per_epoch, step)
+                    interval.reset()
+                stop = self.reached_max_update()
+                if self.checkpointer is not None:
+                    self.checkpointer.poll()
+                if self.preemption is not None and not stop and self.preemption.agreed():
+                    self.stop_for_preemption(epoch)
+                    return self.best_valid_loss
+                if stop or self.itr.end_of_epoch():
+                    break
+                self.validate_and_save(epoch, end_of_epoch=False, stop=False)
+            self.log_train("train", self.epoch_meters, epoch)
+            stop = stop or bool(o.max_epoch and epoch >= o.max_epoch)
+            self.validate_and_save(epoch, end_of_epoch=self.itr.end_of_epoch(), stop=stop)
+        if self.checkpointer is not None:
+            self.checkpointer.finish_pending()
+        self.progress.close()
+        floor = getattr(self.task, "valid_loss_floor", None)
+        if floor is not None and self.best_valid_loss < math.inf:
+            log.info(f"best valid loss {self.best_valid_loss:.3f} is {self.best_valid_loss - floor:.3f} bits per "
+                     f"token above the embedded corpus's floor {floor:.3f}")
+        log.info(f"done training in {time.perf_counter() - self.start:.1f} seconds")
+        return self.best_valid_loss
+
+    def stop_for_preemption(self, epoch):
+        """Every rank has finished this update: save checkpoint_last, requeue under SLURM, stop."""
+        why = self.preemption.received or "a signal on another rank"
+        n = self.trainer.num_updates
+        log.info(f"received {why}: stopping after update {n}, saving checkpoint_last")
+        if self.cfg.checkpoint.no_save or self.checkpointer is None:
+            # Requeued, the job would start again from update 0.
+            log.warning(f"--no-save: nothing saved at update {n}, and the job is not requeued")
+            self.progress.close()
+            return
+        self.trainer.check_parameters_finite()
+        self.checkpointer.save(epoch, self.itr.end_of_epoch(), None, self)
+        self.checkpointer.finish_pending()
+        if not self.preemption.requeue() and self.env.is_master:
+            log.info(f"stopped at update {n}; run the same command again to resume from checkpoint_last")
+        self.progress.close()
+
+    def validate_and_save(self, epoch, end_of_epoch, stop):
+        """fairseq's validate_and_save: validate and/or save after an update or an epoch."""
+        c, ck, n = self.cfg, self.cfg.checkpoint, self.trainer.num_updates
+        interval_save = ck.save_interval_updates > 0 and n % ck.save_interval_updates == 0
+        do_save = (end_of_epoch and epoch % ck.save_interval == 0) or stop or interval_save
+        do_validate = ((not end_of_epoch and do_save)
+                       or (end_of_epoch and epoch % c.dataset.validate_interval == 0) or stop
+                       or (c.dataset.validate_interval_updates > 0 and n % c.dataset.validate_interval_updates == 0))
+        if do_save and self.checkpointer is not None and not ck.no_save:
+            # Nan/Inf weights raise here, before they are validated or saved; the way out of
+            # the loop publishes nothing (an asynchronous save in flight stays under its .tmp-
+            # name), so a numerical fault never replaces a good checkpoint.
+            self.trainer.check_parameters_finite()
+        metric = self.validate(epoch) if do_validate else None
+        if do_save and self.checkpointer is not None:
+            self.checkpointer.save(epoch, end_of_epoch, metric, self)
+
+    def log_train(self, tag, meters, epoch, position=None, step=None):
+        peak = self.cfg.common.peak_tflops  # per rank; tflops counts the whole job's tokens
+        rec = meters.record(self.trainer.num_updates, self.trainer.lr, self.cfg.optimization.clip_norm,
+                            self.trainer.loss_scale, self.flops_per_token,
+                            peak * self.env.world_size if peak else None)
+        rec["mem_gb"] = peak_memory_gb(self.env.device)
+        rec["wall"] = round(time.perf_counter() - self.start)
+        self.progress.log(tag, rec, step, self.trainer.num_updates, epoch, position)
+
+    def validate(self, epoch):
+        """Validate on every --valid-subset; returns the first one's --best-checkpoint-metric."""
+        if self.cfg.dataset.disable_validation:
+            return None
+        metric = None
+        for subset in self.valid_subsets:
+            if not self.task.has_split(subset):
+                log.info(f"no {subset!r} split to validate on: skipping validation")
+                continue
+            start = time.perf_counter()
+            itr = self.task.batch_iterator(subset, training=False)
+            loss_sum = ntokens = nsentences = nbatches = 0.0
+            for batch in itr.next_epoch_itr():
+                if self.cfg.dataset.max_valid_steps and nbatches >= self.cfg.dataset.max_valid_steps:
+                    break
+                l, t, s = self.trainer.valid_step(batch)
+                loss_sum, ntokens, nsentences, nbatches = loss_sum + l, ntokens + t, nsentences + s, nbatches + 1
+            # Token and sentence counts over all ranks; batches are steps (the same on every rank).
+            loss_sum, ntokens, nsentences = all_reduce_sum([loss_sum, ntokens, nsentences], self.env)
+            loss = loss_sum / max(ntokens, 1) / LN2
+            if subset == self.valid_subsets[0]:
+                self.best_valid_loss = min(self.best_valid_loss, loss)
+                metric = loss if self.cfg.checkpoint.best_checkpoint_metric == "loss" else 2 ** loss
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            rec = {"loss": round(loss, 3), "ppl": perplexity(loss), "wps": round(ntokens / elapsed),
+                   "wpb": round(ntokens / max(nbatches, 1), 1), "bsz": round(nsentences / max(nbatches, 1), 1),
+                   "num_updates": self.trainer.num_updates, "best_loss": round(self.best_valid_loss, 3)}
+            self.progress.log("valid" if subset == "valid" else subset, rec, None, self.trainer.num_updates, epoch)
+        return metric

@@ -1,0 +1,118 @@
+"""`train` after its config is composed: build everything, print it, train."""
+import logging
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from models.transformer_lm import build_model, num_parameters
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.files import remove_unfinished_saves
+from trainer.checkpoint.save_dir_lock import SaveDirLock
+from trainer.config.schema import uses_fsdp
+from trainer.errors import RankStopped, UsageError
+from trainer.parallel.lost_peer import peer_lost
+from trainer.parallel.parallelize import parallelize, sharded_bytes
+from trainer.parallel.ranks import all_reduce_sum, init_rank, teardown
+from trainer.train.loop import TrainLoop
+from trainer.train.meters import flops_per_token
+from trainer.train.preemption import Preemption
+from trainer.train.progress import Progress, setup_logging
+from trainer.train.step import Trainer
+from trainer.train.task import LMTask
+
+log = logging.getLogger("shardlm")
+
+
+def set_seed(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def save_config(cfg):
+    """<save-dir>/config.yaml: `train --config-dir <save-dir> --config-name config` reruns it."""
+    save_dir = Path(cfg.checkpoint.save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    tmp = save_dir / "config.yaml.tmp"
+    tmp.write_text(OmegaConf.to_yaml(cfg))
+    os.replace(tmp, save_dir / "config.yaml")
+
+
+def build(cfg, env):
+    """Task, model (wrapped for its backend) and trainer for a composed config."""
+    set_seed(cfg.common.seed)
+    task = LMTask(cfg, env)
+    max_positions = cfg.model.max_target_positions or cfg.task.tokens_per_sample
+    # Sharded models start on the meta device: no rank ever holds the whole model.
+    device = "meta" if uses_fsdp(cfg) else env.device
+    model = build_model(cfg.model, task.vocab_size, max_positions, device=device, padding_idx=task.pad,
+                        seed=cfg.common.seed)
+    n_params = num_parameters(model)
+    log.info(f"model {cfg.model._name}, {cfg.model.decoder_layers} layers x {cfg.model.decoder_embed_dim}, "
+             f"vocabulary {task.vocab_size}")
+    log.info(f"num. model params: {n_params:,} (num. trained: "
+             f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,})")
+    embed_params = sum(m.weight.numel() for m in (model.embed_tokens, model.embed_positions,
+                                                   model.output_projection) if m is not None)
+    fpt = flops_per_token(cfg.model, n_params, task.vocab_size, embed_params, cfg.task.tokens_per_sample)
+    model, grad_sync = parallelize(model, cfg, env)
+    log.info(f"rank {env.rank} holds {sharded_bytes(model) / 2 ** 20:,.1f} MiB of parameters "
+             f"({cfg.distributed_training.ddp_backend}, {env.world_size} rank(s))")
+    return task, Trainer(cfg, model, env, task.pad, grad_sync), fpt
+
+
+def run(cfg, rdv):
+    """One rank of the job (the whole job when there is one rank)."""
+    env = init_rank(cfg, rdv, needs_process_group=uses_fsdp(cfg))
+    try:
+        return train(cfg, env)
+    except BaseException as e:  # DCP's CheckpointException is not an Exception
+        lost = peer_lost(e, cfg, env)
+        if lost is None:
+            raise
+        raise lost from None
+    finally:
+        teardown()
+
+
+def train(cfg, env):
+    setup_logging(cfg.common.log_file, env.is_master)
+    log.info("config:\n" + OmegaConf.to_yaml(cfg).rstrip())
+    lock = lock_save_dir(cfg, env)
+    try:
+        task, trainer, fpt = build(cfg, env)
+        log.info(f"training on {env.world_size} rank(s), device {env.device}, backend "
+                 f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank")
+        checkpointer = Checkpointer(cfg, env, trainer, task)
+        loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer, Preemption(env))
+        checkpointer.restore(loop)
+        # Only now, with every input checked, does the save directory change.
+        if lock is not None:
+            save_config(cfg)
+            for name in remove_unfinished_saves(cfg.checkpoint.save_dir):
+                log.info(f"removed {name}, left by a run that died while saving")
+        loop.run()
+        trainer.finish()
+        return 0
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def lock_save_dir(cfg, env):
+    """Rank 0 locks --save-dir for this run (nothing to lock with --no-save); every rank
+    learns whether it could, so all stop together when it could not."""
+    lock, refusal = None, None
+    if env.is_master and not cfg.checkpoint.no_save:
+        lock = SaveDirLock(cfg.checkpoint.save_dir)
+        refusal = lock.acquire()
+    (refused,) = all_reduce_sum([1.0 if refusal else 0.0], env)
+    if refusal:
+        raise UsageError(refusal)
+    if refused:
+        raise RankStopped("rank 0 could not use --save-dir; see its error")
+    return lock
