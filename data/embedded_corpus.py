@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data.atomic_file import write_atomically
 from data.errors import DataError
 from data.preprocess import build_parser, preprocess
 
@@ -159,9 +160,7 @@ def _build(workdir: Path) -> None:
             "-log2 P(valid text) / characters (newlines counted), the floor for any model"
         ),
     }
-    tmp = metadata_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, metadata_path)
+    write_atomically(metadata_path, json.dumps(metadata, indent=2) + "\n")
 
 
 def prepare_embedded_corpus(cache_dir: Path | None = None) -> Path:

@@ -54,7 +54,7 @@ def _encode_chunk(task: tuple[list, str, str, str]) -> tuple[int, int]:
     """Encode one chunk's texts into a shard; returns (documents, tokens).
 
     The parent reads the rows and sends their text: a worker then needs only sentencepiece
-    and numpy, not ``datasets`` (whose import costs every spawned worker ~1.5 s of CPU).
+    and numpy, not ``datasets`` (whose slow import every spawned worker would pay for).
     """
     texts, model_path, dtype, shard_prefix = task
     tokenizer = _WorkerState.tokenizers.get(model_path)

@@ -11,25 +11,29 @@ from data.errors import DataError
 
 def collate(items: Sequence[np.ndarray], pad: int) -> dict:
     """Right-padded ``src_tokens = item[:-1]`` and ``target = item[1:]`` for a list of items."""
-    import torch
-
-    lengths = np.array([len(item) - 1 for item in items], dtype=np.int64).clip(min=0)
-    width = int(lengths.max()) if len(items) else 0
-    src = np.full((len(items), width), pad, dtype=np.int64)
-    target = np.full((len(items), width), pad, dtype=np.int64)
-    for row, (item, n) in enumerate(zip(items, lengths)):
-        src[row, :n] = item[:n]
-        target[row, :n] = item[1 : n + 1]
+    src, target = collate_pairs([(item[:-1], item[1:]) for item in items], pad)
     return {
-        "src_tokens": torch.from_numpy(src),
-        "target": torch.from_numpy(target),
+        "src_tokens": src,
+        "target": target,
         # Counted from lengths, not from target != pad, so data never gets miscounted.
-        "ntokens": int(lengths.sum()),
+        "ntokens": sum(max(len(item) - 1, 0) for item in items),
         "nsentences": len(items),
     }
 
 
-def _batch_by_size(order: np.ndarray, sizes: np.ndarray, batch_size: int | None, max_tokens: int | None) -> list:
+def collate_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad: int) -> tuple:
+    """(src, target) rows right-padded to one width, as two B×T int64 tensors."""
+    import torch  # torch-free callers (preflight's batch count) never collate
+
+    width = max((len(s) for s, _ in pairs), default=0)
+    src = np.full((len(pairs), width), pad, dtype=np.int64)
+    target = np.full((len(pairs), width), pad, dtype=np.int64)
+    for row, (s, t) in enumerate(pairs):
+        src[row, : len(s)], target[row, : len(t)] = s, t
+    return torch.from_numpy(src), torch.from_numpy(target)
+
+
+def batch_by_size(order: np.ndarray, sizes: np.ndarray, batch_size: int | None, max_tokens: int | None) -> list:
     """Consecutive items of ``order`` while count <= batch_size and longest*count <= max_tokens."""
     batches, current, longest = [], [], 0
     for index, size in zip(order.tolist(), sizes[order].tolist()):
@@ -101,7 +105,7 @@ class EpochBatchIterator:
             order = np.random.default_rng((self.seed, epoch)).permutation(len(sizes))
         else:
             order = np.arange(len(sizes))
-        batches = _batch_by_size(order, sizes, self.batch_size, self.max_tokens)
+        batches = batch_by_size(order, sizes, self.batch_size, self.max_tokens)
         if self.every_batch and batches:
             self._dummy = batches[0]
             batches = batches + [None] * (-len(batches) % self.num_shards)

@@ -2,7 +2,7 @@
 
 Two steps, so that every input is checked before anything is written:
 ``resolve_sources`` only looks at the filesystem; ``load_rows`` reads (plain text itself,
-everything else through ``datasets``, whose import costs 1.5 s).
+everything else through ``datasets``, whose import is slow).
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ Both kinds answer ``len()`` and ``batches(size)`` (lists of strings, in input or
 is all that training sentencepiece and encoding need.
 
 Plain text is read here, line by line, the way fairseq-preprocess reads it, because
-importing ``datasets`` and building an Arrow cache of the file cost ~2 s of a 100 MB run
-and buy nothing for lines. The rows are exactly those of ``datasets``' "text" builder:
-universal newlines (``\\r\\n`` and ``\\r`` end a line too), the newline dropped, a blank
-line is an empty row, no row after a final newline, strict UTF-8 (tests/test_preprocess.py
-compares the two on such a file).
+importing ``datasets`` and building an Arrow cache of the file cost time and buy nothing
+for lines. The rows are exactly those of ``datasets``' "text" builder: universal newlines
+(``\\r\\n`` and ``\\r`` end a line too), the newline dropped, a blank line is an empty row,
+no row after a final newline, strict UTF-8 (tests/test_preprocess.py compares the two on
+such a file).
 """
 
 from __future__ import annotations

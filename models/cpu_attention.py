@@ -1,12 +1,12 @@
 """Causal self-attention in bf16/fp16 on a CPU, as batched matmuls (what SDPA does on a GPU
 with its fused kernels, this does on a CPU with oneDNN's).
 
-SDPA's CPU flash kernel reaches about 110-130 GFLOP/s in bf16 on an AVX512-BF16 core pair
-where a bf16 matmul reaches 830 (2026-11-25): its tiles are too small for the matmul
-units, and it keeps its softmax in fp32. Here the scores and probabilities are whole T×T
-matmul results per head, in the input dtype (softmax accumulates in fp32 inside), which is
-what fairseq's and Hugging Face's eager attentions compute under mixed precision: 9.7 ms
-against 20 ms for forward and backward of bench_mfu's layer (8×6 heads of 256×64).
+SDPA's CPU flash kernel reaches a small fraction of a bf16 matmul's FLOP/s on a CPU with
+bf16 matmul units (AVX512-BF16): its tiles are too small for the matmul units, and it
+keeps its softmax in fp32. Here the scores and probabilities are whole T×T matmul results
+per head, in the input dtype (softmax accumulates in fp32 inside), which is what fairseq's
+and Hugging Face's eager attentions compute under mixed precision, and forward and
+backward together take less time than the flash kernel's.
 
 Memory stays that of a flash kernel: forward saves only q (pre-scaled), k and v, and
 backward recomputes each head's probabilities before using them. The T×T scores exist

@@ -1,7 +1,6 @@
 """FSDP trains the same model DDP does: per-update loss and gnorm on 2 (and 4) real gloo
 ranks agree with one process holding the whole batch. Plus the ways to launch."""
 import json
-import os
 from pathlib import Path
 
 import pytest

@@ -92,7 +92,7 @@ def test_export_logits_equal_the_sharded_model(trained, tmp_path):
     assert sorted(p.name for p in (tmp_path / "export").iterdir()) == [
         "config.yaml", "metadata.json", "model.safetensors", "tokenizer.model"]
     # A fresh process, no torch.distributed: our safetensors reader and the model alone.
-    code = ("import torch, sys; from trainer.inference import load_model; m, _, _ = load_model(sys.argv[1]); "
+    code = ("import torch, sys; from trainer.inference.load import load_model; m, _, _ = load_model(sys.argv[1]); "
             "torch.save(m(torch.arange(3, 40).view(1, -1)).detach(), sys.argv[2])")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "export"), str(tmp_path / "single.pt")], check=True)
     assert torch.allclose(torch.load(tmp_path / "single.pt"), sharded, atol=1e-5, rtol=1e-5)

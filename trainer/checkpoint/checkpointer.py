@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from data.atomic_file import write_atomically
 from trainer.checkpoint import files
 from trainer.config.flags import flag_name, iter_fields
 from trainer.errors import RankStopped, UsageError
@@ -151,9 +152,7 @@ def set_rng_state(state):
 
 
 def write_json(path, obj):
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(obj))
 
 
 def read_trainer_state(path):

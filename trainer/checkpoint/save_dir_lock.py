@@ -15,6 +15,8 @@ import os
 import socket
 from pathlib import Path
 
+from data.atomic_file import write_atomically
+
 OWNER_FILE = ".lock"
 log = logging.getLogger("shardlm")
 
@@ -47,15 +49,10 @@ class SaveDirLock:
         return self.write_owner()
 
     def write_owner(self):
-        tmp = self.save_dir / f"{OWNER_FILE}.{os.getpid()}"
         try:
-            tmp.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
-            os.replace(tmp, self.save_dir / OWNER_FILE)
+            write_atomically(self.save_dir / OWNER_FILE,
+                             json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
         except OSError as e:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
             self.release()
             return self.not_writable(e)
         return None

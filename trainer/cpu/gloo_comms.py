@@ -1,9 +1,8 @@
 """FSDP2's all-gather and reduce-scatter built from gloo's faster collectives (CPU).
 
-gloo's collectives are not equally fast. Measured here on 2 ranks, 218 MB: all-gather
-0.245 s by all_gather_into_tensor, 0.18 s by all-reduce of a zero-padded buffer, 0.09 s
-as one broadcast per rank; reduce-scatter 0.33 s by reduce_scatter_tensor, 0.21 s by
-all-reduce. So:
+gloo's collectives are not equally fast: its all_gather_into_tensor is slower than an
+all-reduce of a zero-padded buffer, which is slower than one broadcast per rank, and its
+reduce_scatter_tensor is slower than an all-reduce. So:
 - all-gather: each rank broadcasts its slot of the output buffer (FSDP has already
   copied its shard there) to the others;
 - reduce-scatter: each rank sends the others their slots of its gradient buffer and
@@ -45,9 +44,9 @@ class BroadcastAllGather(AllGather):
 class SlotSum:
     """One reduce-scatter by point-to-point transfers: this rank sends every other rank
     its slot of the gradient buffer and receives theirs of its own slot, then sums. Each
-    rank sends and receives (W-1)/W of the buffer, half an all-reduce's bytes (2 ranks,
-    50 MB: 0.026 s against 0.050 s). The transfers run in gloo's threads from here on;
-    `finish()` waits for them and adds this rank's own part."""
+    rank sends and receives (W-1)/W of the buffer, half an all-reduce's bytes, and takes
+    less time than one. The transfers run in gloo's threads from here on; `finish()` waits
+    for them and adds this rank's own part."""
 
     def __init__(self, output_tensor, input_tensor, group):
         n, rank, world = output_tensor.numel(), dist.get_rank(group), dist.get_world_size(group)

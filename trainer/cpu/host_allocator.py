@@ -4,16 +4,16 @@ allocator does on a GPU.
 
 Why: a training step allocates and frees the same tensors every update. With glibc, a
 rank either returns large freed blocks to the OS, and faults their pages in again, zeroed
-by the kernel, every time (FSDP's gathered layers: 610-640 k page faults and 1.2 s of
-system time per update on bench_fsdp's 109 M model), or keeps them in its heap, where
-blocks of other sizes cannot reuse them and the heap grows (FSDP 2.14-2.21 GB per rank
-instead of 1.50). This allocator keeps them and moves their pages, without copying, into
+by the kernel, every time (FSDP's gathered layers, every update), or keeps them in its
+heap, where blocks of other sizes cannot reuse them and the heap grows past the most ever
+live at once. This allocator keeps them and moves their pages, without copying, into
 whatever size is asked next, so it does neither: after the first update nothing faults,
-and the mapped bytes never exceed the most ever live at once.
+and the mapped bytes never exceed the most ever live at once (figures, FSDP and DDP under
+both allocators: docs/benchmarks.md).
 
 The C++ source is compiled on first use with the system's C++ compiler against the
-installed torch (under ~/.cache/shardlm, well under a second) and reused after. Where it
-cannot be (no compiler, not Linux), `install` says why and the rank keeps glibc's malloc
+installed torch (under ~/.cache/shardlm) and reused after. Where it cannot be (no
+compiler, not Linux), `install` says why and the rank keeps glibc's malloc
 (trainer/cpu/rank.py warns once).
 """
 import ctypes

@@ -12,17 +12,16 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from data.data_dir import check_token_ids
 from data.embedded_corpus import prepare_embedded_corpus
 from data.indexed_dataset import IndexedDataset, exists
-from data.iterator import _batch_by_size
+from data.iterator import batch_by_size, collate_pairs
 from data.token_block import TokenBlockDataset
 from data.tokenizer import load_tokenizer
 from trainer.errors import UsageError
 from trainer.inference.load import load_model
-from trainer.parallel.ranks import all_reduce_sum
+from trainer.parallel.ranks import all_reduce_sum, init_rank, teardown
 
 log = logging.getLogger("shardlm")
 
@@ -39,28 +38,18 @@ def windows(dataset, context_window, pad):
             history = np.concatenate([history, src])[-context_window:]
 
 
-def _collate(pairs, pad):
-    width = max(len(s) for s, _ in pairs)
-    src = np.full((len(pairs), width), pad, dtype=np.int64)
-    tgt = np.full((len(pairs), width), pad, dtype=np.int64)
-    for row, (s, t) in enumerate(pairs):
-        src[row, :len(s)], tgt[row, :len(t)] = s, t
-    return torch.from_numpy(src), torch.from_numpy(tgt)
-
-
 def evaluate(model, dataset, args, pad, env):
     """(summed loss in nats, scored tokens) over this rank's share of the split's blocks."""
     pairs = list(windows(dataset, args.context_window, pad))
     sizes = np.array([len(s) for s, _ in pairs])
-    batches = _batch_by_size(np.arange(len(pairs)), sizes, args.batch_size, args.max_tokens)
+    batches = batch_by_size(np.arange(len(pairs)), sizes, args.batch_size, args.max_tokens)
     loss_sum, ntokens = 0.0, 0
     with torch.no_grad():
         for batch in batches[env.rank::env.world_size]:
-            src, tgt = _collate([pairs[i] for i in batch], pad)
-            logits = model(src.to(env.device)).float()
-            tgt = tgt.to(env.device)
-            loss_sum += F.cross_entropy(logits.view(-1, logits.size(-1)), tgt.view(-1), ignore_index=pad,
-                                        reduction="sum").item()
+            src, tgt = collate_pairs([pairs[i] for i in batch], pad)
+            # The model's own loss (pad targets, the context's among them, are not scored),
+            # a chunk of logits at a time as in training.
+            loss_sum += model(src.to(env.device), target=tgt.to(env.device)).item()
             ntokens += int((tgt != pad).sum())
     return loss_sum, ntokens
 

@@ -1,13 +1,13 @@
 """Start a job's local ranks as forks of a server that has imported torch once.
 
 Spawned ranks (torch.multiprocessing's way) each start a fresh interpreter and import
-torch, FSDP, DCP and the trainer again, 3.5 s of CPU apiece here, after the launcher
-itself had imported torch for nothing but the spawning. Instead the launcher, which
-never imports torch, starts multiprocessing's forkserver as soon as it knows it will
-spawn: the server imports all that once (trainer/launch/rank_server.py) and every rank is a
-fork of it, ready at once. Forking the launcher itself would be faster still but is not
-safe: a launcher that already ran OpenMP work (a test, or a sweep that trained a
-one-rank job in this process) hands its forks a thread pool they hang in.
+torch, FSDP, DCP and the trainer again, each paying those imports' CPU time, after the
+launcher itself had imported torch for nothing but the spawning. Instead the launcher,
+which never imports torch, starts multiprocessing's forkserver as soon as it knows it will
+spawn: the server imports all that once (trainer/launch/rank_server.py) and every rank is
+a fork of it, ready at once. Forking the launcher itself would be faster still but is not
+safe: a launcher that already ran OpenMP work (a test, or a sweep that trained a one-rank
+job in this process) hands its forks a thread pool they hang in.
 
 The server takes its environment when it starts; it is stopped when the job's ranks have
 ended, so that the next job of the same process gets a server with that job's environment.

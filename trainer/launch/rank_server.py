@@ -23,8 +23,8 @@ if os.environ.get(LAUNCHER_PID) == str(os.getppid()):  # this is the server, not
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
-# Every rank's imports, DCP's included (0.2 s more): whatever a rank imports after the
-# fork, each rank pays for again.
+# Every rank's imports, DCP's included: whatever a rank imports after the fork, each
+# rank pays for again.
 RANK_MODULES = ("torch", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
                 "torch.distributed.fsdp", "trainer.inference.eval_lm", "trainer.cpu.gloo_comms", "trainer.train.main")
 for module in RANK_MODULES:

@@ -10,7 +10,6 @@ import functools
 import logging
 
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from trainer.config.schema import ddp_backend, uses_fsdp
@@ -105,7 +104,7 @@ def shard_model(model, cfg, env):
     # read in backward: the loss makes their gradient in forward (models/linear_cross_entropy
     # .py) and an embedding's backward needs only the ids. So the root gives its gathered
     # weights back after forward and is not gathered for backward (FSDP2's
-    # set_unshard_in_backward): on bench_fsdp's model, 128 MB less per rank through all of
+    # set_unshard_in_backward), which saves their gathered size on every rank through all of
     # backward. The norms outside the layers do read their weights in backward: each is a
     # unit of its own, gathered from its forward to its backward (a few KB). Layers left
     # unwrapped (--min-params-to-wrap) are in the root and need it gathered, as before.

@@ -3,7 +3,6 @@ finds its job's ranks (the four ways in) is trainer/rendezvous.py's. CUDA + NCCL
 where a GPU exists, CPU + gloo otherwise.
 """
 import gc
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 

@@ -1,6 +1,5 @@
 """`train` after its config is composed: build everything, print it, train."""
 import logging
-import os
 import random
 from pathlib import Path
 
@@ -8,6 +7,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from data.atomic_file import write_atomically
 from models.transformer_lm import build_model, num_parameters
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.files import remove_unfinished_saves
@@ -37,9 +37,7 @@ def save_config(cfg):
     """<save-dir>/config.yaml: `train --config-dir <save-dir> --config-name config` reruns it."""
     save_dir = Path(cfg.checkpoint.save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
-    tmp = save_dir / "config.yaml.tmp"
-    tmp.write_text(OmegaConf.to_yaml(cfg))
-    os.replace(tmp, save_dir / "config.yaml")
+    write_atomically(save_dir / "config.yaml", OmegaConf.to_yaml(cfg))
 
 
 def build(cfg, env):

@@ -77,7 +77,7 @@ class Progress:
         if not self.tb_dir:
             return
         if tag not in self.writers:
-            from torch.utils.tensorboard import SummaryWriter  # 2 s import: only when asked for
+            from torch.utils.tensorboard import SummaryWriter  # a slow import: only when asked for
             self.writers[tag] = SummaryWriter(os.path.join(self.tb_dir, tag))
         for k, v in stats.items():
             if isinstance(v, (int, float)) and k != "num_updates":

@@ -182,8 +182,8 @@ def global_grad_norm(grads):
     """The L2 norm of all gradients together, as a plain tensor on every rank. FSDP2's
     gradients are DTensor shards: the norm of each rank's shards, squared, summed over the
     mesh dimensions the gradients are sharded on (replicas of HSDP hold the same values),
-    in one collective, rather than one DTensor op per gradient (26 ms against 2.5 ms for
-    288 gradients on a CPU)."""
+    in one collective, rather than one DTensor op per gradient, each paying DTensor's
+    dispatch in Python."""
     local = local_shards(grads)
     norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local))) if local else torch.zeros(())
     sharded = [g for g in grads if isinstance(g, DTensor)]
