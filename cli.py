@@ -8,11 +8,18 @@ import sys
 from trainer.errors import DEBUG_ENV, UsageError, show_traceback
 
 
-def _note_debug(argv):
-    """`--debug` (every command has it) turns on SHARDLM_DEBUG, in the environment so
-    that spawned ranks inherit it: errors then show their traceback too."""
+def _argv(argv):
+    """The command's arguments (default: the command line's). `--debug` (every command has
+    it) turns on SHARDLM_DEBUG, in the environment so that spawned ranks inherit it:
+    errors then show their traceback too."""
+    argv = sys.argv[1:] if argv is None else argv
     if "--debug" in argv:
         os.environ[DEBUG_ENV] = "1"
+    return argv
+
+
+def _parse(parser, argv):
+    return parser.parse_args(_argv(argv))
 
 
 def _fail(prog, message, code):
@@ -28,8 +35,7 @@ def train_main(argv=None):
     from trainer.config.compose import compose_config
     from trainer.config.flags import build_parser, parse_flags
 
-    argv = sys.argv[1:] if argv is None else argv
-    _note_debug(argv)
+    argv = _argv(argv)
     multirun = "-m" in argv or "--multirun" in argv
     argv = [a for a in argv if a not in ("-m", "--multirun")]
     try:
@@ -79,8 +85,7 @@ def preprocess_main(argv=None):
 
     from trainer.config.flags import _Parser
 
-    argv = sys.argv[1:] if argv is None else argv
-    _note_debug(argv)
+    argv = _argv(argv)
     try:
         args = build_parser(_Parser).parse_args(argv)
         preprocess(args)
@@ -134,10 +139,8 @@ def eval_lm_main(argv=None):
     p.add_argument("--max-tokens", type=_positive_int, help="tokens per batch (default 36000 without --batch-size)")
     p.add_argument("--distributed-world-size", type=_positive_int, default=1, help="ranks to spawn")
     p.add_argument("--cpu", action="store_true", help="evaluate on the CPU even when a GPU is present")
-    argv = sys.argv[1:] if argv is None else argv
-    _note_debug(argv)
     try:
-        args = p.parse_args(argv)
+        args = _parse(p, argv)
         if args.context_window < 0:
             raise UsageError(f"--context-window must be >= 0, got {args.context_window}")
         if args.data:  # before any rank starts or the model loads
@@ -168,10 +171,8 @@ def generate_main(argv=None):
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set with this probability")
     p.add_argument("--seed", type=int, default=1, help="the same seed gives the same text")
     p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole prefix for every token (slow)")
-    argv = sys.argv[1:] if argv is None else argv
-    _note_debug(argv)
     try:
-        args = p.parse_args(argv)
+        args = _parse(p, argv)
         if not args.temperature >= 0 or args.temperature == float("inf") or args.top_k < 0 \
                 or not 0 < args.top_p <= 1:
             raise UsageError("need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
@@ -193,10 +194,8 @@ def export_model_main(argv=None):
     p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                    help="hf: a directory transformers loads as GPT2LMHeadModel")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="cast the weights (default: as saved)")
-    argv = sys.argv[1:] if argv is None else argv
-    _note_debug(argv)
     try:
-        args = p.parse_args(argv)
+        args = _parse(p, argv)
         import torch
 
         from trainer.inference.load import export_model
@@ -217,8 +216,7 @@ def plan_main(argv=None):
     from trainer.config.compose import compose_config
     from trainer.config.flags import build_parser, parse_flags
 
-    argv = sys.argv[1:] if argv is None else argv
-    _note_debug(argv)
+    argv = _argv(argv)
     try:
         parser = build_parser("plan")
         parser.description = ("Predict one rank's peak memory for these `train` flags and print the fastest "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from data.errors import DataError
+from data.errors import DataError, checked_index
 
 # Ids below this are <s> <pad> </s> <unk>; random blocks never contain them.
 _FIRST_REGULAR_ID = 4
@@ -31,10 +31,7 @@ class DummyLMDataset:
         return len(self.sizes)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        n = len(self.sizes)
-        if not -n <= i < n:
-            raise IndexError(f"item {i} out of range for {n} items")
-        rng = np.random.default_rng((self.seed, int(i) % n))
+        rng = np.random.default_rng((self.seed, checked_index(i, len(self.sizes), "item")))
         return rng.integers(_FIRST_REGULAR_ID, self.dict_size, size=self.tokens_per_sample + 1, dtype=np.int64)
 
     @property

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.errors import DataError
+from data.errors import DataError, checked_index
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
@@ -202,10 +202,7 @@ class IndexedDataset:
         return len(self.sizes)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        n = len(self.sizes)
-        if not -n <= i < n:
-            raise IndexError(f"sequence {i} out of range for {n} sequences in {self.prefix}")
-        i %= n
+        i = checked_index(i, len(self.sizes), "sequence", where=f" in {self.prefix}")
         start = int(self._starts[i])
         return np.asarray(self.tokens[start : start + int(self.sizes[i])])
 

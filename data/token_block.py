@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from data.errors import DataError
+from data.errors import DataError, checked_index
 from data.indexed_dataset import IndexedDataset
 
 BREAK_MODES = ("none", "complete", "complete_doc", "eos")
@@ -127,9 +127,7 @@ class TokenBlockDataset:
         return len(self.sizes)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        n = len(self.sizes)
-        if not -n <= i < n:
-            raise IndexError(f"block {i} out of range for {n} blocks")
+        i = checked_index(i, len(self.sizes), "block")
         start, end = int(self.target_starts[i]), int(self.target_ends[i])
         if start == 0:  # the virtual </s> before the stream
             return np.concatenate([[self.eos], self._stream[:end]]).astype(np.int64)
