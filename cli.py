@@ -198,7 +198,7 @@ def export_model_main(argv=None):
         args = _parse(p, argv)
         import torch
 
-        from trainer.inference.load import export_model
+        from trainer.inference.export import export_model
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
         out = export_model(args.path, args.out, args.format, dtype)
     except UsageError as e:

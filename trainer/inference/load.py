@@ -1,5 +1,5 @@
 """One process, no torch.distributed: load a trained model from a sharded checkpoint or
-an export, and export a checkpoint as one consolidated safetensors file (or HF GPT-2).
+an export (trainer/inference/export.py writes those).
 
 A sharded checkpoint is read tensor by tensor through DCP, which stitches each tensor
 from the shards of every rank that wrote it, so no process ever holds more than one
@@ -7,9 +7,6 @@ whole parameter beside what it is building. An export is a directory with
 `model.safetensors`, `config.yaml` and the tokenizer.
 """
 import logging
-import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -21,8 +18,7 @@ from models.transformer_lm import build_model
 from trainer.checkpoint import files
 from trainer.checkpoint.checkpointer import NoBytesLoadPlanner
 from trainer.errors import UsageError
-from trainer.inference.hf_gpt2 import check_hf_compatible, write_hf_gpt2
-from trainer.inference.safetensors_file import read_safetensors, safetensors_specs, write_safetensors
+from trainer.inference.safetensors_file import read_safetensors, safetensors_specs
 
 log = logging.getLogger("shardlm")
 EXPORT_FILE = "model.safetensors"
@@ -134,52 +130,3 @@ def tokenizer_of(path):
     if (path / "tokenizer.model").is_file() or (path / "dict.txt").is_file():
         return load_tokenizer(path)
     return None
-
-
-def export_model(path, out, fmt="safetensors", dtype=None):
-    """Write `out/model.safetensors` (or an HF GPT-2 directory) from a checkpoint, one tensor
-    at a time. Refuses to write into a directory that already holds a model. Everything is
-    written in a temporary directory first, so a checkpoint that cannot be read leaves `out`
-    as it was."""
-    src = CheckpointTensors(path)
-    out = Path(out)
-    _check_out(out)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=_nearest_existing(out)))
-    try:
-        _write_export(src, tmp, fmt, dtype)
-        out.mkdir(parents=True, exist_ok=True)
-        for f in sorted(tmp.iterdir(), key=lambda f: f.name == EXPORT_FILE):  # the model file last
-            os.replace(f, out / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _check_out(out):
-    if (out / EXPORT_FILE).exists():
-        raise UsageError(f"{out / EXPORT_FILE} already exists; pass another --out (nothing was overwritten)")
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file; pass a directory")
-    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise UsageError(f"--out {out} cannot be created: {blocker} is a file; pass another --out")
-
-
-def _nearest_existing(path):
-    return next(p for p in (path, *path.parents) if p.exists())
-
-
-def _write_export(src, out, fmt, dtype):
-    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
-    if fmt == "hf":
-        check_hf_compatible(src.cfg.model)
-        write_hf_gpt2(out, src.get, src.cfg.model, src.vocab_size(), src.max_positions(),
-                      dtype=dtype or torch.float32, bos_token_id=0, pad_token_id=1, eos_token_id=2)
-    else:
-        specs = [(n, shape, dtype or dt) for n, (shape, dt) in sorted(src.specs.items())]
-        write_safetensors(out / EXPORT_FILE, specs, lambda n: cast(src.get(n)),
-                          metadata={"format": "pt", "producer": "shardlm"})
-        shutil.copyfile(src.path / "config.yaml", out / "config.yaml")
-    for name in SIDE_FILES[1:]:
-        if (src.path / name).is_file():
-            shutil.copyfile(src.path / name, out / name)
