@@ -1,8 +1,9 @@
 """The config schema: one dataclass per config group, registered in Hydra's ConfigStore.
 
-Every field is settable three ways — a fairseq flag generated from the field
-(trainer/config/flags.py), a YAML key, a dotted override (trainer/config/compose.py) — so a field is
-the single definition of an option. Field metadata: `help`; `choices`; `flag` when the
+Each group's docstring names the modules where its fields take effect. Every field is
+settable three ways — a fairseq flag generated from the field (trainer/config/flags.py),
+a YAML key, a dotted override (trainer/config/compose.py) — so a field is the single
+definition of an option. Field metadata: `help`; `choices`; `flag` when the
 fairseq spelling is not `--field-name`; `alias` for a second spelling.
 Torch-free: `train --help` must answer before torch is imported.
 """
@@ -28,6 +29,9 @@ def _f(default, help, **meta):
 
 @dataclass
 class CommonConfig:
+    """Logging (trainer/train/progress.py), seed (train/main.py), device and precision
+    (parallel/ranks.py, parallel/parallelize.py, train/step.py), --host-allocator
+    (cpu/rank.py), --compile (parallel/parallelize.py)."""
     log_interval: int = _f(100, "log a train_inner record every N updates")
     log_format: Optional[str] = _f(None, "log format (default: tqdm on a terminal, else simple)",
                                    choices=LOG_FORMATS)
@@ -54,6 +58,9 @@ class CommonConfig:
 
 @dataclass
 class DistributedTrainingConfig:
+    """How ranks find each other (trainer/rendezvous.py), process groups and
+    --heartbeat-timeout (parallel/ranks.py), the backend and its FSDP flags
+    (parallel/parallelize.py, parallel/grad_sync.py), --auto-tune (launch/auto_tune.py)."""
     distributed_world_size: int = _f(1, "total number of ranks")
     distributed_port: int = _f(-1, "port for the rendezvous (-1: a free one locally, derived from "
                                "SLURM_JOB_ID under SLURM)")
@@ -81,6 +88,7 @@ class DistributedTrainingConfig:
 
 @dataclass
 class DatasetConfig:
+    """Batches (trainer/train/task.py) and validation (train/loop.py)."""
     batch_size: Optional[int] = _f(None, "sequences per batch per rank", alias="--max-sentences")
     max_tokens: Optional[int] = _f(None, "tokens per batch per rank")
     train_subset: str = _f("train", "split to train on")
@@ -95,6 +103,8 @@ class DatasetConfig:
 
 @dataclass
 class OptimizationConfig:
+    """When to stop (trainer/train/loop.py), --update-freq and --clip-norm (train/step.py),
+    --lr (train/optim.py)."""
     max_epoch: int = _f(0, "stop after N epochs (0: no limit)")
     max_update: int = _f(0, "stop after N updates (0: no limit)")
     lr: float = _f(0.25, "peak learning rate")
@@ -104,6 +114,8 @@ class OptimizationConfig:
 
 @dataclass
 class CheckpointConfig:
+    """trainer/checkpoint/checkpointer.py (what is saved and restored, when) and
+    checkpoint/files.py (names, publishing, retention)."""
     save_dir: str = _f("checkpoints", "directory for config.yaml and checkpoints")
     restore_file: str = _f("checkpoint_last", "checkpoint to resume from: a name in --save-dir or a path "
                            "(the default resumes a run re-started with the same command)")
@@ -132,6 +144,7 @@ class CheckpointConfig:
 
 @dataclass
 class TaskConfig:
+    """trainer/train/task.py: the data, its splits and blocks."""
     _name: str = _f("language_modeling", "task", flag="--task",
                     choices=("language_modeling", "dummy_lm"))
     data: Optional[str] = _f(None, "data directory from `preprocess` or fairseq-preprocess "
@@ -144,6 +157,7 @@ class TaskConfig:
 
 @dataclass
 class OptimizerConfig:
+    """trainer/train/optim.py: build_optimizer."""
     _name: str = _f("adam", "optimizer (adam's weight decay is decoupled, as in fairseq and AdamW)",
                     flag="--optimizer", choices=("adam", "adamw", "sgd"))
     adam_betas: List[float] = _f([0.9, 0.999], "Adam betas, e.g. \"(0.9, 0.98)\"")
@@ -154,6 +168,7 @@ class OptimizerConfig:
 
 @dataclass
 class LRSchedulerConfig:
+    """trainer/train/optim.py: LRSchedule."""
     _name: str = _f("fixed", "learning-rate schedule", flag="--lr-scheduler",
                     choices=("fixed", "inverse_sqrt", "polynomial_decay", "cosine"))
     warmup_updates: int = _f(0, "linear warmup over N updates")
