@@ -53,12 +53,12 @@ class GradSync:
 class EarlyGather:
     """Start the next forward's first all-gathers during the optimizer step.
 
-    Nothing runs before the root's forward, so its all-gather (the tied embedding, about a
-    third of the 109 M-parameter benchmark model) and the first layer's, which the root
-    prefetches, would be waited for with nothing to overlap. Their parameters are stepped
-    first (`ShardLocalAdamW.step`: AdamW updates each element on its own, so the order
-    changes no value), then both all-gathers start, asynchronously, while the rest of
-    the model is stepped; the next forward's pre-forward hooks wait for them (FSDP2's
+    Nothing runs before the root's forward, so its all-gather (the tied embedding, a large
+    share of a small model) and the first layer's, which the root prefetches, would be
+    waited for with nothing to overlap. The trainer steps their parameters first and then
+    calls `start` (`ShardLocalAdamW.step(first=param_ids(), then=start)`: AdamW updates
+    each element on its own, so the order changes no value); both all-gathers run,
+    asynchronously, while the rest of the model is stepped; the next forward's pre-forward hooks wait for them (FSDP2's
     documented use of `unshard(async_op=True)`). Memory: the root (held gathered through
     forward anyway) and the first layer come during the step, when the activations are
     gone and the gradients are all that backward left (plan's ledger counts both there)."""
