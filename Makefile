@@ -35,7 +35,8 @@ test: install
 	$(PY) -m pytest -q -rs --durations=15 tests
 
 # Every benchmark script in turn (each prints its tables), then one table of goals met or
-# not. Run on a quiet machine: each compares contenders interleaved in one run, medians.
+# not, all written to docs/benchmarks.md with the date, host and commit. Run on a quiet
+# machine: each compares contenders interleaved in one run, medians.
 bench: install
 	$(PY) bench/run_all.py
 

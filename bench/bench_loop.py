@@ -1,5 +1,5 @@
 """Framework overhead: `train --task dummy_lm` against the plain PyTorch loop
-(../shared/bench/ref_loop.py) on the same shape, fp32 and bf16, in tokens/s.
+(bench/ref_loop.py) on the same shape, fp32 and bf16, in tokens/s.
 
 Both train the same model (pre-LN GPT, learned positions, tied embeddings, GELU, AdamW
 with weight decay 0.01, no dropout) on random tokens in one process with torch's default
@@ -21,9 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import ROOT, goal, json_records, median, note, parser, report, run_train, usable_dtypes
+from benchlib import goal, json_records, median, note, parser, report, run_train, usable_dtypes
 
-REF_LOOP = Path(os.environ.get("SHARDLM_REF_LOOP", ROOT.parent / "shared" / "bench" / "ref_loop.py"))
+REF_LOOP = Path(os.environ.get("SHARDLM_REF_LOOP", Path(__file__).resolve().parent / "ref_loop.py"))
 SHAPE = dict(layers=6, dim=384, heads=6, seq=256, batch=8, vocab=8192)
 WARMUP = 2  # ref_loop also drops its first two steps
 GOAL, FLOOR = 1.00, 0.98

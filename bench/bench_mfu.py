@@ -1,5 +1,5 @@
 """Utilization: model TFLOP/s and MFU of `train` and of the plain loop
-(../shared/bench/ref_loop.py), against a matmul peak measured in the same run.
+(bench/ref_loop.py), against a matmul peak measured in the same run.
 
 Same shape and contenders as bench_loop.py. FLOPs per token are counted the same way on
 both sides (PaLM appendix B: 6·non-embedding params + 6·V·d + 12·L·d·T). The peak is

@@ -38,7 +38,7 @@ def run_train(argv, **kwargs):
                           cwd=ROOT, **kwargs).stdout
 
 
-# The same measurement as ../shared/bench/ref_loop.py's: 2 warm-up products of two
+# The same measurement as bench/ref_loop.py's: 2 warm-up products of two
 # 2048x2048 matrices, then 5 timed ones, in a fresh process with the given thread count.
 _MATMUL = """
 import sys, time, torch

@@ -50,8 +50,8 @@ class CommonConfig:
                                       "log records add mfu = tflops / (peak x ranks)")
     host_allocator: str = _f("caching", "allocator of tensors in host memory: caching keeps freed pages and "
                              "serves later tensors of any size from them, as CUDA's allocator does (built on "
-                             "first use with the system's C++ compiler; Linux); glibc: glibc's malloc, tuned "
-                             "per backend", choices=("caching", "glibc"))
+                             "first use with the system's C++ compiler; Linux; CPU ranks only); glibc: plain glibc "
+                             "malloc, also what a rank falls back to without a compiler", choices=("caching", "glibc"))
     compile: bool = _f(False, "compile each decoder layer with torch.compile (inductor) before sharding; "
                        "the first updates are slower while it compiles (on a CPU it needs a C++ compiler)")
 
