@@ -8,6 +8,7 @@ from dataclasses import MISSING
 import pytest
 from omegaconf import OmegaConf
 
+from helpers import DUMMY, run_train
 from trainer.config.checks import check_config
 from trainer.config.compose import compose_config
 from trainer.config.schema import GROUP_OPTIONS
@@ -175,3 +176,10 @@ def test_shardlm_command_dispatches():
     assert r.returncode == 2 and "did you mean --cpu-offload" in r.stderr
     r = subprocess.run([shardlm, "exprot"], capture_output=True, text=True)
     assert r.returncode == 2 and "usage: shardlm" in r.stderr
+
+
+def test_a_local_sweep_runs_each_job_with_its_values(tmp_path):
+    """`train -m` on this host (Hydra's basic launcher): one job per value, each with it."""
+    records, _ = run_train(DUMMY + ["--batch-size", "2", "--max-update", "1", "--no-save", "--log-format", "json",
+                                    "-m", "optimization.lr=0.125,0.25"], cwd=tmp_path)
+    assert sorted(r["train_lr"] for r in records["train"]) == [0.125, 0.25]

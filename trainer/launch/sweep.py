@@ -46,7 +46,7 @@ def flags_as_overrides(flag_settings):
     return out
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="../../conf", config_name="config", version_base="1.3")
 def _job(_hydra_cfg):
     """One job of the sweep, in the launcher's process (a SLURM task under submitit)."""
     hc = HydraConfig.get()
