@@ -115,9 +115,6 @@ class Setup:
     fp32_reduce_scatter: bool
     optimizer_states: int  # fp32 tensors the optimizer keeps per parameter
     spawned: bool = False  # a local rank the launcher forks (not a process of its own)
-    # --host-allocator (trainer/cpu/host_allocator.py). Not read here: the ledger counts the
-    # bytes alive, which is what the caching allocator (the default) maps at its peak.
-    host_allocator: str = "caching"
 
     @property
     def sharded(self):

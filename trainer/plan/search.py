@@ -75,7 +75,7 @@ def setup_of(cfg, device, ranks_per_host):
                  sequences=sequences_per_batch(cfg), seq_len=cfg.task.tokens_per_sample,
                  precision="bf16" if c.bf16 else "fp16" if c.fp16 else "fp32",
                  fp32_reduce_scatter=d.fp32_reduce_scatter, optimizer_states=states,
-                 spawned=infer_rendezvous(cfg).spawn > 1, host_allocator=c.host_allocator)
+                 spawned=infer_rendezvous(cfg).spawn > 1)
 
 
 def flag_sets(s: Setup):
