@@ -6,7 +6,8 @@ must answer before torch is imported.
 from dataclasses import dataclass, field
 from typing import Optional
 
-ACTIVATIONS = ("relu", "gelu")
+# fairseq's utils.get_activation_fn names (gelu_fast is its old name of gelu_accurate).
+ACTIVATIONS = ("relu", "relu_squared", "gelu", "gelu_fast", "gelu_accurate", "tanh", "linear", "swish")
 
 
 @dataclass
@@ -40,6 +41,56 @@ class TransformerLMConfig:
         "help": "recompute each layer's activations in backward instead of storing them"})
     offload_activations: bool = field(default=False, metadata={
         "help": "keep checkpointed activations on the CPU; implies --checkpoint-activations"})
+    decoder_input_dim: Optional[int] = field(default=None, metadata={
+        "help": "width of the token embeddings, projected to --decoder-embed-dim when different "
+                "(default: --decoder-embed-dim)"})
+    decoder_output_dim: Optional[int] = field(default=None, metadata={
+        "help": "width fed to the output projection, projected from --decoder-embed-dim when different "
+                "(default: --decoder-embed-dim)"})
+    decoder_layerdrop: float = field(default=0.0, metadata={
+        "help": "LayerDrop: skip each decoder layer with this probability in training (Fan et al., 2019)"})
+    decoder_layers_to_keep: Optional[str] = field(default=None, metadata={
+        "help": "keep only these decoder layers, comma-separated ids (e.g. \"0,2,4\"): prune a "
+                "LayerDrop-trained model, typically with eval-lm --model-overrides"})
+    scale_attn: bool = field(default=False, metadata={
+        "help": "NormFormer: layer norm on the attention output before its projection"})
+    scale_fc: bool = field(default=False, metadata={
+        "help": "NormFormer: layer norm after the feed-forward activation"})
+    scale_heads: bool = field(default=False, metadata={
+        "help": "NormFormer: a learned scale per attention head"})
+    scale_resids: bool = field(default=False, metadata={
+        "help": "NormFormer: a learned scale of the feed-forward residual"})
+    adaptive_input: bool = field(default=False, metadata={
+        "help": "adaptive input embeddings (Baevski & Auli, 2018): narrower tables for rarer tokens"})
+    adaptive_input_factor: float = field(default=4.0, metadata={
+        "help": "adaptive input: each band's width is the previous one's divided by this"})
+    adaptive_input_cutoff: Optional[str] = field(default=None, metadata={
+        "help": "adaptive input: comma-separated vocabulary cutoffs, e.g. \"20000,60000\""})
+    adaptive_softmax_cutoff: Optional[str] = field(default=None, metadata={
+        "help": "adaptive softmax: comma-separated vocabulary cutoffs (with --criterion adaptive_loss)"})
+    adaptive_softmax_dropout: float = field(default=0.0, metadata={
+        "help": "adaptive softmax: dropout in the tail projections"})
+    adaptive_softmax_factor: float = field(default=4.0, metadata={
+        "help": "adaptive softmax: each tail's width is the previous one's divided by this"})
+    tie_adaptive_weights: bool = field(default=False, metadata={
+        "help": "tie the adaptive input's and adaptive softmax's embedding tables"})
+    tie_adaptive_proj: bool = field(default=False, metadata={
+        "help": "also tie their projections (with --tie-adaptive-weights)"})
+    character_embeddings: bool = field(default=False, metadata={
+        "help": "fairseq's character-CNN token embeddings: not supported (refused)"})
+    character_filters: str = field(
+        default="[(1, 64), (2, 128), (3, 192), (4, 256), (5, 256), (6, 256), (7, 256)]",
+        metadata={"help": "character CNN filters (only with --character-embeddings)"})
+    character_embedding_dim: int = field(default=4, metadata={
+        "help": "character embedding size (only with --character-embeddings)"})
+    char_embedder_highway_layers: int = field(default=2, metadata={
+        "help": "character embedder highway layers (only with --character-embeddings)"})
+    quant_noise_pq: float = field(default=0.0, metadata={
+        "help": "Quant-Noise product-quantization noise: not supported, 0 only"})
+    quant_noise_pq_block_size: int = field(default=8, metadata={
+        "help": "Quant-Noise block size (only with --quant-noise-pq)"})
+    quant_noise_scalar: float = field(default=0.0, metadata={
+        "help": "Quant-Noise scalar noise: not supported, 0 only"})
     min_params_to_wrap: int = field(default=0, metadata={
         "help": "FSDP: a decoder layer with at least this many parameters is its own shard unit "
                 "(fairseq's 1e8 left most layers unwrapped; 0 wraps every layer)"})

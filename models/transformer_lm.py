@@ -16,7 +16,16 @@ import torch.nn.functional as F
 from models.cpu_attention import causal_matmul_attention, use_matmul_attention
 from models.linear_cross_entropy import linear_cross_entropy
 
-ACTIVATION_FNS = {"relu": F.relu, "gelu": F.gelu}
+ACTIVATION_FNS = {
+    "relu": F.relu,
+    "relu_squared": lambda x: F.relu(x).pow(2),  # Primer (So et al., 2021), as fairseq
+    "gelu": F.gelu,
+    "gelu_fast": partial(F.gelu, approximate="tanh"),  # fairseq's old name of gelu_accurate
+    "gelu_accurate": partial(F.gelu, approximate="tanh"),
+    "tanh": torch.tanh,
+    "linear": lambda x: x,
+    "swish": F.silu,
+}
 
 
 def _dropout(x, p, training):

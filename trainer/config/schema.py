@@ -42,10 +42,17 @@ class CommonConfig:
     cpu: bool = _f(False, "train on the CPU even when a GPU is present")
     fp16: bool = _f(False, "fp16 mixed precision with dynamic loss scaling")
     bf16: bool = _f(False, "bf16 mixed precision (no loss scaling)")
+    memory_efficient_fp16: bool = _f(False, "implies --fp16 (fairseq's rule). shardlm never keeps an fp16 copy of the "
+                                     "weights beside fp32 masters: the one copy is fp32, sharded under FSDP, cast "
+                                     "per layer in forward")
+    memory_efficient_bf16: bool = _f(False, "implies --bf16, as --memory-efficient-fp16 implies --fp16")
     fp16_init_scale: float = _f(128.0, "initial fp16 loss scale")
     fp16_scale_window: Optional[int] = _f(None, "updates without overflow before the loss scale doubles "
                                           "(default: 2**14 / world size / update freq)")
     min_loss_scale: float = _f(1e-4, "stop training when the fp16 loss scale falls below this")
+    wandb_project: Optional[str] = _f(None, "also log to this Weights & Biases project (run name: $WANDB_NAME "
+                                      "or the --save-dir's name; offline where there is no network; "
+                                      "pip install 'shardlm[wandb]')")
     peak_tflops: Optional[float] = _f(None, "the device's peak TFLOP/s per rank in the training dtype: "
                                       "log records add mfu = tflops / (peak x ranks)")
     host_allocator: str = _f("caching", "allocator of tensors in host memory: caching keeps freed pages and "
@@ -80,6 +87,9 @@ class DistributedTrainingConfig:
     no_reshard_after_forward: bool = _f(False, "FSDP: keep parameters gathered from forward to "
                                         "backward (ZeRO-2-like: faster, more memory)")
     fp32_reduce_scatter: bool = _f(False, "FSDP: reduce-scatter gradients in fp32 under --fp16/--bf16")
+    use_sharded_state: bool = _f(False, "FSDP: save and load each rank's shards (shardlm's checkpoints always "
+                                 "are: one DCP directory, each rank writing its own shards, resumable on any "
+                                 "number of ranks)")
     auto_tune: bool = _f(False, "let the memory planner (`plan`) pick the backend, resharding, activation "
                          "checkpointing, offload and --update-freq that fit --memory-budget-gb; prints the choice")
     memory_budget_gb: Optional[float] = _f(None, "--auto-tune: memory per rank to plan for (default: the "
@@ -97,6 +107,14 @@ class DatasetConfig:
     max_tokens_valid: Optional[int] = _f(None, "validation max tokens (default: --max-tokens)")
     validate_interval: int = _f(1, "validate every N epochs")
     validate_interval_updates: int = _f(0, "also validate every N updates (0: only at epoch ends)")
+    num_workers: int = _f(1, "processes that read and collate batches ahead of training (0: in the "
+                          "training process)")
+    required_batch_size_multiple: int = _f(8, "cut each batch to a multiple of N sequences when it holds "
+                                           "N or more")
+    skip_invalid_size_inputs_valid_test: bool = _f(False, "drop validation/test samples longer than "
+                                                   "--tokens-per-sample (default: refuse them)")
+    combine_valid_subsets: Optional[bool] = _f(None, "validate on valid, valid1, valid2, … as one split",
+                                               alias="--combine-val")
     max_valid_steps: Optional[int] = _f(None, "validate on at most N batches", alias="--nval")
     disable_validation: bool = _f(False, "never validate")
 
@@ -108,6 +126,7 @@ class OptimizationConfig:
     max_epoch: int = _f(0, "stop after N epochs (0: no limit)")
     max_update: int = _f(0, "stop after N updates (0: no limit)")
     lr: float = _f(0.25, "peak learning rate")
+    stop_min_lr: float = _f(-1.0, "stop training when the learning rate falls to this or below (-1: never)")
     clip_norm: float = _f(0.0, "clip the global gradient norm to this (0: no clipping; gnorm is logged anyway)")
     update_freq: int = _f(1, "micro-batches per optimizer update (gradient accumulation)")
 
@@ -151,6 +170,8 @@ class TaskConfig:
                              "(default: the embedded corpus)", flag="data")
     tokens_per_sample: int = _f(1024, "tokens per sample (block length)")
     sample_break_mode: str = _f("none", "how samples are cut from the token stream", choices=BREAK_MODES)
+    add_bos_token: bool = _f(False, "start each sample with the beginning-of-sentence symbol <s>")
+    pad_to_fixed_length: bool = _f(False, "pad every batch to --tokens-per-sample positions")
     dict_size: int = _f(49996, "dummy_lm: vocabulary size")
     dataset_size: int = _f(100000, "dummy_lm: samples per epoch")
 
@@ -159,25 +180,39 @@ class TaskConfig:
 class OptimizerConfig:
     """trainer/train/optim.py: build_optimizer."""
     _name: str = _f("adam", "optimizer (adam's weight decay is decoupled, as in fairseq and AdamW)",
-                    flag="--optimizer", choices=("adam", "adamw", "sgd"))
+                    flag="--optimizer", choices=("adam", "adamw", "cpu_adam", "sgd", "nag"))
     adam_betas: List[float] = _f([0.9, 0.999], "Adam betas, e.g. \"(0.9, 0.98)\"")
     adam_eps: float = _f(1e-8, "Adam epsilon")
     weight_decay: float = _f(0.0, "weight decay (never applied to biases, norms and embeddings)")
-    momentum: float = _f(0.0, "SGD momentum")
+    momentum: float = _f(0.0, "SGD momentum (nag's default: 0.99)")
 
 
 @dataclass
 class LRSchedulerConfig:
     """trainer/train/optim.py: LRSchedule."""
     _name: str = _f("fixed", "learning-rate schedule", flag="--lr-scheduler",
-                    choices=("fixed", "inverse_sqrt", "polynomial_decay", "cosine"))
+                    choices=("fixed", "inverse_sqrt", "polynomial_decay", "cosine",
+                                                      "reduce_lr_on_plateau"))
     warmup_updates: int = _f(0, "linear warmup over N updates")
     warmup_init_lr: float = _f(-1.0, "lr at the start of warmup (-1: 0)")
     end_learning_rate: float = _f(0.0, "polynomial_decay: final lr")
     power: float = _f(1.0, "polynomial_decay: power")
     total_num_update: Optional[int] = _f(None, "polynomial_decay: updates to decay over (default: --max-update)")
     min_lr: float = _f(0.0, "cosine: lr at the end of the cycle")
-    lr_period_updates: int = _f(-1, "cosine: cycle length in updates (-1: --max-update minus warmup)")
+    lr_period_updates: int = _f(-1, "cosine: first cycle's length in updates (-1: --max-update minus warmup)")
+    t_mult: float = _f(1.0, "cosine: each cycle is this many times longer than the one before")
+    lr_shrink: float = _f(0.1, "cosine: each cycle's peak lr is the previous one's times this; "
+                          "reduce_lr_on_plateau: the lr's factor on a plateau")
+    lr_threshold: float = _f(1e-4, "reduce_lr_on_plateau: a relative improvement smaller than this is a plateau")
+    lr_patience: int = _f(0, "reduce_lr_on_plateau: validations without improvement before the lr shrinks")
+
+
+@dataclass
+class CriterionConfig:
+    """The training loss: models/transformer_lm.py (cross_entropy, the adaptive softmax's
+    adaptive_loss)."""
+    _name: str = _f("cross_entropy", "loss; adaptive_loss goes with --adaptive-softmax-cutoff",
+                    flag="--criterion", choices=("cross_entropy", "adaptive_loss"))
 
 
 @dataclass
@@ -189,6 +224,7 @@ class ShardLMConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     model: TransformerLMConfig = field(default_factory=TransformerLMConfig)
+    criterion: CriterionConfig = field(default_factory=CriterionConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
 
@@ -201,9 +237,10 @@ GROUPS = {f.name: f.type for f in fields(ShardLMConfig)}
 GROUP_OPTIONS = {
     "model": PRESETS,
     "task": {"language_modeling": {}, "dummy_lm": {"tokens_per_sample": 512}},
-    "optimizer": {"adam": {}, "adamw": {}, "sgd": {}},
+    "criterion": {"cross_entropy": {}, "adaptive_loss": {}},
+    "optimizer": {"adam": {}, "adamw": {}, "cpu_adam": {}, "sgd": {}, "nag": {"momentum": 0.99}},
     "lr_scheduler": {"fixed": {}, "inverse_sqrt": {"warmup_updates": 4000},
-                     "polynomial_decay": {}, "cosine": {}},
+                     "polynomial_decay": {}, "cosine": {}, "reduce_lr_on_plateau": {}},
 }
 
 
