@@ -5,7 +5,7 @@ Nothing here imports torch: `train --help` and a bad flag answer before it loads
 import os
 import sys
 
-from trainer.errors import DEBUG_ENV, UsageError, show_traceback
+from trainer.errors import DEBUG_ENV, INTERRUPTED, UsageError, interrupted_line, show_traceback
 
 
 def _argv(argv):
@@ -139,10 +139,22 @@ def eval_lm_main(argv=None):
     p.add_argument("--max-tokens", type=_positive_int, help="tokens per batch (default 36000 without --batch-size)")
     p.add_argument("--distributed-world-size", type=_positive_int, default=1, help="ranks to spawn")
     p.add_argument("--cpu", action="store_true", help="evaluate on the CPU even when a GPU is present")
+    p.add_argument("--num-workers", type=_non_negative_int, default=1,
+                   help="processes that read and collate batches ahead (0: in the evaluating process)")
+    p.add_argument("--no-progress-bar", action="store_true",
+                   help="no progress line while evaluating (default: one on a terminal)")
+    p.add_argument("--softmax-batch", type=_positive_int,
+                   help="score at most this many tokens' output distributions at a time (bounds the "
+                        "B x T x V memory of large vocabularies)")
+    p.add_argument("--model-overrides", default="{}",
+                   help="model config keys to change before loading, as fairseq's Python dict, e.g. "
+                        "\"{'decoder_layers_to_keep':'0,2,4'}\"")
     try:
         args = _parse(p, argv)
         if args.context_window < 0:
             raise UsageError(f"--context-window must be >= 0, got {args.context_window}")
+        from trainer.config.checks import parse_model_overrides
+        args.model_overrides = parse_model_overrides(args.model_overrides)
         if args.data:  # before any rank starts or the model loads
             from data.data_dir import check_data_dir
             check_data_dir(args.data, [args.gen_subset], subset_flag="--gen-subset")
@@ -224,7 +236,8 @@ def plan_main(argv=None):
         g = parser.add_argument_group("plan")
         g.add_argument("--device-memory-gb", type=_positive_float, help="memory of one GPU (plans for GPUs; "
                        "without it, and with --cpu, plans for this host's CPU)")
-        g.add_argument("--host-memory-gb", type=_positive_float, help="memory of one host (default: this one's)")
+        g.add_argument("--host-memory-gb", type=_positive_float, help="memory of one host (default: this one's; "
+                       "with --device-memory-gb, not checked unless given)")
         g.add_argument("--ranks-per-host", type=_positive_int, help="ranks on one host (default: all of them "
                        "on a CPU, up to 8 on GPUs)")
         g.add_argument("--format", choices=("text", "json"), default="text", help="json: one object")
@@ -244,8 +257,10 @@ def plan_main(argv=None):
             raise UsageError(f"--ranks-per-host {ns.ranks_per_host} exceeds the job's {world} rank(s); "
                              "lower it or raise --distributed-world-size")
         ranks_per_host = ns.ranks_per_host or (world if device == "cpu" else min(world, 8))
-        host_gb = ns.host_memory_gb or host_memory_gb()
-        if host_gb is None:
+        # --device-memory-gb plans a machine this command cannot see: its host memory is not
+        # this machine's RAM, so without --host-memory-gb it goes unchecked (host_gb None).
+        host_gb = ns.host_memory_gb or (None if ns.device_memory_gb else host_memory_gb())
+        if host_gb is None and not ns.device_memory_gb:
             raise UsageError("cannot read this host's memory: give --host-memory-gb")
         device_gb = ns.device_memory_gb if device == "cuda" else (ns.device_memory_gb or host_gb / ranks_per_host)
         from trainer.plan import report as plan_report
@@ -254,6 +269,17 @@ def plan_main(argv=None):
         return _fail("plan", e, 2)
     print(plan_report.as_json(plan) if ns.format == "json" else plan_report.as_text(cfg, plan))
     return 0
+
+
+def _non_negative_int(text):
+    import argparse
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _positive_float(text):
@@ -282,7 +308,12 @@ def shardlm_main(argv=None):
 
 def _entry(fn):
     def main():
-        sys.exit(fn())
+        try:
+            code = fn()
+        except KeyboardInterrupt as e:  # Ctrl-C before a command handles it itself: one line, no traceback
+            print(interrupted_line(os.path.basename(sys.argv[0]), e), file=sys.stderr)
+            code = INTERRUPTED
+        sys.exit(code)
     return main
 
 

@@ -6,8 +6,8 @@ as a share of the time its update takes.
 collation: the real path), with two wrappers and nothing else changed: every batch the
 loop takes from the epoch's batch iterator (`EpochBatchIterator.next_epoch_itr()`) is
 timed around its `next()`, and every `Trainer.train_step` (forward, backward, optimizer
-step of one update) is timed. Loading is synchronous (no workers), so the `next()` time is
-exactly what the loop waits. The first epoch's batch list is built before the loop, by
+step of one update) is timed. Batches are loaded by `--num-workers` processes (default 1,
+as `train` runs), so the `next()` time is exactly what the loop waits for them. The first epoch's batch list is built before the loop, by
 `len(itr)`: it is a one-off per epoch and not counted. Share = Σ waits / Σ step times over
 the updates after two warm-up ones, --update-freq 1, no validation. Two shapes: `make
 demo`'s model (4 × 128, 128 tokens × 8 sequences: the short step where loading weighs

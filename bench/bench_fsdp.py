@@ -32,7 +32,7 @@ MODEL = ["--task", "dummy_lm", "--dict-size", "32768", "--tokens-per-sample", "2
          "--decoder-layers", "6", "--decoder-embed-dim", "1024", "--decoder-ffn-embed-dim", "4096",
          "--decoder-attention-heads", "16", "--share-decoder-input-output-embed", "--decoder-learned-pos",
          "--activation-fn", "gelu", "--dropout", "0", "--attention-dropout", "0", "--optimizer", "adam",
-         "--lr", "0.0001", "--no-save", "--log-format", "json", "--log-interval", "1",
+         "--lr", "0.0001", "--no-save", "--disable-validation", "--log-format", "json", "--log-interval", "1",
          "--distributed-world-size", "2"]
 DDP, FSDP = ["--ddp-backend", "pytorch_ddp"], ["--ddp-backend", "fully_sharded"]
 JEMALLOC = ["--host-allocator", "glibc"]  # plus LD_PRELOAD of libjemalloc: see jemalloc_env

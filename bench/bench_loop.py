@@ -49,7 +49,8 @@ def train_args(dtype, steps):
             "--decoder-attention-heads", str(s["heads"]), "--decoder-ffn-embed-dim", str(4 * s["dim"]),
             "--share-decoder-input-output-embed", "--decoder-learned-pos", "--activation-fn", "gelu",
             "--dropout", "0", "--optimizer", "adamw", "--lr", "0.0001", "--weight-decay", "0.01",  # ref's AdamW
-            "--max-update", str(steps + WARMUP), "--no-save", "--log-format", "json", "--log-interval", "1"]
+            "--max-update", str(steps + WARMUP), "--no-save", "--disable-validation", "--log-format", "json",
+            "--log-interval", "1"]
     return args + (["--bf16"] if dtype == "bf16" else [])
 
 

@@ -21,25 +21,53 @@ from data.tokenizer import load_tokenizer
 SAMPLE_TOKENS = 1 << 20
 
 
-def check_data_dir(path: str | os.PathLike, splits, subset_flag: str = "--train-subset"):
-    """The data dir's tokenizer, after checking the dir, its metadata and each of ``splits``."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(
-            f"data directory {path} does not exist; pass a directory written by `preprocess` "
-            "(shardlm reads local data only: preprocess a hub dataset's files first)"
-        )
-    if not path.is_dir():
-        raise DataError(f"DATA {path} is a file, not a directory; pass the --destdir of `preprocess`")
-    tokenizer = load_tokenizer(path)
-    _check_metadata(path, tokenizer.vocab_size)
-    for split in splits:
-        if not exists(path / split):
+def data_dirs(data: str | os.PathLike) -> list[Path]:
+    """DATA's directories: one, or several joined by os.pathsep (fairseq's sharded data:
+    epoch e trains on the ((e - 1) mod n)-th; the vocabulary and every other split come
+    from the first). Each must be an existing directory."""
+    parts = os.fspath(data).split(os.pathsep)
+    if not all(parts):
+        raise DataError(f"DATA {os.fspath(data)!r} has an empty path; separate data directories with a single "
+                        f"{os.pathsep!r}")
+    dirs = [Path(p) for p in parts]
+    for i, path in enumerate(dirs):
+        which = f" (shard {i + 1} of {len(dirs)} in DATA)" if len(dirs) > 1 else ""
+        if not path.exists():
             raise DataError(
-                f"no split {split!r} in {path} (expected {split}.bin and {split}.idx); "
-                f"check {subset_flag} or re-run preprocess"
+                f"data directory {path}{which} does not exist; pass a directory written by `preprocess` "
+                "(shardlm reads local data only: preprocess a hub dataset's files first)"
             )
-        check_token_ids(IndexedDataset(path / split), tokenizer.vocab_size)
+        if not path.is_dir():
+            raise DataError(f"DATA {path}{which} is a file, not a directory; pass the --destdir of `preprocess`")
+    return dirs
+
+
+def has_tokenizer(path: Path) -> bool:
+    return (path / "tokenizer.model").is_file() or (path / "dict.txt").is_file()
+
+
+def check_data_dir(data: str | os.PathLike, splits, subset_flag: str = "--train-subset", train_split=None):
+    """The tokenizer of DATA's first dir, after checking every dir of DATA, its metadata,
+    ``splits`` in the first dir and ``train_split`` in every one (sharded data)."""
+    dirs = data_dirs(data)
+    tokenizer = load_tokenizer(dirs[0])
+    for i, path in enumerate(dirs):
+        # Like fairseq, only the first dir's vocabulary is read; a shard that has its own
+        # must have the same one, or its token ids would mean other tokens.
+        if i and has_tokenizer(path) and load_tokenizer(path).pieces() != tokenizer.pieces():
+            raise DataError(
+                f"{path} has another vocabulary than {dirs[0]}; every data directory of DATA must be preprocessed "
+                "with the same tokenizer (preprocess --spm-model, fairseq-preprocess --srcdict)"
+            )
+        _check_metadata(path, tokenizer.vocab_size)
+        for split in (list(splits) if i == 0 else []) + ([train_split] if train_split else []):
+            flag = "--train-subset" if split == train_split else subset_flag
+            if not exists(path / split):
+                raise DataError(
+                    f"no split {split!r} in {path} (expected {split}.bin and {split}.idx); "
+                    f"check {flag} or re-run preprocess"
+                )
+            check_token_ids(IndexedDataset(path / split), tokenizer.vocab_size)
     return tokenizer
 
 

@@ -13,11 +13,13 @@ _FIRST_REGULAR_ID = 4
 class DummyLMDataset:
     """``num_items`` blocks of ``tokens_per_sample + 1`` uniform random ids in [4, dict_size).
 
-    Item ``i`` depends only on ``(seed, i)``, so any rank or resumed run sees the same
-    block without generating the ones before it.
+    Item ``i`` depends only on ``(seed, stream, i)``, so any rank or resumed run sees the
+    same block without generating the ones before it. Each split is its own stream (0:
+    the training split), as fairseq's dummy_lm gives data for any split name.
     """
 
-    def __init__(self, dict_size: int, tokens_per_sample: int, num_items: int = 100000, seed: int = 1):
+    def __init__(self, dict_size: int, tokens_per_sample: int, num_items: int = 100000, seed: int = 1,
+                 stream: int = 0):
         if dict_size <= _FIRST_REGULAR_ID:
             raise DataError(f"dummy data needs a dictionary larger than {_FIRST_REGULAR_ID} symbols, got {dict_size}")
         if tokens_per_sample < 1:
@@ -25,13 +27,14 @@ class DummyLMDataset:
         self.dict_size = dict_size
         self.tokens_per_sample = tokens_per_sample
         self.seed = seed
+        self._key = (seed,) if stream == 0 else (seed, stream)  # training's data as before splits had streams
         self.sizes = np.full(num_items, tokens_per_sample + 1, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.sizes)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        rng = np.random.default_rng((self.seed, checked_index(i, len(self.sizes), "item")))
+        rng = np.random.default_rng((*self._key, checked_index(i, len(self.sizes), "item")))
         return rng.integers(_FIRST_REGULAR_ID, self.dict_size, size=self.tokens_per_sample + 1, dtype=np.int64)
 
     @property

@@ -16,7 +16,9 @@ context, so ``input = item[:-1]``, ``target = item[1:]`` and items are at most
   ``eos`` makes one block per sequence; ``complete`` packs whole sequences greedily;
   ``complete_doc`` does too but never across a document boundary, a sequence that is
   only ``</s>`` (a blank input line), which like in fairseq belongs to no block.
-  A sequence longer than T is cut into pieces of T targets.
+  A sequence longer than T fits in no block: as in fairseq, where it becomes a block
+  longer than the model's positions that batching filters out, it is left out, and
+  ``too_long`` lists it (its index in the file) for the task to warn or refuse.
 """
 
 from __future__ import annotations
@@ -29,27 +31,18 @@ from data.indexed_dataset import IndexedDataset
 BREAK_MODES = ("none", "complete", "complete_doc", "eos")
 
 
-def _pieces(starts: np.ndarray, lengths: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
-    """Cut each range ``[start, start + length)`` into pieces of at most ``limit``, in order."""
-    counts = -(-lengths // limit)  # ceil; a zero-length range has no piece
-    first_piece = np.repeat(np.cumsum(counts) - counts, counts)
-    within = np.arange(int(counts.sum()), dtype=np.int64) - first_piece
-    piece_starts = np.repeat(starts, counts) + within * limit
-    piece_ends = np.minimum(piece_starts + limit, np.repeat(starts + lengths, counts))
-    return piece_starts, piece_ends
-
-
-def _pack(piece_starts: np.ndarray, piece_ends: np.ndarray, group: np.ndarray, limit: int):
-    """Greedy packing of consecutive pieces into blocks of at most ``limit`` targets.
+def _pack(seq_starts: np.ndarray, seq_ends: np.ndarray, group: np.ndarray, limit: int):
+    """Greedy packing of consecutive sequences (each at most ``limit`` long) into blocks of
+    at most ``limit`` targets.
 
     A block never spans two ``group`` values (documents). Returns block target ranges.
     """
-    n = len(piece_starts)
+    n = len(seq_starts)
     if n == 0:
-        return piece_starts, piece_ends
-    lengths = piece_ends - piece_starts
-    before = np.concatenate([[0], np.cumsum(lengths)])  # targets before piece i
-    # The block starting at piece i ends before the first piece that would overflow it,
+        return seq_starts, seq_ends
+    lengths = seq_ends - seq_starts
+    before = np.concatenate([[0], np.cumsum(lengths)])  # targets before sequence i
+    # The block starting at sequence i ends before the first one that would overflow it,
     # or that starts a new document; computed for every i at once.
     overflow = np.searchsorted(before, before[:-1] + limit, side="right") - 1
     group_end = np.searchsorted(group, group, side="right")
@@ -61,7 +54,7 @@ def _pack(piece_starts: np.ndarray, piece_ends: np.ndarray, group: np.ndarray, l
         i = next_start[i]
     block_first = np.asarray(block_first, dtype=np.int64)
     block_last = np.append(block_first[1:], n) - 1
-    return piece_starts[block_first], piece_ends[block_last]
+    return seq_starts[block_first], seq_ends[block_last]
 
 
 class TokenBlockDataset:
@@ -89,6 +82,7 @@ class TokenBlockDataset:
         self.pad = pad
         self.eos = eos
         self._stream = indexed.tokens
+        self.too_long = np.zeros(0, dtype=np.int64)  # sequences left out: longer than a block
         self.target_starts, self.target_ends = self._block_ranges()
         self.sizes = (self.target_ends - self.target_starts + 1).astype(np.int64)
 
@@ -100,19 +94,20 @@ class TokenBlockDataset:
             starts = np.arange(1, stream_len, T, dtype=np.int64)
             return starts, np.minimum(starts + T, stream_len)
         seq_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        group = np.zeros(len(lengths), dtype=np.int64)
+        separator = np.zeros(len(lengths), dtype=bool)
         if self.break_mode == "complete_doc":
             candidates = np.flatnonzero(lengths == 1)
-            separator = np.zeros(len(lengths), dtype=bool)
             separator[candidates] = self._stream[seq_starts[candidates]] == self.eos
-            group = np.cumsum(separator)
-            keep = ~separator
-            seq_starts, lengths, group = seq_starts[keep], lengths[keep], group[keep]
-        counts = -(-lengths // T)
-        piece_starts, piece_ends = _pieces(seq_starts, lengths, T)
+        too_long = (lengths > T) & ~separator
+        self.too_long = np.flatnonzero(too_long)
+        # A left-out sequence ends packing as a document boundary does: a block is one
+        # range of the stream, so it cannot hold the sequences on both sides of it.
+        group = np.cumsum(separator | too_long)
+        keep = ~(separator | too_long) & (lengths > 0)
+        seq_starts, lengths, group = seq_starts[keep], lengths[keep], group[keep]
         if self.break_mode == "eos":
-            return piece_starts, piece_ends
-        return _pack(piece_starts, piece_ends, np.repeat(group, counts), T)
+            return seq_starts, seq_starts + lengths
+        return _pack(seq_starts, seq_starts + lengths, group, T)
 
     # Pickle without the token map (numpy would copy the whole file into the pickle);
     # the IndexedDataset pickles by path and re-maps it.
@@ -137,3 +132,26 @@ class TokenBlockDataset:
     def num_tokens(self) -> int:
         """Targets per epoch (each item contributes ``len(item) - 1``)."""
         return int((self.target_ends - self.target_starts).sum())
+
+
+class ConcatDataset:
+    """Several datasets' items as one dataset, in order (fairseq's ConcatDataset):
+    --combine-valid-subsets validates on valid, valid1, … as one split. Each file is cut
+    into blocks on its own, so no block spans two files."""
+
+    def __init__(self, datasets):
+        self.datasets = list(datasets)
+        self.sizes = np.concatenate([d.sizes for d in self.datasets]).astype(np.int64)
+        self._ends = np.cumsum([len(d) for d in self.datasets])
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        i = checked_index(i, len(self.sizes), "block")
+        k = int(np.searchsorted(self._ends, i, side="right"))
+        return self.datasets[k][i - (int(self._ends[k - 1]) if k else 0)]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(d.num_tokens for d in self.datasets)

@@ -113,6 +113,10 @@ class SentencePieceTokenizer:
     def decode(self, ids) -> str:
         return self._sp.decode([int(i) for i in ids if int(i) not in self._skip_on_decode])
 
+    def pieces(self) -> list[str]:
+        """The vocabulary, by id: two tokenizers with the same pieces give the same ids."""
+        return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
+
 
 class DictionaryTokenizer:
     """fairseq data dirs: whitespace-split words looked up in dict.txt."""
@@ -135,6 +139,9 @@ class DictionaryTokenizer:
 
     def decode(self, ids) -> str:
         return self.dictionary.string(ids)
+
+    def pieces(self) -> list[str]:
+        return list(self.dictionary.symbols)
 
 
 def load_tokenizer(data_dir: str | os.PathLike) -> SentencePieceTokenizer | DictionaryTokenizer:

@@ -48,18 +48,20 @@ class TransformerLMConfig:
         "help": "width fed to the output projection, projected from --decoder-embed-dim when different "
                 "(default: --decoder-embed-dim)"})
     decoder_layerdrop: float = field(default=0.0, metadata={
-        "help": "LayerDrop: skip each decoder layer with this probability in training (Fan et al., 2019)"})
+        "help": "LayerDrop: skip each decoder layer with this probability in training, drawn anew "
+                "for every micro-batch, the same on every rank (Fan et al., 2019); evaluation runs all"})
     decoder_layers_to_keep: Optional[str] = field(default=None, metadata={
-        "help": "keep only these decoder layers, comma-separated ids (e.g. \"0,2,4\"): prune a "
-                "LayerDrop-trained model, typically with eval-lm --model-overrides"})
+        "help": "keep only these of the --decoder-layers layers, comma-separated ids (e.g. \"0,2,4\"), "
+                "renumbered 0, 1, …: prunes a LayerDrop-trained checkpoint of all of them, typically "
+                "with eval-lm --model-overrides"})
     scale_attn: bool = field(default=False, metadata={
-        "help": "NormFormer: layer norm on the attention output before its projection"})
+        "help": "NormFormer: layer norm on the attention block's output (after its projection, as fairseq)"})
     scale_fc: bool = field(default=False, metadata={
         "help": "NormFormer: layer norm after the feed-forward activation"})
     scale_heads: bool = field(default=False, metadata={
-        "help": "NormFormer: a learned scale per attention head"})
+        "help": "NormFormer: a learned scale per attention head of the attention block's output"})
     scale_resids: bool = field(default=False, metadata={
-        "help": "NormFormer: a learned scale of the feed-forward residual"})
+        "help": "NormFormer: a learned per-channel scale of the feed-forward block's residual"})
     adaptive_input: bool = field(default=False, metadata={
         "help": "adaptive input embeddings (Baevski & Auli, 2018): narrower tables for rarer tokens"})
     adaptive_input_factor: float = field(default=4.0, metadata={
@@ -96,6 +98,57 @@ class TransformerLMConfig:
                 "(fairseq's 1e8 left most layers unwrapped; 0 wraps every layer)"})
 
 
+def parse_cutoffs(text):
+    """An adaptive cutoff option as fairseq's options.eval_str_list reads it: "20000,60000"
+    (or "[20000, 60000]", or one number) → [20000, 60000]. ValueError if it is not that."""
+    items = [x.strip() for x in str(text).strip().strip("[]()").split(",")]
+    try:
+        cutoffs = [int(x) for x in items if x]
+    except ValueError:
+        raise ValueError("is not a comma-separated list of token ids like 20000,60000") from None
+    if not cutoffs or cutoffs[0] <= 0 or any(b <= a for a, b in zip(cutoffs, cutoffs[1:])):
+        raise ValueError("must be increasing positive token ids, like 20000,60000")
+    return cutoffs
+
+
+def adaptive_bands(cutoff, vocab_size, dim, factor):
+    """The bands of an adaptive input or softmax: [(first id, end id, width)]. The cutoffs
+    are extended by the vocabulary size (fairseq's `cutoff + [vocab_size]`, unless the last
+    one is that already); band i is `dim // factor**i` wide. The adaptive softmax's head is
+    band 0 and its tail i band i+1. ValueError when the cutoffs do not fit the vocabulary."""
+    cutoffs = parse_cutoffs(cutoff)
+    if cutoffs[-1] > vocab_size:
+        raise ValueError(f"reaches past the vocabulary of {vocab_size} tokens")
+    if cutoffs[-1] < vocab_size:
+        cutoffs.append(vocab_size)
+    starts = [0] + cutoffs[:-1]
+    return [(start, end, int(dim // factor ** i)) for i, (start, end) in enumerate(zip(starts, cutoffs))]
+
+
+def layers_to_keep(model_cfg):
+    """decoder_layers_to_keep as sorted layer ids (fairseq sorts them too), or None when
+    unset. ValueError saying why when they are not distinct ids below decoder_layers."""
+    text = getattr(model_cfg, "decoder_layers_to_keep", None)  # None in configs saved before it existed
+    if text is None or str(text).strip() == "":
+        return None
+    try:
+        ids = sorted(int(x) for x in str(text).split(","))
+    except ValueError:
+        raise ValueError("is not a comma-separated list of layer ids like 0,2,4") from None
+    if len(set(ids)) < len(ids):
+        raise ValueError("names a layer twice")
+    if ids[0] < 0 or ids[-1] >= model_cfg.decoder_layers:
+        raise ValueError(f"names a layer outside 0-{model_cfg.decoder_layers - 1} (--decoder-layers "
+                         f"{model_cfg.decoder_layers})")
+    return ids
+
+
+def num_layers(model_cfg):
+    """The layers the model is built with: decoder_layers, or those it keeps."""
+    keep = layers_to_keep(model_cfg)
+    return model_cfg.decoder_layers if keep is None else len(keep)
+
+
 def _gpt3(layers, dim, heads):
     # fairseq's base_gpt3_architecture: learned positions, tied embeddings, gelu, no dropout.
     return dict(decoder_layers=layers, decoder_embed_dim=dim, decoder_ffn_embed_dim=4 * dim,
@@ -111,6 +164,16 @@ def _gpt2(layers, dim, ffn, heads):
                 dropout=0.1, attention_dropout=0.1)
 
 
+# transformer_lm_baevski_wiki103 and _gbw, each followed by transformer_lm_big, whose
+# getattr defaults leave the keys already set (16 layers and 8 heads stay).
+_BIG = dict(decoder_layers=12, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096, decoder_attention_heads=16)
+WIKI103 = {**_BIG, **dict(decoder_layers=16, decoder_attention_heads=8, dropout=0.3, adaptive_input=True,
+                          tie_adaptive_weights=True, adaptive_input_cutoff="20000,60000",
+                          adaptive_softmax_cutoff="20000,60000", adaptive_softmax_dropout=0.2,
+                          attention_dropout=0.1, activation_dropout=0.1, no_decoder_final_norm=True,
+                          tie_adaptive_proj=True)}
+GBW = {**_BIG, **dict(decoder_embed_dim=512, dropout=0.1, attention_dropout=0.1, no_decoder_final_norm=True)}
+
 # fairseq/models/transformer_lm.py architectures: only the keys each one sets.
 # Selecting a preset sets these keys; every other key keeps its current value.
 PRESETS = {
@@ -118,6 +181,10 @@ PRESETS = {
                            decoder_attention_heads=8, activation_fn="relu"),
     "transformer_lm_big": dict(decoder_layers=12, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096,
                                decoder_attention_heads=16),
+    "transformer_lm_wiki103": WIKI103,  # Baevski & Auli (2018): adaptive input + softmax, tied
+    "transformer_lm_baevski_wiki103": WIKI103,
+    "transformer_lm_gbw": GBW,
+    "transformer_lm_baevski_gbw": GBW,
     "transformer_lm_gpt": _gpt2(12, 768, 3072, 12),
     "transformer_lm_gpt2_tiny": _gpt2(2, 64, 64, 1),
     "transformer_lm_gpt2_small": _gpt2(24, 1024, 4096, 16),

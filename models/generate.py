@@ -48,7 +48,7 @@ def sample(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.
     if len(tokens) + max_new_tokens > model.max_positions:
         raise ValueError(f"prompt of {len(tokens)} tokens + --max-new-tokens {max_new_tokens} exceeds "
                          f"the model's {model.max_positions} positions")
-    device = model.embed_tokens.weight.device
+    device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()

@@ -3,6 +3,7 @@ of ranks and any backend; a save killed halfway leaves the previous one loadable
 retention keeps what it says; a checkpoint of another model is refused in one line."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +14,9 @@ import pytest
 
 from helpers import DUMMY, run_train, train_updates
 
-SAVE = [a for a in DUMMY if a != "--no-save"]
+# Batches of exactly --batch-size (none cut to fairseq's multiple of 8): one global batch
+# of 12 is 1 x 12 or 2 x 6 (RESHARD).
+SAVE = [a for a in DUMMY if a != "--no-save"] + ["--required-batch-size-multiple", "1"]
 
 
 def _split_run(argv, world, save_dir, tmp_path, resume_argv=None, resume_world=None):
@@ -105,7 +108,7 @@ def test_names_and_retention(tmp_path):
                       "--log-format", "json"])
     # 4 updates per epoch: epochs end at 4 and 8; update checkpoints at 3, 6, 9 (kept: 6, 9).
     names = sorted(p.name for p in save.iterdir() if p.is_dir())
-    assert names == ["checkpoint2", "checkpoint_2_6", "checkpoint_3_9", "checkpoint_last"]
+    assert names == ["checkpoint2", "checkpoint_2_6", "checkpoint_3_9", "checkpoint_best", "checkpoint_last"]
     state = json.loads((save / "checkpoint_last" / "trainer_state.json").read_text())
     assert state["num_updates"] == 10 and state["iterator"]["epoch"] == 3
     # checkpoint_last is a second name of the same files when both are written at once
@@ -128,10 +131,68 @@ def test_a_different_model_is_refused_in_one_line(tmp_path):
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (save / "checkpoint_last").iterdir()) == before
 
 
-def test_missing_restore_file_is_refused(tmp_path):
-    _, r = run_train(SAVE + ["--batch-size", "4", "--max-update", "2", "--save-dir", str(tmp_path),
-                             "--restore-file", "nope"], check=False)
-    assert r.returncode != 0 and "--restore-file nope is not a checkpoint" in r.stderr and "Traceback" not in r.stderr
+def test_a_restore_file_that_does_not_exist_starts_afresh_only_in_an_empty_save_dir(tmp_path):
+    """fairseq's job scripts pass the same --restore-file on every launch of a requeued job.
+    With nothing saved yet the run starts afresh (fairseq's line); once --save-dir holds
+    checkpoints, a name that does not exist is a typo, refused before it could overwrite them.
+    fairseq's `.pt` names find shardlm's directories: the run continues at update 3 with the
+    loss the first run had there."""
+    save = tmp_path / "ckpt"
+    argv = SAVE + ["--batch-size", "4", "--save-dir", str(save), "--log-format", "json", "--log-interval", "1",
+                   "--save-interval-updates", "2"]
+    first, r = run_train(argv + ["--max-update", "3", "--restore-file", "x.pt"])
+    assert f"No existing checkpoint found {save / 'x.pt'}" in r.stdout
+    assert [x["num_updates"] for x in first["train_inner"]] == [1, 2, 3]
+    before = sorted((p.relative_to(save), p.stat().st_mtime_ns) for p in save.rglob("*"))
+    _, r = run_train(argv + ["--max-update", "3", "--restore-file", "x.pt"], check=False)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"train: error: --restore-file x.pt does not exist, and --save-dir {save} holds checkpoint_last: "
+        "fix the path, or drop --restore-file to resume from checkpoint_last"]
+    assert sorted((p.relative_to(save), p.stat().st_mtime_ns) for p in save.rglob("*")) == before
+    resumed, r = run_train(argv + ["--max-update", "3", "--restore-file", str(save / "checkpoint_1_2.pt")])
+    assert f"loaded checkpoint {save / 'checkpoint_1_2'} (epoch 1 @ 2 updates)" in r.stdout
+    assert resumed["train_inner"] == [dict(first["train_inner"][2], wps=x["wps"], ups=x["ups"], wall=x["wall"],
+                                           train_wall=x["train_wall"], mem_gb=x["mem_gb"], tflops=x["tflops"])
+                                      for x in resumed["train_inner"]]
+
+
+def test_fairseq_checkpoint_names_and_restore_choices(tmp_path, monkeypatch):
+    """One resolver for every command line that names a checkpoint: `checkpoint_last.pt` is
+    `checkpoint_last` when only that exists, for --restore-file, --finetune-from-model and
+    eval-lm / generate / export-model's --path."""
+    from types import SimpleNamespace
+
+    from trainer.checkpoint.files import restore_choice
+    from trainer.errors import UsageError
+    from trainer.inference.load import _kind
+
+    save = tmp_path / "ckpt"
+    for name in ("checkpoint_last", "checkpoint_1_2"):
+        (save / name).mkdir(parents=True)
+        (save / name / "trainer_state.json").write_text("{}")
+        (save / name / ".metadata").write_bytes(b"")
+
+    def choice(restore_file="checkpoint_last", finetune=None, save_dir=save):
+        return restore_choice(SimpleNamespace(save_dir=str(save_dir), restore_file=restore_file,
+                                              finetune_from_model=finetune))
+
+    assert choice()[:2] == (save / "checkpoint_last", False)
+    assert choice("checkpoint_last.pt")[:2] == (save / "checkpoint_last", False)
+    assert choice("checkpoint_1_2.pt")[:2] == (save / "checkpoint_1_2", False)  # a name in --save-dir
+    assert choice(str(save / "checkpoint_1_2.pt"))[:2] == (save / "checkpoint_1_2", False)
+    monkeypatch.chdir(save)  # the default is --save-dir's checkpoint_last, not one where train started
+    assert choice(save_dir=tmp_path / "fresh") == (None, False, tmp_path / "fresh" / "checkpoint_last")
+    assert choice(finetune=str(save / "checkpoint_1_2.pt"), save_dir=tmp_path / "fresh")[:2] == \
+        (save / "checkpoint_1_2", True)
+    with pytest.raises(UsageError, match="--finetune-from-model and --restore-file name two checkpoints"):
+        choice("checkpoint_1_2.pt", finetune=str(save / "checkpoint_1_2"))
+    (tmp_path / "model.pt").write_bytes(b"a fairseq checkpoint")
+    with pytest.raises(UsageError, match="is a file"):
+        choice(str(tmp_path / "model.pt"))
+    shutil.rmtree(save / "checkpoint_last")  # a run of --no-last-checkpoints
+    with pytest.raises(UsageError, match=r"holds checkpoint_1_2: fix the path \(e.g. --restore-file checkpoint_1_2\)"):
+        choice("typo.pt")
+    assert _kind(save / "checkpoint_1_2.pt") == ("checkpoint", save / "checkpoint_1_2")
 
 
 @pytest.mark.slow

@@ -134,13 +134,25 @@ def test_bad_input_is_one_line(argv, message):
     (["--decoder-attention-heads", "5"], "does not divide --decoder-embed-dim 512"),
     (["--shard-group-size", "2"], "--shard-group-size needs --ddp-backend hybrid_shard"),
     (["--distributed-port", "70000"], "is not a port"),
-    ([], "set --batch-size or --max-tokens"),
+    (["task.data=data-bin"], "set --batch-size or --max-tokens"),  # with DATA, fairseq's rule
 ])
 def test_contradictions_are_refused(argv, message):
-    argv = argv + ([] if not argv else ["--batch-size", "2"])
+    argv = argv + ([] if argv[0].startswith("task.") else ["--batch-size", "2"])
     with pytest.raises(UsageError) as e:
         check_config(compose(argv))
     assert message in str(e.value)
+
+
+def test_the_embedded_corpus_gets_a_batch_size_and_adams_lr_when_none_is_given():
+    """`train --ddp-backend=fully_sharded --cpu-offload` alone trains: without DATA the
+    embedded corpus gets 8 sequences per rank and the lr of fairseq's LM README (fairseq's
+    default 0.25 makes Adam diverge). What the user sets is kept."""
+    cfg = compose(["--ddp-backend=fully_sharded", "--cpu-offload"])
+    assert (cfg.dataset.batch_size, cfg.optimization.lr) == (8, 5e-4)
+    assert compose(["optimization.lr=0.1"]).optimization.lr == 0.1
+    assert compose(["--max-tokens", "512"]).dataset.batch_size is None
+    assert compose(["--optimizer", "sgd"]).optimization.lr == 0.25
+    assert compose(["task.data=data-bin", "--batch-size", "2"]).optimization.lr == 0.25  # fairseq's default
 
 
 def test_bad_yaml_file(tmp_path):

@@ -64,27 +64,32 @@ def test_token_blocks_every_mode(tmp_path, T):
             assert all(np.array_equal(items[k][-1:], items[k + 1][:1]) for k in range(len(items) - 1))
             assert items[0].tolist() == stream[: T + 1]
             continue
-        ranges = zip(blocks.target_starts.tolist(), blocks.target_ends.tolist())
+        # A sequence longer than T fits no block: left out and listed (fairseq filters it).
+        too_long = [k for k, s in enumerate(seqs) if len(s) > T and not (mode == "complete_doc" and separator[k])]
+        assert blocks.too_long.tolist() == too_long
+        fits = [len(s) <= T for s in seqs]
         if mode == "complete_doc":
-            # Every non-separator token is a target; no block holds or crosses a separator.
-            kept = [t for t, s in zip(stream, seq_of) if not separator[s]]
-            assert targets == kept
-            for start, end in ranges:
-                covered = seq_of[start:end]
-                assert not any(separator[s] for s in range(covered[0], covered[-1] + 1))
+            # Every token of a sequence that fits, separators aside, is a target.
+            assert targets == [t for t, s in zip(stream, seq_of) if fits[s] and not separator[s]]
         else:
-            assert targets == stream  # the first token of each sequence is a target too
+            assert targets == [t for t, s in zip(stream, seq_of) if fits[s]]  # first tokens included
         seq_start = np.cumsum([0] + [len(s) for s in seqs])
         for k, (start, end) in enumerate(zip(blocks.target_starts.tolist(), blocks.target_ends.tolist())):
             # The item is the targets plus the token before them, a virtual </s> at 0.
             assert items[k].tolist() == ([2] + stream)[start : end + 1]
-            # Blocks start at a sequence start, or every T tokens inside a long sequence.
-            assert (start - seq_start[seq_of[start]]) % T == 0
+            # Blocks hold whole sequences, never a left-out one (nor, complete_doc, a separator).
+            covered = range(seq_of[start], seq_of[end - 1] + 1)
+            assert start == seq_start[seq_of[start]] and end == seq_start[seq_of[end - 1] + 1]
+            assert all(fits[s] and not (mode == "complete_doc" and separator[s]) for s in covered)
             if mode == "eos":
-                assert seq_of[end - 1] == seq_of[start]
+                assert len(covered) == 1
         if mode == "complete":
-            # Greedy: the next block's first sequence piece would not have fit.
+            # Greedy: the next block's first sequence would not have fit.
             assert len(blocks) <= len(TokenBlockDataset(ds, T, "eos"))
+            for k in range(len(blocks) - 1):
+                nxt = seq_of[blocks.target_starts[k + 1]]
+                if seq_of[blocks.target_ends[k] - 1] + 1 == nxt:  # nothing left out between them
+                    assert blocks.sizes[k] - 1 + len(seqs[nxt]) > T
 
 
 def test_token_blocks_pickle_by_path(tmp_path):

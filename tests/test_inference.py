@@ -53,6 +53,37 @@ def test_eval_lm_equals_training_valid_loss(trained):
     assert _loss(r3.stdout)[0] != loss
 
 
+def test_eval_lm_fairseq_flags_act(trained):
+    """--softmax-batch leaves the loss as it is; --model-overrides (the LayerDrop README's
+    decoder_layers_to_keep) evaluates the pruned model; --num-workers 0 and
+    --no-progress-bar are fairseq's test-suite flags; a bad override is one line."""
+    ckpt, _ = trained
+    base = ("eval-lm", "--path", ckpt, "--gen-subset", "valid", "--batch-size", "8", "--no-progress-bar")
+    loss, _ = _loss(_run(*base).stdout)
+    r = _run(*base, "--softmax-batch", "7", "--num-workers", "0")
+    assert _loss(r.stdout)[0] == pytest.approx(loss, abs=1e-4)
+    pruned = _run(*base, "--model-overrides", "{'decoder_layers_to_keep':'0'}")
+    assert _loss(pruned.stdout)[0] > loss + 0.01
+    bad = _run(*base, "--model-overrides", "{'decoder_layer':2}", check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "did you mean decoder_layers" in bad.stderr
+
+
+def test_softmax_batch_scores_that_many_tokens_at_a_time():
+    import torch
+
+    from models.transformer_lm import build_model
+
+    model = build_model(compose(TINY + ["--batch-size", "2"]).model, vocab_size=50, max_positions=32).eval()
+    tokens = torch.randint(4, 50, (2, 11))
+    sizes, output_loss = [], model.output_loss
+    model.output_loss = lambda x, target: sizes.append(target.numel()) or output_loss(x, target)
+    with torch.no_grad():
+        full = model(tokens, target=tokens)
+        chunked = model(tokens, target=tokens, softmax_batch=5)
+    assert sizes == [22, 5, 5, 5, 5, 2]
+    assert chunked.item() == pytest.approx(full.item(), rel=1e-6)
+
+
 def _sharded_logits(index, argv, port, out):
     import torch
     from trainer.parallel import ranks as distributed

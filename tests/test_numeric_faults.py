@@ -8,9 +8,10 @@ from pathlib import Path
 
 from helpers import DUMMY, run_train
 
-# --no-save off, one checkpoint per update: any save after the fault would show.
+# --no-save off, one checkpoint per update: any save after the fault would show (and no
+# validation: no checkpoint_best beside them).
 SAVING = [a for a in DUMMY if a != "--no-save"] + ["--batch-size", "4", "--save-interval-updates", "1",
-                                                  "--log-format", "json", "--log-interval", "1"]
+                                                  "--log-format", "json", "--log-interval", "1", "--disable-validation"]
 FSDP2 = ["--ddp-backend", "fully_sharded", "--distributed-world-size", "2"]
 
 

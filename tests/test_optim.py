@@ -1,5 +1,7 @@
-"""fairseq's learning-rate schedules, the weight-decay parameter groups, and AdamW and the
-gradient norm on FSDP2's shards (2 real gloo ranks)."""
+"""fairseq's learning-rate schedules (expected values worked out from fairseq's code), its
+NAG against a hand-written step, the option checks, the weight-decay parameter groups, and
+AdamW and the gradient norm on FSDP2's shards (2 real gloo ranks). Training with them:
+test_optim_train.py."""
 import json
 import math
 from pathlib import Path
@@ -31,6 +33,167 @@ def test_cosine_and_fixed():
     s = schedule("--lr-scheduler", "cosine", "--lr", "0.01", "--min-lr", "0.001", "--max-update", "100")
     assert s.lr(0) == pytest.approx(0.01) and s.lr(50) == pytest.approx(0.0055) and s.lr(100) == pytest.approx(0.001)
     assert schedule("--lr", "0.3").lr(12345) == 0.3
+
+
+def test_cosine_cycles_grow_by_t_mult_and_shrink_by_lr_shrink_after_warmup():
+    """fairseq's cosine step_update. Warmup from --min-lr (its --warmup-init-lr default) by
+    (0.01 - 0.001) / 5 per update; then cycles of 10, 20, 40 updates whose max and min lr
+    are halved each cycle."""
+    s = schedule("--lr-scheduler", "cosine", "--lr", "0.01", "--min-lr", "0.001", "--warmup-updates", "5",
+                 "--lr-period-updates", "10", "--t-mult", "2", "--lr-shrink", "0.5", "--max-update", "200")
+    assert s.lr(0) == pytest.approx(0.001) and s.lr(3) == pytest.approx(0.001 + 3 * 0.0018)
+    assert s.lr(5) == pytest.approx(0.01)  # cycle 0 starts at --lr
+    assert s.lr(10) == pytest.approx(0.001 + 0.5 * 0.009)  # halfway through cycle 0 (10 updates)
+    assert s.lr(15) == pytest.approx(0.005)  # cycle 1 (20 updates) starts at 0.01 * 0.5
+    assert s.lr(25) == pytest.approx(0.0005 + 0.5 * 0.0045)  # halfway through cycle 1
+    # 40 updates past warmup: 10 into cycle 2 (40 updates, lr between 0.0025 and 0.00025)
+    assert s.lr(45) == pytest.approx(0.00025 + 0.5 * 0.00225 * (1 + math.cos(math.pi / 4)))
+
+
+def test_cosine_restarts_each_period_with_t_mult_1():
+    s = schedule("--lr-scheduler", "cosine", "--lr", "0.01", "--lr-period-updates", "10", "--lr-shrink", "0.1",
+                 "--max-update", "100")
+    assert [s.lr(n) for n in (0, 5, 10, 15, 25)] == pytest.approx([0.01, 0.005, 0.001, 0.0005, 0.00005])
+    # without --lr-period-updates the one cycle is --max-update minus warmup
+    s = schedule("--lr-scheduler", "cosine", "--lr", "0.01", "--min-lr", "0.001", "--warmup-updates", "5",
+                 "--max-update", "25")
+    assert s.lr(15) == pytest.approx(0.0055) and s.lr(25) == pytest.approx(0.01 * 0.1)
+
+
+def plateau(*argv):
+    return schedule("--lr-scheduler", "reduce_lr_on_plateau", "--lr", "0.01", *argv)
+
+
+def test_reduce_lr_on_plateau_shrinks_after_patience_and_its_state_restores():
+    """torch's ReduceLROnPlateau as fairseq drives it: a metric is better when below
+    best * (1 - threshold); after more than --lr-patience bad epochs the lr is multiplied by
+    --lr-shrink and the count starts again."""
+    s = plateau("--lr-shrink", "0.5", "--lr-threshold", "0.1", "--lr-patience", "1")
+    lrs = []
+    for metric in (10, 9.5, 9.5, 8.9, 8.5):  # best 10; 2 bad (9.5 >= 9); 8.9 < 9: best; 1 bad
+        s.step_epoch(metric, 100)
+        lrs.append(s.lr(100))
+    s.step_epoch(None, 100)  # an epoch that did not validate changes nothing
+    assert lrs == pytest.approx([0.01, 0.01, 0.005, 0.005, 0.005]) and s.lr(100) == pytest.approx(0.005)
+    state = json.loads(json.dumps(s.state_dict()))  # as trainer_state.json holds it
+    resumed = plateau("--lr-shrink", "0.5", "--lr-threshold", "0.1", "--lr-patience", "1")
+    resumed.load_state_dict(state)
+    for sched in (s, resumed):
+        sched.step_epoch(8.5, 101)  # the second bad epoch since 8.9: shrink
+    assert s.lr(101) == resumed.lr(101) == pytest.approx(0.0025)
+    fresh = plateau("--lr-shrink", "0.5", "--lr-threshold", "0.1", "--lr-patience", "1")
+    fresh.load_state_dict({"name": "cosine"})  # another schedule's state: ignored
+    assert fresh.lr(0) == 0.01
+
+
+def test_reduce_lr_on_plateau_warmup_maximize_and_smallest_step():
+    s = plateau("--warmup-updates", "4")
+    assert [s.lr(n) for n in (0, 2, 4, 9)] == pytest.approx([0.0, 0.005, 0.01, 0.01])
+    s.step_epoch(10.0, 4)  # warmup not over (fairseq: after update 4): not stepped
+    s.step_epoch(10.0, 5)
+    s.step_epoch(10.0, 6)
+    assert s.lr(6) == pytest.approx(0.001)  # one best, one bad epoch: patience 0, shrink 0.1
+    s = plateau("--maximize-best-checkpoint-metric")
+    s.step_epoch(1.0, 1)
+    s.step_epoch(1.5, 2)  # higher is better
+    assert s.lr(2) == 0.01
+    s.step_epoch(1.5, 3)
+    assert s.lr(3) == pytest.approx(0.001)
+    s = schedule("--lr-scheduler", "reduce_lr_on_plateau", "--lr", "1e-8", "--lr-shrink", "0.5")
+    s.step_epoch(1.0, 1)
+    s.step_epoch(1.0, 2)
+    assert s.lr(2) == 1e-8  # torch's eps: a change under 1e-8 is not made
+
+
+def nag_reference(p, g, buf, lr, lr_old, momentum, weight_decay):
+    """fairseq/optim/nag.py's step for one parameter, element by element."""
+    lr_correct = lr / lr_old if lr_old > 0 else lr
+    new_p = [x * (1 - lr * weight_decay) + momentum * momentum * lr_correct * b - (1 + momentum) * lr * d
+             for x, b, d in zip(p, buf, g)]
+    new_buf = [momentum * lr_correct * b - lr * d for b, d in zip(buf, g)]
+    return new_p, new_buf
+
+
+def test_nag_step_is_fairseqs():
+    import torch
+    from trainer.train.optim import NAG
+
+    torch.manual_seed(0)
+    decayed, plain = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    opt = NAG([{"params": [decayed], "weight_decay": 0.01}, {"params": [plain], "weight_decay": 0.0}],
+              lr=0.1, momentum=0.9)
+    ref = {id(t): (t.flatten().tolist(), [0.0] * t.numel()) for t in (decayed, plain)}
+    lr_old = 0.1
+    for lr in (0.1, 0.05, 0.05, 0.2):  # lr changes: the buffer is rescaled by lr / lr_old
+        for t in (decayed, plain):
+            t.grad = torch.randn_like(t)
+        for group in opt.param_groups:
+            group["lr"] = lr
+            for t in group["params"]:
+                p, buf = ref[id(t)]
+                ref[id(t)] = nag_reference(p, t.grad.flatten().tolist(), buf, lr, lr_old, 0.9, group["weight_decay"])
+        opt.step()
+        lr_old = lr
+    for t in (decayed, plain):
+        assert t.flatten().tolist() == pytest.approx(ref[id(t)][0], rel=1e-12)
+        assert opt.state[t]["momentum_buffer"].flatten().tolist() == pytest.approx(ref[id(t)][1], rel=1e-12)
+
+
+def test_nag_momentum_default_and_checkpoint_api_step_changes_nothing():
+    """fairseq's nag has momentum 0.99. torch's checkpoint API steps an optimizer without
+    state with lr 0 to create it (before a load): that must not move a weight."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from trainer.train.optim import NAG, build_optimizer
+
+    cfg = compose(["--batch-size", "1", "--optimizer", "nag", "--weight-decay", "0.1"])
+    assert cfg.optimizer.momentum == 0.99
+    model = torch.nn.Linear(4, 3)
+    opt = build_optimizer(model, cfg)
+    assert isinstance(opt, NAG) and opt.param_groups[0]["momentum"] == 0.99
+    before = [p.detach().clone() for p in model.parameters()]
+    state = get_optimizer_state_dict(model, opt)["state"]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert {k for v in state.values() for k in v} == {"momentum_buffer", "lr_old"}
+    # The lr of the last step comes back exactly (torch would cast a tensor to float32).
+    for group in opt.param_groups:
+        group["lr"] = 1 / 3
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    again = build_optimizer(model, cfg)
+    again.load_state_dict(opt.state_dict())
+    assert [float(s["lr_old"]) for s in again.state.values()] == [1 / 3] * 2
+    assert [type(s["lr_old"]) for s in opt.state.values()] == [float] * 2  # state_dict() left them floats
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--optimizer", "cpu_adam"], "add --cpu-offload"),
+    (["--optimizer", "adam", "--momentum", "0.9"], "--momentum is read by --optimizer sgd or nag only"),
+    (["--optimizer", "nag", "--adam-betas", "(0.9, 0.98)"], "--adam-betas is read by --optimizer adam"),
+    (["--lr-scheduler", "inverse_sqrt", "--min-lr", "1e-9"], "--stop-min-lr"),
+    (["--lr-scheduler", "fixed", "--lr-patience", "2"], "reduce_lr_on_plateau only"),
+    (["--lr-scheduler", "fixed", "--t-mult", "2"], "--t-mult is read by --lr-scheduler cosine only"),
+    (["--lr-scheduler", "cosine", "--max-update", "10", "--t-mult", "0"], "--t-mult must be positive"),
+    (["--lr-scheduler", "cosine", "--max-update", "100", "--t-mult", "0.5", "--lr-period-updates", "10"],
+     "shrinks the cosine cycles to 20 updates"),
+    (["--lr-scheduler", "cosine"], "needs --lr-period-updates or --max-update"),
+    (["--lr-scheduler", "cosine", "--max-update", "10", "--lr-period-updates", "0"], "--lr-period-updates must"),
+    (["--lr-scheduler", "cosine", "--max-update", "10", "--lr-shrink", "0"], "--lr-shrink must be positive"),
+    (["--lr-scheduler", "reduce_lr_on_plateau", "--lr-shrink", "1"], r"--lr-shrink must be in \(0, 1\)"),
+    (["--lr-scheduler", "reduce_lr_on_plateau", "--lr-patience", "-1"], "lr_patience must be >= 0"),
+])
+def test_optimizer_and_schedule_options_are_checked(argv, message):
+    from trainer.errors import UsageError
+    with pytest.raises(UsageError, match=message):
+        compose(["--batch-size", "1"] + argv)
+
+
+def test_optimizer_and_schedule_options_in_their_pairings_are_accepted():
+    compose(["--batch-size", "1", "--optimizer", "cpu_adam", "--cpu-offload", "--ddp-backend", "fully_sharded"])
+    compose(["--batch-size", "1", "--optimizer", "nag", "--momentum", "0.9", "--lr-scheduler", "cosine",
+             "--max-update", "100", "--t-mult", "0.5", "--lr-period-updates", "60", "--lr-shrink", "0.5"])
+    compose(["--batch-size", "1", "--lr-scheduler", "reduce_lr_on_plateau", "--lr-shrink", "0.5",
+             "--lr-patience", "2", "--lr-threshold", "0.01", "--stop-min-lr", "1e-6"])
 
 
 def test_no_weight_decay_on_biases_norms_and_embeddings():

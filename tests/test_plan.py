@@ -46,6 +46,9 @@ def cfg_of(*flags):
     ["--no-token-positional-embeddings", "--layernorm-embedding", "--no-decoder-final-norm"],
     ["--decoder-layers", "3", "--decoder-embed-dim", "96", "--decoder-ffn-embed-dim", "200",
      "--decoder-attention-heads", "3", "--max-target-positions", "300", "--decoder-learned-pos"],
+    ["--scale-attn", "--scale-fc", "--scale-heads", "--scale-resids", "--decoder-input-dim", "48",
+     "--decoder-output-dim", "80", "--decoder-layers", "3", "--decoder-layers-to-keep", "0,2"],
+    ["--share-decoder-input-output-embed", "--decoder-input-dim", "48", "--decoder-output-dim", "48"],
 ])
 def test_parameter_count_is_the_models(flags):
     from models.transformer_lm import build_model, num_parameters
@@ -224,6 +227,26 @@ def test_fsdp_paper_175b_on_128_a100s_full_shard_checkpointing_bf16(capsys):
     assert eight["recommended"] is None  # 2.8 TB of states: not on one host of 1 TB
 
 
+def test_planning_other_gpus_does_not_judge_their_host_by_this_ones_ram(capsys, monkeypatch):
+    """--device-memory-gb plans a machine `plan` cannot see: without --host-memory-gb its host
+    memory is reported, not checked against this machine's RAM (the 13B's offloaded states
+    need ~230 GB on the GPUs' host, more than a laptop or CI runner has)."""
+    import trainer.host
+    argv = GPT3_13 + ["--distributed-world-size", "8", "--device-memory-gb", "80", "--batch-size", "1",
+                      "--checkpoint-activations", "--cpu-offload"]
+    answers = []
+    for ram_here in (16.0, 4096.0):
+        monkeypatch.setattr(trainer.host, "host_memory_gb", lambda: ram_here)
+        answers.append(plan_json(capsys, *argv))
+    assert answers[0] == answers[1]  # the same answer whatever this host has
+    p = answers[0]
+    assert p["fits"] and p["host_gb"] > 200 and p["host_memory_gb"] is None and not p["host_memory_checked"]
+    assert cli.plan_main(argv) == 0
+    assert "host memory per host" in (text := capsys.readouterr().out) and "not checked" in text
+    given = plan_json(capsys, *argv, "--host-memory-gb", "128")  # given, it is checked
+    assert not given["fits"] and given["host_memory_checked"]
+
+
 def test_plan_json_and_text(capsys):
     argv = ["--task", "dummy_lm", "--dict-size", "1000", "--arch", "transformer_lm_gpt2_tiny", "--batch-size", "4",
             "--tokens-per-sample", "64", "--cpu", "--distributed-world-size", "2", "--ddp-backend", "fully_sharded"]
@@ -261,7 +284,7 @@ def test_train_auto_tune_picks_what_fits_and_trains_with_it(tmp_path, capsys):
     expected = plan_json(capsys, *model, "--device-memory-gb", str(budget))
     assert not expected["fits"] and expected["recommended"] and expected["recommended_per_rank_gb"] <= budget
     r = subprocess.run([str(BIN / "train")] + model + ["--auto-tune", "--memory-budget-gb", str(budget),
-                       "--max-update", "3", "--log-format", "json", "--log-interval", "1",
+                       "--max-update", "3", "--log-format", "json", "--log-interval", "1", "--disable-validation",
                        "--save-dir", str(tmp_path / "ck")], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (f"auto-tune: {expected['recommended']} (predicted {expected['recommended_per_rank_gb']:.2f} GB per rank "

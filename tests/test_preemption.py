@@ -1,5 +1,6 @@
-"""SIGUSR1 / SIGTERM outside SLURM: every rank finishes its update, checkpoint_last is
-saved, the job exits cleanly, and the same command resumes the same curve."""
+"""SIGUSR1 / SIGTERM outside SLURM, and Ctrl-C: every rank finishes its update,
+checkpoint_last is saved, the job exits cleanly (130 after Ctrl-C), and the same command
+resumes the same curve; a second signal stops at once."""
 import json
 import os
 import signal
@@ -86,4 +87,111 @@ def test_a_second_sigterm_a_second_later_kills_at_once(tmp_path):
         proc.kill()
     assert proc.returncode == -signal.SIGTERM, out[-2000:]
     assert "received SIGTERM: stopping after update" not in out
+    assert not (tmp_path / "ckpt" / "checkpoint_last").exists()
+
+
+def _job_processes(pgid):
+    """Pids of the processes of process group `pgid` still running (zombies are dead)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            state, _, pgrp = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == pgid and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+class _Terminal:
+    """`train` in its own process group, as a shell runs a foreground job; `ctrl_c()` is what
+    a terminal does on Ctrl-C: SIGINT to every process of the group at once."""
+
+    def __init__(self, argv, cwd):
+        cmd = [str(Path(sys.executable).with_name("train"))] + argv
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                                     start_new_session=True)
+        self.out = []
+
+    def wait_for(self, text):
+        for line in self.proc.stdout:
+            self.out.append(line)
+            if text in line:
+                return
+        raise AssertionError(f"train ended before {text!r}:\n{''.join(self.out)[-3000:]}")
+
+    def ctrl_c(self):
+        os.killpg(self.proc.pid, signal.SIGINT)
+
+    def finish(self, timeout):
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        finally:
+            if self.proc.poll() is None or _job_processes(self.proc.pid):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # a hang fails this test, not the suite
+        left = _job_processes(self.proc.pid)
+        return self.proc.returncode, "".join(self.out) + out, err, left
+
+
+@pytest.mark.parametrize("extra", [[], FSDP_2_RANKS], ids=["1_rank", "fsdp_2_ranks"])
+def test_ctrl_c_saves_stops_with_130_and_the_same_command_resumes(extra, tmp_path):
+    """Ctrl-C is SIGTERM's clean stop: the update finishes, checkpoint_last is saved, one line
+    says how to resume, the exit status is 130 (an interrupted command's), and no process of
+    the job (ranks, the server they are forked from) outlives `train`."""
+    argv = ARGV + extra + ["--save-dir", str(tmp_path / "ckpt")]
+    job = _Terminal(argv, tmp_path)
+    job.wait_for('"num_updates": 3,')
+    job.ctrl_c()
+    rc, out, err, left = job.finish(timeout=120)
+    assert rc == 130, out[-2000:] + err
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err
+    assert not left, f"processes {left} outlived train"
+    stopped = json.loads((tmp_path / "ckpt" / "checkpoint_last" / "trainer_state.json").read_text())["num_updates"]
+    assert f"received SIGINT: stopping after update {stopped}" in out
+    assert f"stopped at update {stopped}; run the same command again to resume from checkpoint_last" in out
+    records, r = run_train(argv + ["--max-update", str(stopped + 2)])  # the last --max-update counts
+    assert f"@ {stopped} updates" in r.stdout
+    assert [x["num_updates"] for x in records["train_inner"]] == [stopped + 1, stopped + 2]
+
+
+def _stopped_at_once(job, start):
+    rc, out, err, left = job.finish(timeout=60)
+    assert time.monotonic() - start < 20, "the second Ctrl-C did not stop the job at once"
+    assert rc == 130, out[-2000:] + err
+    assert err.strip() == "train: interrupted again: stopped at once, not waiting for a save; rerun the same command"
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
+    assert not left, f"processes {left} outlived train"
+
+
+def test_a_second_ctrl_c_stops_one_rank_at_once_in_one_line(tmp_path):
+    """The update here is 3,000 micro-batches long: the first Ctrl-C waits for it, the second
+    (more than SAME_SIGNAL_S later, so not a copy of the first) ends the job at once, unsaved."""
+    from trainer.train.preemption import SAME_SIGNAL_S
+
+    argv = [a for a in DUMMY if a != "--no-save"] + [
+        "--batch-size", "4", "--dataset-size", "100000", "--update-freq", "3000", "--save-dir", str(tmp_path / "ckpt")]
+    job = _Terminal(argv, tmp_path)
+    job.wait_for("No existing checkpoint found")  # logged once training's handlers are in place
+    job.ctrl_c()
+    time.sleep(SAME_SIGNAL_S + 0.5)
+    assert job.proc.poll() is None, "the first Ctrl-C alone must not stop the update"
+    job.ctrl_c()
+    _stopped_at_once(job, time.monotonic())
+    assert not (tmp_path / "ckpt" / "checkpoint_last").exists()
+
+
+def test_a_second_ctrl_c_kills_the_ranks_at_once_in_one_line(tmp_path):
+    """Two ranks: the launcher, which sees each Ctrl-C once, kills them on the second (the
+    ranks take a signal this soon after the first for a copy of it). Each update is 60
+    micro-batches (seconds); both Ctrl-Cs land in the second one, so nothing is saved."""
+    argv = [a for a in DUMMY if a != "--no-save"] + FSDP_2_RANKS + [
+        "--batch-size", "4", "--dataset-size", "100000", "--update-freq", "60", "--log-format", "json",
+        "--log-interval", "1", "--save-dir", str(tmp_path / "ckpt")]
+    job = _Terminal(argv, tmp_path)
+    job.wait_for('"num_updates": 1,')  # every rank is in the loop, with its handlers
+    time.sleep(1.0)  # and past the check after update 1: a Ctrl-C now waits for update 2
+    job.ctrl_c()
+    time.sleep(0.3)
+    job.ctrl_c()
+    _stopped_at_once(job, time.monotonic())
     assert not (tmp_path / "ckpt" / "checkpoint_last").exists()

@@ -13,9 +13,15 @@ from data.errors import DataError
 DEBUG_ENV = "SHARDLM_DEBUG"  # kept in the environment, so spawned ranks see it too
 
 # The signals that stop a job cleanly: SIGUSR1 (SLURM's warning before the time limit,
-# `--signal=USR1@120`) and SIGTERM (preemption, scancel). The launcher forwards them to
-# its local ranks; a rank saves checkpoint_last and stops (trainer/train/preemption.py).
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+# `--signal=USR1@120`), SIGTERM (preemption, scancel) and SIGINT (Ctrl-C). The launcher
+# forwards them to its local ranks; a rank saves checkpoint_last and stops
+# (trainer/train/preemption.py).
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+INTERRUPTED = 130  # exit status of a job stopped by Ctrl-C: 128 + SIGINT, as shells report it
+
+
+class InterruptedAgain(KeyboardInterrupt):
+    """A second Ctrl-C while the first one's save is under way: stop at once, unsaved."""
 
 
 class UsageError(Exception):
@@ -37,6 +43,31 @@ def resume_hint(cfg, prog):
     if prog == "train" and checkpoint is not None and not checkpoint.no_save:
         return "rerun the same command to resume from checkpoint_last"
     return "rerun the same command"
+
+
+def end_child_processes():
+    """SIGKILL the processes this one started through multiprocessing (a rank's data loader
+    workers) before it stops at once: left to the interpreter's exit, or orphaned, a worker
+    serving its rank a batch prints the traceback of the connection its rank dropped."""
+    import multiprocessing
+
+    # torch's DataLoader raises from its SIGCHLD handler when a worker dies of a signal;
+    # these deaths are this process's doing.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(1)
+
+
+def interrupted_line(prog, error, cfg=None):
+    """The one line a job stopped by Ctrl-C ends with, in place of KeyboardInterrupt's traceback."""
+    hint = resume_hint(cfg, prog)
+    save_dir = getattr(getattr(cfg, "checkpoint", None), "save_dir", None)
+    if save_dir is not None and not os.path.isdir(os.path.join(save_dir, "checkpoint_last")):
+        hint = resume_hint(None, prog)  # interrupted before its first save: there is nothing to resume
+    if isinstance(error, InterruptedAgain):
+        return f"{prog}: interrupted again: stopped at once, not waiting for a save; {hint}"
+    return f"{prog}: interrupted; {hint}"
 
 
 def debugging():

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from data.atomic_file import write_atomically
+from models.config import layers_to_keep
 from trainer.checkpoint import files
 from trainer.config.flags import flag_name, iter_fields
 from trainer.errors import RankStopped, UsageError
@@ -65,6 +66,11 @@ def tensor_state(model, optimizer, with_optimizer=True):
 SHAPE_OPTIONS = ("model.decoder_embed_dim", "model.decoder_ffn_embed_dim", "model.decoder_layers",
                  "model.share_decoder_input_output_embed", "model.decoder_learned_pos",
                  "model.no_token_positional_embeddings", "model.layernorm_embedding", "model.no_decoder_final_norm",
+                 "model.decoder_layers_to_keep", "model.decoder_input_dim", "model.decoder_output_dim",
+                 "model.scale_attn", "model.scale_fc", "model.scale_heads", "model.scale_resids",
+                 "model.adaptive_input", "model.adaptive_input_cutoff", "model.adaptive_input_factor",
+                 "model.adaptive_softmax_cutoff", "model.adaptive_softmax_factor", "model.tie_adaptive_weights",
+                 "model.tie_adaptive_proj",
                  "model.max_target_positions", "task.tokens_per_sample", "task.dict_size", "task.data")
 
 
@@ -85,9 +91,41 @@ def shape_option_difference(path, cfg):
     return ""
 
 
-def check_shapes(path, model_state, cfg=None):
-    """Refuse a checkpoint of another model in one line naming the first difference."""
+def saved_layer_ids(model_cfg, saved_names):
+    """Which checkpoint layer each of this model's layers loads from: for a model pruned by
+    --decoder-layers-to-keep and a checkpoint of all --decoder-layers layers, layer i here
+    is layer keep[i] there (fairseq's checkpoint_utils.prune_state_dict). None when the
+    checkpoint holds this model's own layers (one trained or exported pruned, or no pruning)."""
+    keep = layers_to_keep(model_cfg)
+    saved_layers = {name.split(".")[1] for name in saved_names if name.startswith("layers.")}
+    if keep is None or len(saved_layers) == len(keep) or len(saved_layers) != model_cfg.decoder_layers:
+        return None
+    return keep
+
+
+def renumber_layers(tensors, ids):
+    """{name: value} with each `layers.<i>.…` name renamed `layers.<ids[i]>.…` (ids: a list or
+    a dict); `tensors` itself when ids is None."""
+    if ids is None:
+        return tensors
+
+    def rename(name):
+        head, _, rest = name.partition(".")
+        if head != "layers":
+            return name
+        i, _, tail = rest.partition(".")
+        return f"layers.{ids[int(i)]}.{tail}"
+    return {rename(name): value for name, value in tensors.items()}
+
+
+def check_shapes(path, model_state, cfg=None, kept_layers=None):
+    """Refuse a checkpoint of another model in one line naming the first difference.
+    kept_layers: the checkpoint's layers a pruned model loads (`saved_layer_ids`); the
+    others are not refused as extra."""
     saved = files.tensor_specs(path)
+    if kept_layers is not None:
+        kept = {str(i) for i in kept_layers}
+        saved = {n: spec for n, spec in saved.items() if not n.startswith("layers.") or n.split(".")[1] in kept}
     fix = "pass the model flags it was trained with, or another --save-dir"
 
     def refuse(what):
@@ -106,13 +144,20 @@ def check_shapes(path, model_state, cfg=None):
 
 
 def check_optimizer_state(path, optim_state):
-    """Refuse optimizer state the checkpoint does not have (another --optimizer) in one line."""
+    """Refuse optimizer state the checkpoint does not have (another --optimizer) in one line.
+    Returns the parameters it has no state for at all while it has some for others: never
+    stepped yet (LayerDrop skipped their layer in every update so far), they go on without."""
     saved = set(files.read_metadata(path).state_dict_metadata)
+    stepped = {fqn for fqn, entries in optim_state.items() if any(f"optim.{fqn}.{key}" in saved for key in entries)}
+    never_stepped = set(optim_state) - stepped if stepped else set()
     for fqn, entries in optim_state.items():
+        if fqn in never_stepped:
+            continue
         for key in entries:
             if f"optim.{fqn}.{key}" not in saved:
                 raise UsageError(f"checkpoint {path} has no optimizer state {key!r} for {fqn} (saved with another "
                                  "--optimizer?); pass --reset-optimizer to start the optimizer afresh")
+    return never_stepped
 
 
 def load_tensors(path, state):
@@ -257,7 +302,7 @@ class Checkpointer:
         scaler = self.trainer.scaler
         write_json(tmp / files.STATE_FILE, {
             "format": FORMAT_VERSION, "num_updates": self.trainer.num_updates,
-            "lr_updates_offset": self.trainer.lr_updates_offset,
+            "lr_updates_offset": self.trainer.lr_updates_offset, "lr_scheduler": self.trainer.schedule.state_dict(),
             "iterator": {**itr.state_dict(), "world_size": self.env.world_size, "batch_size": d.batch_size,
                          "max_tokens": d.max_tokens},
             "best": self.best, "best_valid_loss": _finite_or_none(loop.best_valid_loss),
@@ -302,24 +347,12 @@ class Checkpointer:
     # ------------------------------------------------------------- restore
     def restore_path(self):
         """What to resume from: --restore-file (default checkpoint_last in --save-dir), else
-        --finetune-from-model, else nothing. Returns (path, finetune)."""
-        c = self.c
-        restore = Path(c.restore_file)
-        default = c.restore_file in ("checkpoint_last", "checkpoint_last.pt")
-        if not restore.is_absolute() and not restore.exists():
-            restore = self.save_dir / restore
-        found = files.resolve(restore)
-        if found is not None:
-            return found, False
-        if not default:
-            raise UsageError(f"--restore-file {c.restore_file} is not a checkpoint (looked for {restore}); "
-                             f"pass a checkpoint directory from --save-dir")
-        if c.finetune_from_model:
-            found = files.resolve(c.finetune_from_model)
-            if found is None:
-                raise UsageError(f"--finetune-from-model {c.finetune_from_model} is not a checkpoint directory")
-            return found, True
-        return None, False
+        --finetune-from-model, else nothing (trainer/checkpoint/files.py decides). Returns
+        (path, finetune)."""
+        path, finetune, looked_for = files.restore_choice(self.c)
+        if path is None:
+            log.info(f"No existing checkpoint found {looked_for}")  # fairseq's words: scripts look for them
+        return path, finetune
 
     def restore(self, loop):
         """Load the checkpoint to resume from, if any; returns its path or None."""
@@ -330,17 +363,28 @@ class Checkpointer:
         saved = read_trainer_state(path)
         with_optim = not (finetune or c.reset_optimizer) and saved.get("has_optimizer")
         state = tensor_state(trainer.model, trainer.optimizer, with_optim)
-        check_shapes(path, state["model"], self.cfg)
-        if with_optim:
-            check_optimizer_state(path, state["optim"])
+        # Under the checkpoint's names: a pruned model (--decoder-layers-to-keep) loads the
+        # layers it keeps from a checkpoint of all of them.
+        ids = saved_layer_ids(self.cfg.model, files.tensor_specs(path))
+        state = {part: renumber_layers(tensors, ids) for part, tensors in state.items()}
+        check_shapes(path, state["model"], self.cfg, kept_layers=ids)
+        never_stepped = check_optimizer_state(path, state["optim"]) if with_optim else set()
+        for fqn in never_stepped:
+            del state["optim"][fqn]
         load_tensors(path, state)
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        back = None if ids is None else {saved_id: i for i, saved_id in enumerate(ids)}
+        state = {part: renumber_layers(tensors, back) for part, tensors in state.items()}
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
 
         set_model_state_dict(trainer.model, state["model"])
         if with_optim:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
             groups = get_optimizer_state_dict(trainer.model, trainer.optimizer)["param_groups"]
-            set_optimizer_state_dict(trainer.model, trainer.optimizer, {"state": state["optim"], "param_groups": groups})
+            # Not strict about the never-stepped: the load replaces the whole optimizer state,
+            # so they are left stateless, as when saved, and their first step creates it.
+            set_optimizer_state_dict(trainer.model, trainer.optimizer, {"state": state["optim"], "param_groups": groups},
+                                     options=StateDictOptions(strict=not never_stepped))
             if trainer.scaler is not None and saved.get("scaler"):
                 trainer.scaler.load_state_dict(saved["scaler"])
         if finetune:
@@ -348,6 +392,8 @@ class Checkpointer:
             return path
         trainer.num_updates = saved["num_updates"]
         trainer.lr_updates_offset = saved["num_updates"] if c.reset_lr_scheduler else saved.get("lr_updates_offset", 0)
+        if not c.reset_lr_scheduler:  # reduce_lr_on_plateau's lr, best metric and bad epochs
+            trainer.schedule.load_state_dict(saved.get("lr_scheduler"))
         trainer.lr = trainer.schedule.apply(trainer.optimizer, trainer.num_updates - trainer.lr_updates_offset)
         self.best = saved.get("best")
         if saved.get("best_valid_loss") is not None:

@@ -36,15 +36,77 @@ def is_checkpoint(path):
     return (path / STATE_FILE).is_file() and (path / ".metadata").is_file()
 
 
-def resolve(path):
-    """The checkpoint directory at `path` (fairseq's `.pt` suffix tolerated), or None."""
+def fairseq_path(path):
+    """`path` as a command line names a checkpoint (--restore-file, --finetune-from-model,
+    --path): fairseq spells them `checkpoint_last.pt`, `checkpoint_1_2.pt`, and scripts
+    written for it keep doing so; shardlm's are directories without the suffix. A `.pt`
+    name that does not exist means the same name without it, when that one does."""
     path = Path(path)
-    if path.suffix == ".pt":
-        path = path.with_suffix("")
+    if path.suffix == ".pt" and not path.exists():
+        bare = path.with_suffix("")
+        if bare.exists() or bare.with_name(bare.name + ".old").exists():
+            return bare
+    return path
+
+
+def resolve(path):
+    """The checkpoint directory at `path` (fairseq's `.pt` spelling tolerated), or None.
+    `<name>.old` stands in for a `<name>` that a save died replacing (publish())."""
+    path = fairseq_path(path)
     for candidate in (path, path.with_name(path.name + ".old")):
         if is_checkpoint(candidate):
             return candidate
     return None
+
+
+def checkpoints_in(save_dir):
+    """The names of the checkpoints in `save_dir`, checkpoint_last first if there."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    names = sorted(p.name for p in save_dir.iterdir() if not p.name.startswith(TMP_PREFIX) and is_checkpoint(p))
+    return sorted(names, key=lambda name: name != "checkpoint_last")
+
+
+def restore_choice(c):
+    """What a run starts from, fairseq's load_checkpoint: (checkpoint directory or None,
+    whether it is --finetune-from-model's, the path looked for). Refuses in one line a
+    --restore-file that names nothing while --save-dir holds checkpoints: fairseq would
+    start afresh and its saves would overwrite them, for a typo."""
+    save_dir = Path(c.save_dir)
+    default = c.restore_file in ("checkpoint_last", "checkpoint_last.pt")
+    if c.finetune_from_model and not default:
+        raise UsageError("--finetune-from-model and --restore-file name two checkpoints to start from; "
+                         "drop one of them")
+    # The default is always --save-dir's (a checkpoint_last where train is started from is
+    # another run's); another relative name is looked for from here, then in --save-dir.
+    restore = fairseq_path(c.restore_file)
+    if default or (not restore.is_absolute() and not restore.exists()):
+        restore = fairseq_path(save_dir / c.restore_file)
+    found = resolve(restore)
+    if found is not None:
+        return found, False, restore
+    if not default:
+        if restore.exists():
+            what = "a file (fairseq's torch.save checkpoints are not read)" if restore.is_file() else \
+                "a directory without trainer_state.json and .metadata"
+            raise UsageError(f"--restore-file {c.restore_file} is not a checkpoint: {restore} is {what}; "
+                             "pass a checkpoint directory written by train")
+        held = checkpoints_in(save_dir)
+        if held and held[0] == "checkpoint_last":
+            raise UsageError(f"--restore-file {c.restore_file} does not exist, and --save-dir {save_dir} holds "
+                             "checkpoint_last: fix the path, or drop --restore-file to resume from checkpoint_last")
+        if held:
+            raise UsageError(f"--restore-file {c.restore_file} does not exist, and --save-dir {save_dir} holds "
+                             f"{', '.join(held)}: fix the path (e.g. --restore-file {held[-1]}), or choose "
+                             "another --save-dir")
+    if c.finetune_from_model and default:
+        found = resolve(c.finetune_from_model)
+        if found is None:
+            raise UsageError(f"--finetune-from-model {c.finetune_from_model} is not a checkpoint directory; "
+                             "pass one written by train")
+        return found, True, found
+    return None, False, restore
 
 
 def temporary_dir(save_dir, name):

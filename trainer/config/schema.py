@@ -50,9 +50,11 @@ class CommonConfig:
     fp16_scale_window: Optional[int] = _f(None, "updates without overflow before the loss scale doubles "
                                           "(default: 2**14 / world size / update freq)")
     min_loss_scale: float = _f(1e-4, "stop training when the fp16 loss scale falls below this")
-    wandb_project: Optional[str] = _f(None, "also log to this Weights & Biases project (run name: $WANDB_NAME "
-                                      "or the --save-dir's name; offline where there is no network; "
-                                      "pip install 'shardlm[wandb]')")
+    wandb_project: Optional[str] = _f(None, "also log to this Weights & Biases project from rank 0 (run name: "
+                                      "$WANDB_NAME or the --save-dir's name; needs pip install 'shardlm[wandb]'). "
+                                      "Unless $WANDB_MODE is set, a run that cannot reach W&B (no network, no "
+                                      "`wandb login`) logs offline under ./wandb or $WANDB_DIR: `wandb sync` "
+                                      "uploads it later")
     peak_tflops: Optional[float] = _f(None, "the device's peak TFLOP/s per rank in the training dtype: "
                                       "log records add mfu = tflops / (peak x ranks)")
     host_allocator: str = _f("caching", "allocator of tensors in host memory: caching keeps freed pages and "
@@ -99,7 +101,8 @@ class DistributedTrainingConfig:
 @dataclass
 class DatasetConfig:
     """Batches (trainer/train/task.py) and validation (train/loop.py)."""
-    batch_size: Optional[int] = _f(None, "sequences per batch per rank", alias="--max-sentences")
+    batch_size: Optional[int] = _f(None, "sequences per batch per rank (this or --max-tokens is required with "
+                                   "DATA; the embedded corpus defaults to 8)", alias="--max-sentences")
     max_tokens: Optional[int] = _f(None, "tokens per batch per rank")
     train_subset: str = _f("train", "split to train on")
     valid_subset: str = _f("valid", "split(s) to validate on, comma-separated")
@@ -125,8 +128,10 @@ class OptimizationConfig:
     --lr (train/optim.py)."""
     max_epoch: int = _f(0, "stop after N epochs (0: no limit)")
     max_update: int = _f(0, "stop after N updates (0: no limit)")
-    lr: float = _f(0.25, "peak learning rate")
-    stop_min_lr: float = _f(-1.0, "stop training when the learning rate falls to this or below (-1: never)")
+    lr: float = _f(0.25, "peak learning rate (fairseq's default; on the embedded corpus, without DATA, "
+                   "Adam's is 0.0005)")
+    stop_min_lr: float = _f(-1.0, "stop training when the learning rate is at or below this, checked before "
+                            "each epoch as fairseq does (-1: never)")
     clip_norm: float = _f(0.0, "clip the global gradient norm to this (0: no clipping; gnorm is logged anyway)")
     update_freq: int = _f(1, "micro-batches per optimizer update (gradient accumulation)")
 
@@ -167,7 +172,8 @@ class TaskConfig:
     _name: str = _f("language_modeling", "task", flag="--task",
                     choices=("language_modeling", "dummy_lm"))
     data: Optional[str] = _f(None, "data directory from `preprocess` or fairseq-preprocess "
-                             "(default: the embedded corpus)", flag="data")
+                             "(default: the embedded corpus); several joined by ':' are shards, "
+                             "one trained on per epoch in turn", flag="data")
     tokens_per_sample: int = _f(1024, "tokens per sample (block length)")
     sample_break_mode: str = _f("none", "how samples are cut from the token stream", choices=BREAK_MODES)
     add_bos_token: bool = _f(False, "start each sample with the beginning-of-sentence symbol <s>")
@@ -184,7 +190,7 @@ class OptimizerConfig:
     adam_betas: List[float] = _f([0.9, 0.999], "Adam betas, e.g. \"(0.9, 0.98)\"")
     adam_eps: float = _f(1e-8, "Adam epsilon")
     weight_decay: float = _f(0.0, "weight decay (never applied to biases, norms and embeddings)")
-    momentum: float = _f(0.0, "SGD momentum (nag's default: 0.99)")
+    momentum: float = _f(0.0, "sgd and nag momentum (--optimizer nag's default: 0.99)")
 
 
 @dataclass
@@ -248,6 +254,14 @@ def ddp_backend(cfg):
     """--ddp-backend by its first name (c10d is pytorch_ddp, no_c10d legacy_ddp)."""
     backend = cfg.distributed_training.ddp_backend
     return BACKEND_ALIASES.get(backend, backend)
+
+
+def model_positions(cfg):
+    """The positions a model is built with: --max-target-positions, else its longest input,
+    --tokens-per-sample plus the <s> of --add-bos-token. Also reads a saved run's
+    config.yaml, which may predate --add-bos-token."""
+    t = cfg.task
+    return cfg.model.max_target_positions or t.tokens_per_sample + int(bool(t.get("add_bos_token", False)))
 
 
 def uses_fsdp(cfg):

@@ -122,7 +122,14 @@ def prefetch_in_background(root, units):
     and unshards are asynchronous: the broadcasts run in gloo's thread while the current
     layer computes, forward and backward (FSDP2's implicit backward prefetch). One more
     layer is gathered at a time, as on a GPU."""
-    chain = [root] + list(units)
-    for unit, following in zip(chain, chain[1:]):
-        unit.set_modules_to_forward_prefetch([following])
+    chain_forward_prefetch(root, units)
     root._set_unshard_async_op(True)  # private in torch 2.13; applies to every unit below the root
+
+
+def chain_forward_prefetch(root, units):
+    """The root prefetches the first of `units` in forward, each unit the next, the last
+    none. LayerDrop re-chains before each micro-batch over the layers it runs, so that no
+    skipped layer is gathered (FSDP2 would drop that gather unused at the end of backward)."""
+    chain = [root] + list(units)
+    for unit, following in zip(chain, chain[1:] + [None]):
+        unit.set_modules_to_forward_prefetch([] if following is None else [following])

@@ -1,22 +1,25 @@
 """eval-lm (fairseq-eval-lm): the base-2 loss and perplexity of a trained model on a split.
 
 Blocks are cut exactly as training's validation cuts them (same --tokens-per-sample and
---sample-break-mode), so with --context-window 0 the result is training's valid loss.
+--sample-break-mode) and start with <s> when the run trained with --add-bos-token (its
+config.yaml says), so with --context-window 0 the result is training's valid loss.
 --context-window K (fairseq's LMContextWindowDataset) shortens each block by K and
 gives it the K tokens before it as unscored context: every token is predicted from at
 least K tokens of history, at the cost of longer inputs.
 """
+import functools
 import logging
 import math
+import sys
 import time
 
-import numpy as np
 import torch
 
-from data.data_dir import check_token_ids
+from data.context_window import ContextWindowDataset
+from data.data_dir import check_token_ids, data_dirs
 from data.embedded_corpus import prepare_embedded_corpus
 from data.indexed_dataset import IndexedDataset, exists
-from data.iterator import batch_by_size, collate_pairs
+from data.iterator import EpochBatchIterator, collate_pairs
 from data.token_block import TokenBlockDataset
 from data.tokenizer import load_tokenizer
 from trainer.errors import UsageError
@@ -26,52 +29,53 @@ from trainer.parallel.ranks import all_reduce_sum, init_rank, teardown
 log = logging.getLogger("shardlm")
 
 
-def windows(dataset, context_window, pad):
-    """(input, target) per block in order; the first K targets of a block with context are pad."""
-    history = np.zeros(0, dtype=np.int64)
-    for i in range(len(dataset)):
-        item = np.asarray(dataset[i], dtype=np.int64)
-        src, tgt = item[:-1], item[1:]
-        ctx = history[len(history) - context_window:] if context_window else history[:0]
-        yield np.concatenate([ctx, src]), np.concatenate([np.full(len(ctx), pad), tgt])
-        if context_window:
-            history = np.concatenate([history, src])[-context_window:]
-
-
-def evaluate(model, dataset, args, pad, env):
-    """(summed loss in nats, scored tokens) over this rank's share of the split's blocks."""
-    pairs = list(windows(dataset, args.context_window, pad))
-    sizes = np.array([len(s) for s, _ in pairs])
-    batches = batch_by_size(np.arange(len(pairs)), sizes, args.batch_size, args.max_tokens)
+def evaluate(model, dataset, args, pad, bos, env):
+    """(summed loss in nats, scored tokens) over this rank's share of the split's blocks,
+    read through training's batch iterator by --num-workers processes."""
     loss_sum, ntokens = 0.0, 0
+    if len(dataset) == 0:
+        return loss_sum, ntokens
+    itr = EpochBatchIterator(ContextWindowDataset(dataset, args.context_window, pad), batch_size=args.batch_size,
+                             max_tokens=args.max_tokens, seed=1, num_shards=env.world_size, shard_id=env.rank,
+                             shuffle=False, pad=pad, every_batch=True, num_workers=getattr(args, "num_workers", 1),
+                             collater=functools.partial(collate_pairs, pad=pad, bos=bos))
+    total = len(itr)
+    # fairseq-eval-lm's progress bar, on rank 0 when stderr is a terminal (--no-progress-bar: none).
+    show_progress = env.is_master and not getattr(args, "no_progress_bar", False) and sys.stderr.isatty()
     with torch.no_grad():
-        for batch in batches[env.rank::env.world_size]:
-            src, tgt = collate_pairs([pairs[i] for i in batch], pad)
-            # The model's own loss (pad targets, the context's among them, are not scored),
-            # a chunk of logits at a time as in training.
-            loss_sum += model(src.to(env.device), target=tgt.to(env.device)).item()
-            ntokens += int((tgt != pad).sum())
+        for i, batch in enumerate(itr.next_epoch_itr(), 1):
+            if show_progress:
+                print(f"\reval-lm: batch {i}/{total}", end="" if i < total else "\n", file=sys.stderr, flush=True)
+            if batch.get("dummy"):  # no collectives here: a rank with fewer batches just stops
+                continue
+            # The model's own loss (pad targets, the context's and <s>'s among them, are not
+            # scored), a chunk of logits at a time as in training.
+            loss_sum += model(batch["src_tokens"].to(env.device), target=batch["target"].to(env.device),
+                              softmax_batch=getattr(args, "softmax_batch", None)).item()
+            ntokens += batch["ntokens"]
     return loss_sum, ntokens
 
 
 def eval_lm(args, env):
     """Load, evaluate, print fairseq's two lines (rank 0). Returns the base-2 loss."""
-    model, cfg, _ = load_model(args.path, env.device)
+    model, cfg, _ = load_model(args.path, env.device, getattr(args, "model_overrides", None))
     tokens_per_sample = args.tokens_per_sample or cfg.task.tokens_per_sample
     if args.context_window >= tokens_per_sample:
         raise UsageError(f"--context-window {args.context_window} must be smaller than --tokens-per-sample "
                          f"{tokens_per_sample}")
-    if tokens_per_sample > model.max_positions:
-        raise UsageError(f"--tokens-per-sample {tokens_per_sample} exceeds the model's {model.max_positions} "
-                         "positions; pass a smaller one")
+    # A model trained with --add-bos-token reads <s> first (its saved config says so).
+    add_bos = bool(cfg.task.get("add_bos_token", False))
+    if tokens_per_sample + add_bos > model.max_positions:
+        raise UsageError(f"--tokens-per-sample {tokens_per_sample}{' (+1 for <s>)' if add_bos else ''} exceeds the "
+                         f"model's {model.max_positions} positions; pass a smaller one")
     if args.batch_size is None and args.max_tokens is None:
         args.max_tokens = 36000  # fairseq-eval-lm's default
     if args.max_tokens is not None and args.max_tokens < tokens_per_sample:
         raise UsageError(f"--max-tokens {args.max_tokens} is smaller than one block (--tokens-per-sample "
                          f"{tokens_per_sample}); raise it or lower --tokens-per-sample")
-    dataset, pad = split_dataset(cfg, args, tokens_per_sample - args.context_window, model.vocab_size)
+    dataset, tok = split_dataset(cfg, args, tokens_per_sample - args.context_window, model.vocab_size)
     start = time.perf_counter()
-    loss_sum, ntokens = evaluate(model, dataset, args, pad, env)
+    loss_sum, ntokens = evaluate(model, dataset, args, tok.pad, tok.bos if add_bos else None, env)
     loss_sum, ntokens = all_reduce_sum([loss_sum, ntokens], env)
     elapsed = max(time.perf_counter() - start, 1e-9)
     loss = loss_sum / max(ntokens, 1) / math.log(2)
@@ -82,12 +86,10 @@ def eval_lm(args, env):
 
 
 def split_dataset(cfg, args, tokens_per_sample, vocab_size):
-    """The split's token blocks as training cut them; the data's tokenizer must be the model's."""
-    from pathlib import Path
-
-
+    """(the split's token blocks as training cut them, the tokenizer); the data's tokenizer
+    must be the model's. Of a sharded DATA the first directory is read, as fairseq-eval-lm does."""
     if args.data:
-        data_dir = Path(args.data)
+        data_dir = data_dirs(args.data)[0]
     else:
         data_dir = prepare_embedded_corpus()
     if not exists(data_dir / args.gen_subset):
@@ -100,7 +102,11 @@ def split_dataset(cfg, args, tokens_per_sample, vocab_size):
     tokens = IndexedDataset(str(data_dir / args.gen_subset))
     check_token_ids(tokens, vocab_size)
     break_mode = args.sample_break_mode or cfg.task.sample_break_mode
-    return TokenBlockDataset(tokens, tokens_per_sample, break_mode, pad=tok.pad, eos=tok.eos), tok.pad
+    blocks = TokenBlockDataset(tokens, tokens_per_sample, break_mode, pad=tok.pad, eos=tok.eos)
+    if len(blocks.too_long):  # fairseq-eval-lm skips samples longer than the model's positions
+        log.warning(f"{len(blocks.too_long):,} sentences of {args.gen_subset} are longer than a block of "
+                    f"{tokens_per_sample} tokens and are skipped")
+    return blocks, tok
 
 
 def run(args, cfg, rdv):

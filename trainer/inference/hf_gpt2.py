@@ -15,6 +15,7 @@ import re
 
 import torch
 
+from models.config import num_layers
 from models.transformer_lm import sinusoidal_positions
 from trainer.errors import UsageError
 from trainer.inference.safetensors_file import write_safetensors
@@ -45,7 +46,9 @@ _LAYER_TENSORS = {
 def check_hf_compatible(model_cfg):
     """Raise UsageError naming the first option GPT-2 cannot express."""
     why = None
-    if not model_cfg.decoder_normalize_before:
+    if getattr(model_cfg, "adaptive_input", False) or getattr(model_cfg, "adaptive_softmax_cutoff", None) is not None:
+        why = "adaptive input/softmax bands; GPT-2 has one full embedding table and output projection"
+    elif not model_cfg.decoder_normalize_before:
         why = "post-norm layers (decoder_normalize_before=False); GPT-2 normalizes before each sublayer"
     elif model_cfg.no_decoder_final_norm:
         why = "no final layer norm (no_decoder_final_norm); GPT-2 always applies ln_f"
@@ -55,6 +58,11 @@ def check_hf_compatible(model_cfg):
         why = f"activation {model_cfg.activation_fn!r} has no GPT-2 equivalent"
     elif model_cfg.decoder_embed_dim % model_cfg.decoder_attention_heads:
         why = "decoder_embed_dim is not a multiple of decoder_attention_heads"
+    elif any(getattr(model_cfg, key, False) for key in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")):
+        why = "NormFormer's extra norms and scales (scale_attn/fc/heads/resids); GPT-2 has none"
+    elif any(getattr(model_cfg, key, None) not in (None, model_cfg.decoder_embed_dim)
+             for key in ("decoder_input_dim", "decoder_output_dim")):
+        why = "embeddings or output of another width than the layers (decoder_input_dim/decoder_output_dim)"
     if why:
         raise UsageError(f"cannot export as a HuggingFace GPT-2 model: {why}")
 
@@ -79,7 +87,7 @@ def hf_config(model_cfg, vocab_size, max_positions, bos_token_id=None, eos_token
         "n_positions": max_positions,
         "n_ctx": max_positions,
         "n_embd": model_cfg.decoder_embed_dim,
-        "n_layer": model_cfg.decoder_layers,
+        "n_layer": num_layers(model_cfg),
         "n_head": model_cfg.decoder_attention_heads,
         "n_inner": model_cfg.decoder_ffn_embed_dim,
         "activation_function": HF_ACTIVATIONS[model_cfg.activation_fn],
@@ -114,7 +122,7 @@ def hf_tensor_specs(model_cfg, vocab_size, max_positions, dtype):
         "mlp.c_fc.weight": (d, ffn), "mlp.c_fc.bias": (ffn,),
         "mlp.c_proj.weight": (ffn, d), "mlp.c_proj.bias": (d,),
     }
-    for i in range(model_cfg.decoder_layers):
+    for i in range(num_layers(model_cfg)):
         shapes += [(f"transformer.h.{i}.{name}", shape) for name, shape in layer_shapes.items()]
     shapes += [("transformer.ln_f.weight", (d,)), ("transformer.ln_f.bias", (d,))]
     if not _tied(model_cfg):

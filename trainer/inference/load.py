@@ -12,11 +12,15 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from data.tokenizer import load_tokenizer
+from models.config import TransformerLMConfig
 from models.transformer_lm import build_model
 from trainer.checkpoint import files
-from trainer.checkpoint.checkpointer import NoBytesLoadPlanner
+from trainer.checkpoint.checkpointer import NoBytesLoadPlanner, renumber_layers, saved_layer_ids
+from trainer.config.checks import _check_model_features
+from trainer.config.schema import model_positions
 from trainer.errors import UsageError
 from trainer.inference.safetensors_file import read_safetensors, safetensors_specs
 
@@ -26,7 +30,7 @@ SIDE_FILES = ("config.yaml", "tokenizer.model", "dict.txt", "metadata.json")
 
 
 def _kind(path):
-    path = Path(path)
+    path = files.fairseq_path(path)  # `--path DIR/checkpoint_best.pt`, as fairseq's commands are given
     if (path / EXPORT_FILE).is_file() and (path / "config.yaml").is_file():
         return "export", path
     found = files.resolve(path)
@@ -51,7 +55,7 @@ class CheckpointTensors:
                 self.specs = safetensors_specs(self.path / EXPORT_FILE)
             except ValueError as e:  # the reader's own "not a valid safetensors file: why"
                 raise UsageError(f"{e}; export the checkpoint again") from None
-        if "embed_tokens.weight" not in self.specs:
+        if not self.band_tables() and "embed_tokens.weight" not in self.specs:
             raise UsageError(f"{self.path} holds no shardlm model (no embed_tokens.weight); pass a checkpoint "
                              "written by train or an export-model output")
         self.cfg = _load_run_config(self.path / "config.yaml")
@@ -79,18 +83,26 @@ class CheckpointTensors:
                                  "or incomplete: pass another one (e.g. an earlier checkpoint)") from None
         return out["model"][name]
 
+    def band_tables(self):
+        """An adaptive input's tables (models/adaptive.py), band by band; [] for a plain embedding."""
+        tables, band = [], 0
+        while f"embed_tokens.embeddings.{band}.0.weight" in self.specs:
+            tables.append(f"embed_tokens.embeddings.{band}.0.weight")
+            band += 1
+        return tables
+
     def vocab_size(self):
-        return self.specs["embed_tokens.weight"][0][0]
+        if "embed_tokens.weight" in self.specs:
+            return self.specs["embed_tokens.weight"][0][0]
+        return sum(self.specs[name][0][0] for name in self.band_tables())  # the bands cover the vocabulary
 
     def max_positions(self):
-        m = self.cfg.model
-        return m.max_target_positions or self.cfg.task.tokens_per_sample
+        return model_positions(self.cfg)
 
 
 def _load_run_config(path):
     """The config.yaml saved beside the weights; it must have the model and task groups."""
     import yaml
-    from omegaconf.errors import OmegaConfBaseException
     if not path.is_file():
         raise UsageError(f"missing {path}: the model's config is saved there; pass a complete checkpoint or export")
     try:
@@ -105,24 +117,39 @@ def _load_run_config(path):
     return cfg
 
 
-def load_model(path, device="cpu"):
-    """(model in eval mode, config, tokenizer or None) from a checkpoint or an export."""
+def load_model(path, device="cpu", model_overrides=None):
+    """(model in eval mode, config, tokenizer or None) from a checkpoint or an export.
+    model_overrides: model keys to change first (eval-lm's --model-overrides)."""
     src = CheckpointTensors(path)
+    if model_overrides:
+        src.cfg.model = _overridden(src.cfg.model, model_overrides)
+        _check_model_features(src.cfg)  # e.g. --decoder-layers-to-keep; train checked the saved config
     model = build_model(src.cfg.model, src.vocab_size(), src.max_positions(), device="meta",
                         padding_idx=src.cfg.get("padding_idx", 1))
     model.to_empty(device=device)
     params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(src.specs))
+    # A model pruned by --decoder-layers-to-keep reads the layers it keeps, renumbered.
+    renamed = renumber_layers({name: name for name in params}, saved_layer_ids(src.cfg.model, src.specs))
+    saved_name = {ours: saved for saved, ours in renamed.items()}
+    missing = sorted(saved_name[name] for name in params if saved_name[name] not in src.specs)
     if missing:
         raise UsageError(f"{src.path} has no tensor {missing[0]}; it is not a shardlm model of this config")
     with torch.no_grad():
         for name, p in params.items():
-            t = src.get(name)
+            t = src.get(saved_name[name])
             if tuple(t.shape) != tuple(p.shape):
                 raise UsageError(f"{src.path}: {name} is {list(t.shape)}, its config.yaml implies {list(p.shape)}")
             p.copy_(t)
     model.eval()
     return model, src.cfg, tokenizer_of(src.path)
+
+
+def _overridden(model_cfg, overrides):
+    """The saved model config with `overrides`, typed by the model's dataclass."""
+    try:
+        return OmegaConf.merge(OmegaConf.structured(TransformerLMConfig), model_cfg, overrides)
+    except OmegaConfBaseException as e:
+        raise UsageError(f"--model-overrides {overrides}: {str(e).splitlines()[0]}") from None
 
 
 def tokenizer_of(path):

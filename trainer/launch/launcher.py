@@ -13,9 +13,10 @@ import sys
 import tempfile
 import time
 
-from trainer.errors import USER_ERRORS, RankStopped, resume_hint, show_traceback
-from trainer.launch.local_ranks import (forward_signals, start_local_ranks, start_rank_server, stop_rank_server,
-                                        traceback_file)
+from trainer.errors import (INTERRUPTED, USER_ERRORS, RankStopped, end_child_processes, interrupted_line, resume_hint,
+                            show_traceback)
+from trainer.launch.local_ranks import (JobSignals, kill_with_children, start_local_ranks, start_rank_server,
+                                        stop_rank_server, stop_resource_tracker, traceback_file)
 from trainer.rendezvous import infer_rendezvous
 
 STOPPED = 3  # exit code of a spawned rank that stopped because of another rank
@@ -30,17 +31,34 @@ def launch(cfg, target=None, prog="train"):
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     if rdv.spawn > 1:
-        start_rank_server()
+        signals = JobSignals()  # before any helper process exists, so none is left behind
         try:
             # Each rank leaves its one-line error here; the launcher prints it once for the job
-            # (every rank usually meets the same bad input, e.g. a missing --restore-file).
+            # (every rank usually meets the same bad input, e.g. a bad --restore-file).
             with tempfile.TemporaryDirectory(prefix="shardlm-rank-errors-") as errors_dir:
-                ranks = start_local_ranks(_spawned_rank, (cfg, rdv, target, prog, errors_dir), rdv.spawn, errors_dir)
-                forward_signals(ranks)
-                return join_ranks(ranks, rdv.rank, prog, resume_hint(cfg, prog), errors_dir)
+                try:
+                    start_rank_server()
+                    start_local_ranks(_spawned_rank, (cfg, rdv, target, prog, errors_dir), rdv.spawn, errors_dir,
+                                      signals.ranks)
+                    signals.starting = False
+                    return join_ranks(signals.ranks, rdv.rank, prog, resume_hint(cfg, prog), errors_dir,
+                                      lambda: interrupted_line(prog, None, cfg) if signals.interrupts else None,
+                                      signals)
+                except KeyboardInterrupt as e:  # Ctrl-C while starting, or a second one (JobSignals)
+                    signals.kill_ranks()  # before their errors directory goes
+                    print(interrupted_line(prog, e, cfg), file=sys.stderr)
+                    return INTERRUPTED
         finally:
             stop_rank_server()
+            stop_resource_tracker()
+            signals.restore()
     return run_rank(cfg, rdv, target, prog)
+
+
+def _ignore_ctrl_c():
+    """The command is ending because of a Ctrl-C: another one changes nothing, and must not
+    interrupt the interpreter's exit with a KeyboardInterrupt of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _spawned_rank(index, cfg, rdv, target, prog, errors_dir):
@@ -66,36 +84,51 @@ def _spawned_rank(index, cfg, rdv, target, prog, errors_dir):
 
 def _exit_at_once(code):
     import logging
+    end_child_processes()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-def join_ranks(procs, first_rank, prog, hint, errors_dir):
-    """Wait for the spawned ranks; once one fails, end the others and say why in one line."""
+def join_ranks(procs, first_rank, prog, hint, errors_dir, interrupted=lambda: None, signals=None):
+    """Wait for the spawned ranks; once one fails, end the others and say why in one line.
+    A rank that stopped cleanly on Ctrl-C (exit status 130, checkpoint saved) has not
+    failed. `interrupted()`: once the launcher has had a Ctrl-C, the line that says so,
+    which is the job's reason whatever the ranks did then; None before. `signals`: the
+    launcher's JobSignals, whose wakeup descriptor wait() watches too."""
     from multiprocessing.connection import wait
 
     waiting = {p.sentinel: i for i, p in enumerate(procs)}
     ended = []  # ranks in the order their ends were seen: the first to fail is the cause
     failed = None
     while waiting and failed is None:
-        for sentinel in wait(list(waiting)):
+        for sentinel in wait(list(waiting) + ([signals.wakeup] if signals else [])):
+            if signals and sentinel == signals.wakeup:
+                signals.drain()  # a signal: its handler has run (it forwarded it, or raised)
+                continue
             i = waiting.pop(sentinel)
             procs[i].join()
             ended.append(i)
-        failed = next((i for i in ended if procs[i].exitcode != 0), None)
+        failed = next((i for i in ended if procs[i].exitcode not in (0, INTERRUPTED)), None)
+    if signals and interrupted() is not None:
+        signals.ending()  # the job ends because of a Ctrl-C, said once: another one changes nothing
     if failed is None:
-        return 0
-    deadline = time.monotonic() + GRACE_S
+        return INTERRUPTED if interrupted() is not None or INTERRUPTED in (p.exitcode for p in procs) else 0
+    # Interrupted, a rank that failed means no save can complete (saving takes every rank):
+    # nothing to wait for.
+    deadline = time.monotonic() + (0 if interrupted() is not None else GRACE_S)
     for i, p in enumerate(procs):
         p.join(max(deadline - time.monotonic(), 0))
         if not p.is_alive() and i not in ended:
             ended.append(i)
     ended_by_us = {i for i, p in enumerate(procs) if p.is_alive()}
-    for i in ended_by_us:
-        procs[i].kill()
-        procs[i].join()
+    kill_with_children(procs)
+    if line := interrupted():
+        # Ranks ending while the job is interrupted (a Ctrl-C while starting, or ranks that
+        # lost a peer to it) all end because of it: that is the one line.
+        print(line, file=sys.stderr)
+        return INTERRUPTED
     # A survivor may die of a signal too once its peer is gone (gloo can abort it), but
     # later: the rank named is the one whose death was seen first.
     killed = [i for i in ended if procs[i].exitcode < 0]
@@ -131,12 +164,26 @@ def _rank_errors(errors_dir):
 
 
 def run_rank(cfg, rdv, target=None, prog="train"):
-    if target is None:
-        from trainer.train.main import run as target  # the rank imports torch; the launcher never does
     try:
-        return target(cfg, rdv)
+        if target is None:
+            # The rank imports torch; the launcher never does. Ctrl-C waits for the import to
+            # finish: KeyboardInterrupt raised inside torch's initialization can escape
+            # through C++ and abort the process ("terminate called ... KeyboardInterrupt").
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                from trainer.train.main import run as target
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        code = target(cfg, rdv)
+        if code == INTERRUPTED:
+            _ignore_ctrl_c()
+        return code
     except USER_ERRORS as e:
         show_traceback()
         where = f"[rank {rdv.rank}] " if rdv.world_size > 1 else ""
         print(f"{prog}: error: {where}{e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:  # Ctrl-C before training took over SIGINT, or a second one
+        _ignore_ctrl_c()
+        print(interrupted_line(prog, e, cfg), file=sys.stderr)
+        return INTERRUPTED

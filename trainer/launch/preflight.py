@@ -7,12 +7,13 @@ import os
 import shutil
 from pathlib import Path
 
-from data.data_dir import check_data_dir, check_token_ids
+from data.data_dir import check_data_dir, check_token_ids, data_dirs
 from data.embedded_corpus import SPLITS
 from data.errors import DataError
 from data.indexed_dataset import IndexedDataset, exists
 from data.iterator import EpochBatchIterator
 from data.token_block import TokenBlockDataset
+from trainer.checkpoint.files import restore_choice
 from trainer.config.schema import uses_fsdp
 from trainer.errors import UsageError
 from trainer.host import host_memory_gb, runs_on_gpu
@@ -78,8 +79,11 @@ def _check_embedded_splits(ds):
 
 def _check_data(cfg, world_size):
 
-    data, ds = Path(cfg.task.data), cfg.dataset
-    tokenizer = check_data_dir(data, [ds.train_subset])
+    ds = cfg.dataset
+    # Every directory of a sharded DATA trains; validation reads the first.
+    tokenizer = check_data_dir(cfg.task.data, [], train_split=ds.train_subset)
+    dirs = data_dirs(cfg.task.data)
+    data = dirs[0]
     if not ds.disable_validation:
         for subset in filter(None, ds.valid_subset.split(",")):
             if exists(data / subset):
@@ -87,7 +91,8 @@ def _check_data(cfg, world_size):
             elif subset != DEFAULT_VALID_SUBSET:  # the default may be absent: then nothing is validated
                 raise DataError(f"no split {subset!r} in {data} (expected {subset}.bin and {subset}.idx); "
                                 "check --valid-subset, or pass --disable-validation")
-    _check_batches_per_rank(cfg, data / ds.train_subset, tokenizer, world_size)
+    for path in dirs:
+        _check_batches_per_rank(cfg, path / ds.train_subset, tokenizer, world_size)
     return tokenizer.vocab_size
 
 
@@ -106,12 +111,14 @@ def _check_batches_per_rank(cfg, prefix, tokenizer, world_size):
     blocks = TokenBlockDataset(tokens, t.tokens_per_sample, t.sample_break_mode, pad=tokenizer.pad,
                                eos=tokenizer.eos)
     batches = EpochBatchIterator(blocks, batch_size=d.batch_size, max_tokens=d.max_tokens, seed=cfg.common.seed,
-                                 num_shards=world_size, shard_id=0, shuffle=True, pad=tokenizer.pad)
+                                 num_shards=world_size, shard_id=0, shuffle=True, pad=tokenizer.pad,
+                                 required_batch_size_multiple=d.required_batch_size_multiple)
     len(batches)  # raises DataError("only N batches for W ranks; …")
 
 
 def _check_paths(cfg):
     ck = cfg.checkpoint
+    restore_choice(ck)  # a --restore-file or --finetune-from-model it refuses, refused before torch loads
     if not ck.no_save:
         save_dir = Path(ck.save_dir)
         if save_dir.exists() and not save_dir.is_dir():

@@ -17,11 +17,14 @@ if os.environ.get(LAUNCHER_PID) == str(os.getppid()):  # this is the server, not
 
     set_parent_death_signal(signal.SIGKILL)
     # A signal meant for the job (SLURM's USR1 before the time limit, scancel's TERM, a
-    # shell's `kill -TERM -PGID`) reaches every process of it, this one too. The launcher
-    # and the ranks act on it; the server must live on, or its end would interrupt the
-    # ranks' last save. Its ranks take the default actions back (local_ranks._rank_main).
+    # shell's `kill -TERM -PGID`, Ctrl-C in a terminal) reaches every process of it, this
+    # one too. The launcher and the ranks act on it; the server must live on, or its end
+    # would kill the ranks during their last save. Its ranks take their own handlers back
+    # (local_ranks._rank_main). The launcher started this process with these signals
+    # blocked, so none could land before this point: one that did is dropped here.
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 # Every rank's imports, DCP's included: whatever a rank imports after the fork, each
 # rank pays for again.

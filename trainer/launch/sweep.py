@@ -10,8 +10,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from trainer.config.checks import check_config
-from trainer.config.compose import compose_config
-from trainer.config.schema import register_configs
+from trainer.config.compose import KEY_ALIASES, compose_config
+from trainer.config.schema import GROUP_OPTIONS, register_configs
 from trainer.errors import UsageError
 from trainer.launch.launcher import launch
 
@@ -44,6 +44,21 @@ def flags_as_overrides(flag_settings):
         group, _, name = key.partition(".")
         out.append(f"{group}={value}" if name == "_name" else f"{key}={_quote(value)}")
     return out
+
+
+def _for_hydra(override):
+    """An override in a form Hydra's own composition takes. Hydra composes the sweep's config
+    only to expand the sweep (each job recomposes from its overrides with compose_config), and
+    it knows neither fairseq's group paths (`model=transformer_lm/transformer_lm_gpt`: Hydra
+    1.3 no longer reads those files' `# @package _group_`) nor fairseq's alias keys: a
+    selection becomes `GROUP._name=OPTION`, which compose_config reads as the same selection,
+    and an alias becomes its key."""
+    key, sep, value = override.partition("=")
+    if sep and key in GROUP_OPTIONS:
+        return f"{key}._name={value}"
+    if sep and key in KEY_ALIASES:
+        return f"{KEY_ALIASES[key]}={value}"
+    return override
 
 
 @hydra.main(config_path="../../conf", config_name="config", version_base="1.3")
@@ -84,6 +99,6 @@ def multirun(flag_settings, overrides):
         print(f"train: error: {e}", file=sys.stderr)
         return 2
     register_configs()
-    sys.argv = ["train", "-m"] + flags_as_overrides(flag_settings) + list(overrides)
+    sys.argv = ["train", "-m"] + [_for_hydra(o) for o in flags_as_overrides(flag_settings) + list(overrides)]
     _job()
     return 0

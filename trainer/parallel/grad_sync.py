@@ -5,6 +5,7 @@ import contextlib
 import torch.distributed as dist
 
 from trainer.config.schema import ddp_backend, uses_fsdp
+from trainer.cpu.gloo_comms import chain_forward_prefetch
 
 
 class GradSync:
@@ -15,9 +16,11 @@ class GradSync:
     DDP: all-reduce only on the last micro-batch (no_sync). legacy_ddp: one plain
     all-reduce per parameter after the last backward."""
 
-    def __init__(self, model, cfg, env, background_reduce=None, early_gather=None):
+    def __init__(self, model, cfg, env, background_reduce=None, early_gather=None, prefetch_units=None):
         self.model, self.env, self.background = model, env, background_reduce
         self.early_gather = early_gather  # EarlyGather, for the optimizer step
+        # {layer id: its FSDP unit} of the layers chained for forward prefetch (CPU ranks), or None.
+        self.prefetch_units = prefetch_units
         self.backend = ddp_backend(cfg)
         self.defer = cfg.distributed_training.defer_grad_sync
         self.world = env.world_size
@@ -25,10 +28,15 @@ class GradSync:
         self.sharded = uses_fsdp(cfg)
         self.averages = not self.sharded
 
-    def micro_batch(self, is_first, is_last):
+    def micro_batch(self, is_first, is_last, layers=None):
+        """layers: the ids of the decoder layers this micro-batch runs (LayerDrop), None: all."""
         if self.world == 1:
             return contextlib.nullcontext()
         if self.sharded:
+            if layers is not None and self.prefetch_units is not None:
+                # Prefetch only the layers that will run: LayerDrop saves their gathers too.
+                chain_forward_prefetch(self.model, [self.prefetch_units[i] for i in layers
+                                                    if i in self.prefetch_units])
             if self.defer:
                 self.model.set_requires_gradient_sync(is_last, recurse=True)
             if self.background is not None:

@@ -76,8 +76,9 @@ def device_mesh(cfg, env):
 
 def shard_model(model, cfg, env):
     """FSDP2: one unit per decoder layer (above --min-params-to-wrap), then the root.
-    Returns the model, on CPU ranks the reduce-scatter to wait for (else None), and the
-    EarlyGather of the first units (None on one rank: nothing is gathered)."""
+    Returns the model, on CPU ranks the reduce-scatter to wait for (else None), the
+    EarlyGather of the first units (None on one rank: nothing is gathered), and on CPU
+    ranks {layer id: unit} of the layers chained for forward prefetch (else None)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     d = cfg.distributed_training
@@ -106,12 +107,18 @@ def shard_model(model, cfg, env):
     # weights back after forward and is not gathered for backward (FSDP2's
     # set_unshard_in_backward), which saves their gathered size on every rank through all of
     # backward. The norms outside the layers do read their weights in backward: each is a
-    # unit of its own, gathered from its forward to its backward (a few KB). Layers left
+    # unit of its own, gathered from its forward to its backward (a few KB), and so are
+    # project_in_dim / project_out_dim (--decoder-input-dim / --decoder-output-dim). Layers left
     # unwrapped (--min-params-to-wrap) are in the root and need it gathered, as before.
+    # An adaptive input or softmax (tied or not: its tables and projections stay in the
+    # root, one group, as any tied pair must) multiplies by its projections in backward:
+    # the root stays gathered for it.
+    adaptive = cfg.model.adaptive_input or cfg.model.adaptive_softmax_cutoff is not None
     norms = []
-    root_free_in_backward = len(units) == len(model.layers)
+    root_free_in_backward = len(units) == len(model.layers) and not adaptive
     if root_free_in_backward:
-        norms = [m for m in (model.layernorm_embedding, model.layer_norm) if m is not None]
+        norms = [m for m in (model.layernorm_embedding, model.layer_norm, model.project_in_dim,
+                             model.project_out_dim) if m is not None]
         for norm in norms:
             fully_shard(norm, **{**kwargs, "reshard_after_forward": False})
     # Otherwise the root is used last in forward and first in backward: never resharded in
@@ -123,13 +130,17 @@ def shard_model(model, cfg, env):
         # token count over all ranks, so an average would only add a pass over the grads.
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
-    background = None
+    background = prefetch = None
     if env.device.type == "cpu" and env.world_size > 1:
         can_defer = d.ddp_backend != "hybrid_shard" and reduce_dtype in (None, torch.float32)
         background = use_gloo_fast_comms(model, units + norms, can_defer)
         prefetch_in_background(model, units)
+        prefetch = {i: layer for i, layer in enumerate(model.layers) if any(layer is u for u in units)}
+    # Under LayerDrop the next forward may skip the first layer: its early gather is then
+    # dropped unused at the end of backward (FSDP2's finalize_backward), and stays correct,
+    # since a skipped layer gets no gradient and so no step before it next runs.
     early = EarlyGather(model, units) if env.world_size > 1 else None
-    return model, background, early
+    return model, background, early, prefetch
 
 
 @torch.no_grad()
@@ -157,14 +168,18 @@ def parallelize(model, cfg, env):
             log.info(f"--compile: {len(model.layers)} decoder layers compiled with torch.compile (inductor); "
                      "the first updates, and the first validation, include compiling")
     backend = ddp_backend(cfg)
-    background_reduce = early_gather = None
+    background_reduce = early_gather = prefetch = None
     if uses_fsdp(cfg):
-        model, background_reduce, early_gather = shard_model(model, cfg, env)
+        model, background_reduce, early_gather, prefetch = shard_model(model, cfg, env)
         materialize_shards(model, cfg, env)
     elif env.world_size > 1 and backend == "pytorch_ddp":
         from torch.nn.parallel import DistributedDataParallel
-        model = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
-    return model, GradSync(model, cfg, env, background_reduce, early_gather)
+        # LayerDrop leaves the skipped layers without gradients, which DDP refuses unless it
+        # looks for unused parameters; every rank skips the same ones (step.layerdrop_seed),
+        # so their gradients stay None everywhere, as in one process.
+        model = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                                        find_unused_parameters=m.decoder_layerdrop > 0)
+    return model, GradSync(model, cfg, env, background_reduce, early_gather, prefetch)
 
 
 def sharded_bytes(model):

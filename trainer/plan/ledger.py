@@ -22,6 +22,7 @@ dropout themselves). Dropout keeps its mask: one byte per element on CUDA, an
 element of the input's dtype on a CPU (no fused kernel there).
 """
 from dataclasses import dataclass, field
+from typing import Optional
 
 from trainer.config.schema import SHARDED_BACKENDS
 
@@ -78,17 +79,25 @@ class ModelShape:
     dropout: float
     attention_dropout: float
     activation_dropout: float
+    # The token embedding's and the output layer's parameters when they are not V×d tables
+    # (an adaptive input or softmax: plan/search.py counts its bands); None: V×d each, or once tied.
+    vocab_params: Optional[int] = None
+    normformer_params: int = 0  # per layer: NormFormer's norms and scales (--scale-attn/fc/heads/resids)
+    # project_in_dim/project_out_dim and the embedding/output tables' width beyond V×d
+    # (--decoder-input-dim/--decoder-output-dim)
+    projection_params: int = 0
 
     @property
     def layer_params(self):
         d, f = self.dim, self.ffn
-        return (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
+        return (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d + self.normformer_params
 
     @property
     def root_params(self):
         """Parameters outside the decoder layers: FSDP's root unit."""
         d = self.dim
-        return self.vocab * d * (1 if self.tied else 2) + self.learned_positions * d + 2 * d * self.norms_outside_layers
+        tables = self.vocab * d * (1 if self.tied else 2) if self.vocab_params is None else self.vocab_params
+        return tables + self.learned_positions * d + 2 * d * self.norms_outside_layers + self.projection_params
 
     @property
     def params(self):

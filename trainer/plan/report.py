@@ -2,7 +2,7 @@
 import json
 
 from trainer.plan.ledger import COMPONENTS, predict
-from trainer.plan.search import choose, flags_of, model_shape, setup_of, vocab_size
+from trainer.plan.search import choose, fits, flags_of, model_shape, setup_of, vocab_size
 
 LABELS = {"runtime": "runtime (interpreter, libraries, communication)",
           "parameters": "parameters (fp32, this rank's shards)",
@@ -16,6 +16,7 @@ LABELS = {"runtime": "runtime (interpreter, libraries, communication)",
 
 
 def make_plan(cfg, device, device_gb, host_gb, ranks_per_host):
+    """host_gb None: the host's memory is unknown; plans are not judged by it."""
     m = model_shape(cfg, vocab_size(cfg))
     given = setup_of(cfg, device, ranks_per_host)
     p = predict(m, given)
@@ -27,10 +28,11 @@ def make_plan(cfg, device, device_gb, host_gb, ranks_per_host):
 def as_json(plan):
     p, given, choice = plan["prediction"], plan["given"], plan["choice"]
     return json.dumps({
-        "fits": p.per_rank_gb <= plan["device_gb"] and p.host_gb <= plan["host_gb"],
+        "fits": fits(p, plan["device_gb"], plan["host_gb"]),
         "per_rank_gb": p.per_rank_gb, "host_gb": p.host_gb, "components": p.components,
         "comm_gb_per_update": round(p.comm_gb_per_update, 3), "comm_gb": p.comm,
         "device": given.device, "device_memory_gb": plan["device_gb"], "host_memory_gb": plan["host_gb"],
+        "host_memory_checked": plan["host_gb"] is not None,
         "params": plan["model"].params,
         "recommended": flags_of(choice[1], given) if choice else None,
         "recommended_per_rank_gb": choice[2].per_rank_gb if choice else None,
@@ -54,8 +56,11 @@ def as_text(cfg, plan):
         lines.append(f"  {LABELS[k]:<50} {p.components[k]:9.3f} GB")
     verdict = "fits" if p.per_rank_gb <= plan["device_gb"] else "does NOT fit"
     lines.append(f"  {'total':<50} {p.per_rank_gb:9.3f} GB of {plan['device_gb']:.1f} GB: {verdict}")
-    host_verdict = "fits" if p.host_gb <= plan["host_gb"] else "does NOT fit"
-    lines.append(f"host memory per host: {p.host_gb:.3f} GB of {plan['host_gb']:.1f} GB: {host_verdict}")
+    if plan["host_gb"] is None:
+        lines.append(f"host memory per host: {p.host_gb:.3f} GB, not checked (give --host-memory-gb to check it)")
+    else:
+        host_verdict = "fits" if p.host_gb <= plan["host_gb"] else "does NOT fit"
+        lines.append(f"host memory per host: {p.host_gb:.3f} GB of {plan['host_gb']:.1f} GB: {host_verdict}")
     c = p.comm
     lines.append(f"communication per rank per update: all-gather {c['all_gather']:.3f} GB, reduce-scatter "
                  f"{c['reduce_scatter']:.3f} GB, all-reduce {c['all_reduce']:.3f} GB")

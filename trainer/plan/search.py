@@ -7,31 +7,30 @@ offload (GPU), + --cpu-offload (GPU); each at the requested micro-batch, then at
 smaller ones with --update-freq raised so that the global batch stays the same.
 A DDP run keeps DDP when it fits (it communicates least). Torch-free.
 """
-import os
 from dataclasses import replace
 
+from data.data_dir import data_dirs
 from data.embedded_corpus import prepare_embedded_corpus
 from data.errors import DataError
 from data.tokenizer import load_tokenizer
-from trainer.config.schema import ddp_backend
+from models.config import adaptive_bands, num_layers
+from trainer.config.checks import check_adaptive_vocab
+from trainer.config.schema import ddp_backend, model_positions
 from trainer.errors import UsageError
 from trainer.plan.ledger import ModelShape, Setup, predict
 from trainer.rendezvous import infer_rendezvous
 
-OPTIMIZER_STATES = {"adam": 2, "adamw": 2}
+# nag keeps a momentum buffer whatever its momentum; sgd one only with momentum
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "cpu_adam": 2, "nag": 1}
 
 
 def vocab_size(cfg):
     t = cfg.task
     if t._name == "dummy_lm":
         return t.dict_size
-    if t.data:
-        if not os.path.isdir(t.data):
-            raise UsageError(f"data directory {t.data} does not exist; pass a directory written by `preprocess`")
-        data_dir = t.data
-    else:
-        data_dir = prepare_embedded_corpus()
     try:
+        # The vocabulary of DATA's first directory (all of a sharded DATA's share it).
+        data_dir = data_dirs(t.data)[0] if t.data else prepare_embedded_corpus()
         return load_tokenizer(data_dir).vocab_size
     except DataError as e:
         raise UsageError(str(e)) from None
@@ -39,15 +38,62 @@ def vocab_size(cfg):
 
 def model_shape(cfg, vocab):
     m = cfg.model
-    positions = m.max_target_positions or cfg.task.tokens_per_sample
+    positions = model_positions(cfg)
     learned = m.decoder_learned_pos and not m.no_token_positional_embeddings
     final_norm = m.decoder_normalize_before and not m.no_decoder_final_norm
-    return ModelShape(layers=m.decoder_layers, dim=m.decoder_embed_dim, ffn=m.decoder_ffn_embed_dim,
+    return ModelShape(layers=num_layers(m), dim=m.decoder_embed_dim, ffn=m.decoder_ffn_embed_dim,
                       heads=m.decoder_attention_heads, vocab=vocab, learned_positions=positions if learned else 0,
                       tied=m.share_decoder_input_output_embed,
                       norms_outside_layers=int(final_norm) + int(m.layernorm_embedding),
                       activation_fn=m.activation_fn, dropout=m.dropout, attention_dropout=m.attention_dropout,
-                      activation_dropout=m.activation_dropout)
+                      activation_dropout=m.activation_dropout, vocab_params=adaptive_vocab_params(m, vocab),
+                      normformer_params=normformer_params(m), projection_params=projection_params(m, vocab))
+
+
+def normformer_params(m):
+    """One layer's NormFormer parameters, as models/transformer_lm.DecoderLayer builds them."""
+    d, f = m.decoder_embed_dim, m.decoder_ffn_embed_dim
+    return 2 * d * m.scale_attn + m.decoder_attention_heads * m.scale_heads + 2 * f * m.scale_fc + d * m.scale_resids
+
+
+def projection_params(m, vocab):
+    """project_in_dim and project_out_dim, and, without adaptive bands (counted by
+    adaptive_vocab_params), the embedding and output tables' width other than d."""
+    d = m.decoder_embed_dim
+    width_in, width_out = m.decoder_input_dim or d, m.decoder_output_dim or d
+    total = 0
+    if not m.adaptive_input and width_in != d:
+        total += width_in * d
+    if width_out != d and not m.tie_adaptive_weights:
+        total += d * width_out
+    if not m.adaptive_input and m.adaptive_softmax_cutoff is None:
+        total += vocab * (width_in - d) + (0 if m.share_decoder_input_output_embed else vocab * (width_out - d))
+    return total
+
+
+def adaptive_vocab_params(m, vocab):
+    """Parameters of an adaptive input plus the output layer, or of the embedding plus an
+    adaptive softmax, as models/adaptive.py builds them; None without either."""
+    softmax = m.adaptive_softmax_cutoff is not None
+    if not (m.adaptive_input or softmax):
+        return None
+    if not vocab:  # not known yet (the launcher's lower bound), as V×d tables of V=0 count nothing
+        return 0
+    check_adaptive_vocab(m, vocab)
+    d = m.decoder_embed_dim
+    if m.adaptive_input:  # each band: its table and its projection to d
+        bands = adaptive_bands(m.adaptive_input_cutoff, vocab, m.decoder_input_dim or d, m.adaptive_input_factor)
+        total = sum((end - start) * width + width * d for start, end, width in bands)
+    else:
+        total = vocab * (m.decoder_input_dim or d)
+    out = m.decoder_output_dim or d
+    if not softmax:
+        return total + vocab * out
+    bands = adaptive_bands(m.adaptive_softmax_cutoff, vocab, out, m.adaptive_softmax_factor)
+    tails = len(bands) - 1
+    if m.tie_adaptive_weights:  # the word tables are the input's: the clusters' scores and untied projections
+        return total + out * tails + (0 if m.tie_adaptive_proj else sum(out * w for _, _, w in bands[1:]))
+    return total + out * (bands[0][1] + tails) + sum(out * w + w * (end - start) for start, end, w in bands[1:])
 
 
 def sequences_per_batch(cfg):
@@ -108,7 +154,8 @@ def micro_batches(s: Setup):
 
 
 def fits(p, device_gb, host_gb):
-    return p.per_rank_gb <= device_gb and p.host_gb <= host_gb
+    """host_gb None: the host's memory is unknown (another machine's), so it is not judged."""
+    return p.per_rank_gb <= device_gb and (host_gb is None or p.host_gb <= host_gb)
 
 
 # The on/off flags a Setup stands for: (flag, config key, its value in Setup s). Setup

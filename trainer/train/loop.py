@@ -39,14 +39,26 @@ class TrainLoop:
             return True
         return False
 
+    def reached_stop_min_lr(self):
+        """fairseq's test before each epoch (the first one's too): the lr the next update
+        would use, after the last epoch's lr_step."""
+        lr, floor = self.trainer.next_lr(), self.cfg.optimization.stop_min_lr
+        if lr <= floor:
+            log.info(f"stopping training because current learning rate ({lr}) is smaller than or equal to "
+                     f"minimum learning rate (--stop-min-lr={floor})")
+            return True
+        return False
+
     def run(self):
         c, o = self.cfg, self.cfg.optimization
-        updates_per_epoch = math.ceil(len(self.itr) / o.update_freq)
         stop = self.reached_max_update()  # a resumed run may have nothing left to do
         while not stop:
+            if self.reached_stop_min_lr():
+                break
             resumed = self.itr.iterations_in_epoch > 0 and not self.itr.end_of_epoch()
             batches = self.itr.next_epoch_itr()
             epoch = self.itr.epoch
+            updates_per_epoch = math.ceil(len(self.itr) / o.update_freq)  # each shard of DATA has its own
             if not resumed:
                 self.epoch_meters.reset()
             interval = TrainMeters()
@@ -116,6 +128,10 @@ class TrainLoop:
             # name), so a numerical fault never replaces a good checkpoint.
             self.trainer.check_parameters_finite()
         metric = self.validate(epoch) if do_validate else None
+        if end_of_epoch:
+            # fairseq steps the schedule after the epoch's save; before it, the checkpoint
+            # holds the stepped schedule, so a run resumed from it continues as this one does.
+            self.trainer.lr_step(metric)
         if do_save and self.checkpointer is not None:
             self.checkpointer.save(epoch, end_of_epoch, metric, self)
 

@@ -12,7 +12,8 @@ from models.transformer_lm import build_model, num_parameters
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.files import remove_unfinished_saves
 from trainer.checkpoint.save_dir_lock import SaveDirLock
-from trainer.config.schema import uses_fsdp
+from trainer.config.checks import check_adaptive_vocab
+from trainer.config.schema import model_positions, uses_fsdp
 from trainer.errors import RankStopped, UsageError
 from trainer.parallel.lost_peer import peer_lost
 from trainer.parallel.parallelize import parallelize, sharded_bytes
@@ -44,19 +45,23 @@ def build(cfg, env):
     """Task, model (wrapped for its backend) and trainer for a composed config."""
     set_seed(cfg.common.seed)
     task = LMTask(cfg, env)
-    max_positions = cfg.model.max_target_positions or cfg.task.tokens_per_sample
+    check_adaptive_vocab(cfg.model, task.vocab_size, task.pad)
+    max_positions = model_positions(cfg)
     # Sharded models start on the meta device: no rank ever holds the whole model.
     device = "meta" if uses_fsdp(cfg) else env.device
     model = build_model(cfg.model, task.vocab_size, max_positions, device=device, padding_idx=task.pad,
                         seed=cfg.common.seed)
     n_params = num_parameters(model)
-    log.info(f"model {cfg.model._name}, {cfg.model.decoder_layers} layers x {cfg.model.decoder_embed_dim}, "
+    log.info(f"model {cfg.model._name}, {len(model.layers)} layers x {cfg.model.decoder_embed_dim}, "
              f"vocabulary {task.vocab_size}")
     log.info(f"num. model params: {n_params:,} (num. trained: "
              f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,})")
-    embed_params = sum(m.weight.numel() for m in (model.embed_tokens, model.embed_positions,
-                                                   model.output_projection) if m is not None)
-    fpt = flops_per_token(cfg.model, n_params, task.vocab_size, embed_params, cfg.task.tokens_per_sample)
+    vocab_modules = (model.embed_tokens, model.embed_positions, model.output_projection, model.adaptive_softmax)
+    embed_params = sum(p.numel() for m in vocab_modules if m is not None for p in m.parameters())
+    # An adaptive softmax scores the head (first band + clusters) for every token; a tail
+    # only for its band's tokens, left out of this count, as the adaptive input's bands are.
+    scored = task.vocab_size if model.adaptive_softmax is None else model.adaptive_softmax.head_size
+    fpt = flops_per_token(cfg.model, n_params, scored, embed_params, cfg.task.tokens_per_sample)
     model, grad_sync = parallelize(model, cfg, env)
     log.info(f"rank {env.rank} holds {sharded_bytes(model) / 2 ** 20:,.1f} MiB of parameters "
              f"({cfg.distributed_training.ddp_backend}, {env.world_size} rank(s))")
@@ -86,7 +91,8 @@ def train(cfg, env):
         log.info(f"training on {env.world_size} rank(s), device {env.device}, backend "
                  f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank")
         checkpointer = Checkpointer(cfg, env, trainer, task)
-        loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer, Preemption(env))
+        preemption = Preemption(env)
+        loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer, preemption)
         checkpointer.restore(loop)
         # Only now, with every input checked, does the save directory change.
         if lock is not None:
@@ -95,7 +101,7 @@ def train(cfg, env):
                 log.info(f"removed {name}, left by a run that died while saving")
         loop.run()
         trainer.finish()
-        return 0
+        return preemption.exit_code()  # 130 after a Ctrl-C, as an interrupted command ends
     finally:
         if lock is not None:
             lock.release()

@@ -4,6 +4,8 @@ import time
 
 import torch
 
+from models.config import num_layers
+
 LN2 = math.log(2)
 
 
@@ -87,5 +89,5 @@ def peak_memory_gb(device):
 def flops_per_token(model_cfg, num_params, vocab_size, embed_params, seq_len):
     """Training FLOPs per token (PaLM appendix B, the same count ref_loop.py uses):
     6·(non-embedding params) + 6·V·d for the output projection + 12·L·d·T for attention."""
-    d, L = model_cfg.decoder_embed_dim, model_cfg.decoder_layers
+    d, L = model_cfg.decoder_embed_dim, num_layers(model_cfg)
     return 6 * (num_params - embed_params) + 6 * vocab_size * d + 12 * L * d * seq_len

@@ -1,4 +1,4 @@
-"""Optimizers (adam, adamw, sgd) and fairseq's learning-rate schedules."""
+"""Optimizers (adam, adamw, cpu_adam, sgd, nag) and fairseq's learning-rate schedules."""
 import math
 
 import torch
@@ -19,16 +19,29 @@ def param_groups(model, weight_decay):
     return [g for g in groups if g["params"]]
 
 
+CPU_ADAM = ("--optimizer cpu_adam: Adam with decoupled weight decay (fairseq's cpu_adam, adam_w_mode), "
+            "stepped by torch's fused CPU kernel on the host-resident shards of --cpu-offload; its state is "
+            "Adam's, so its checkpoints resume with --optimizer adam and adam's with cpu_adam")
+
+
 def build_optimizer(model, cfg):
     o = cfg.optimizer
     groups = param_groups(model, o.weight_decay)
     lr = cfg.optimization.lr
-    if o._name in ("adam", "adamw"):
+    if o._name in ("adam", "adamw", "cpu_adam"):
         # fairseq's adam decouples weight decay, i.e. it is AdamW. The fused kernel is
         # one pass over all parameters per step, on CPU and GPU alike, and takes FSDP2's
         # DTensor shards too; the default (foreach) path allocates temporaries the size
-        # of the model every step.
+        # of the model every step. cpu_adam is the same optimizer: fairseq's is
+        # DeepSpeed's vectorised host Adam (AdamW's update, bias-corrected) over the
+        # offloaded parameters, and under --cpu-offload FSDP2 keeps shards, gradients
+        # and this state in host memory, so the fused kernel steps them there. Nothing
+        # hooks the gradients (no post-accumulate-grad hook): such a hook would make
+        # FSDP2 copy each gradient to the host synchronously instead of overlapping the
+        # copy with the rest of backward.
         return ShardLocalAdamW(groups, lr=lr, betas=tuple(o.adam_betas), eps=o.adam_eps, fused=True)
+    if o._name == "nag":
+        return NAG(groups, lr=lr, momentum=o.momentum)
     return torch.optim.SGD(groups, lr=lr, momentum=o.momentum)
 
 
@@ -97,9 +110,83 @@ class ShardLocalAdamW(torch.optim.AdamW):
             decoupled_weight_decay=group["decoupled_weight_decay"])
 
 
+class NAG(torch.optim.Optimizer):
+    """fairseq's Nesterov accelerated gradient (fairseq/optim/nag.py), stepped on each
+    parameter's local shard. With lr_correct = lr / lr_old (lr_old: the lr of the
+    parameter's previous step), per element:
+
+        p   <- p * (1 - lr * weight_decay) + momentum**2 * lr_correct * buf - (1 + momentum) * lr * grad
+        buf <- momentum * lr_correct * buf - lr * grad
+
+    Elementwise, so FSDP2's local shards compute what whole tensors would, without
+    DTensor's dispatch (see ShardLocalAdamW); `momentum_buffer` is made like the parameter
+    (a DTensor under FSDP2), so checkpoints hold it sharded and reshard it as they do
+    Adam's state. fairseq keeps lr_old in the parameter group, which shardlm's checkpoints
+    leave out (hyper-parameters come from the config); here it is per-parameter state,
+    saved beside the buffer as a float64 0-d tensor (torch's load_state_dict would cast a
+    tensor to the parameter's dtype and device: a float here), so a resumed run's first
+    step is corrected by the lr of the step before the save, as the uninterrupted run's is.
+    `step(first=ids, then=callback)`: as ShardLocalAdamW's (the order changes no value)."""
+
+    def __init__(self, params, lr, momentum=0.0, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+    def state_dict(self):
+        sd = super().state_dict()  # its per-parameter dicts are self.state's own: copied
+        sd["state"] = {k: {**v, "lr_old": torch.tensor(v["lr_old"], dtype=torch.float64)} if "lr_old" in v else v
+                       for k, v in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state = {k: {**v, "lr_old": float(v["lr_old"])} if "lr_old" in v else v
+                 for k, v in state_dict["state"].items()}
+        super().load_state_dict({**state_dict, "state": state})
+
+    @torch.no_grad()
+    def step(self, closure=None, first=None, then=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        first = first or set()
+        self._step(lambda p: id(p) in first)
+        if then is not None:
+            then()
+        self._step(lambda p: id(p) not in first)
+        return loss
+
+    def _step(self, selected):
+        for group in self.param_groups:
+            lr, momentum, weight_decay = group["lr"], group["momentum"], group["weight_decay"]
+            by_lr_old = {}  # one value in practice: every parameter of a group steps together
+            for p in group["params"]:
+                if p.grad is None or not selected(p):
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                    state["lr_old"] = lr  # fairseq's first lr_old is --lr: either way times a zero buffer
+                by_lr_old.setdefault(state["lr_old"], []).append(p)
+            for lr_old, params in by_lr_old.items():
+                lr_correct = lr / lr_old if lr_old > 0 else lr  # fairseq's, for an lr_old of 0 too
+                ps = local_shards(params)
+                grads = local_shards([p.grad for p in params])
+                bufs = local_shards([self.state[p]["momentum_buffer"] for p in params])
+                if weight_decay != 0:
+                    torch._foreach_mul_(ps, 1 - lr * weight_decay)
+                torch._foreach_add_(ps, bufs, alpha=momentum * momentum * lr_correct)
+                torch._foreach_add_(ps, grads, alpha=-(1 + momentum) * lr)
+                torch._foreach_mul_(bufs, momentum * lr_correct)
+                torch._foreach_add_(bufs, grads, alpha=-lr)
+                for p in params:
+                    self.state[p]["lr_old"] = lr
+
+
 class LRSchedule:
-    """lr as a function of num_updates (fairseq's fixed, inverse_sqrt, polynomial_decay,
-    cosine, each with linear warmup); stateless, so resuming needs only num_updates."""
+    """lr as a function of num_updates: fairseq's fixed, inverse_sqrt, polynomial_decay and
+    cosine (each with linear warmup) are stateless, so resuming needs only num_updates;
+    reduce_lr_on_plateau also keeps its current lr, best metric and bad epochs, saved with
+    checkpoints (`state_dict`) and stepped on each epoch's validation metric (`step_epoch`)."""
 
     def __init__(self, cfg):
         s = cfg.lr_scheduler
@@ -109,25 +196,101 @@ class LRSchedule:
         self.end_lr, self.power, self.min_lr = s.end_learning_rate, s.power, s.min_lr
         max_update = cfg.optimization.max_update
         self.total = s.total_num_update or max_update
-        self.period = s.lr_period_updates if s.lr_period_updates > 0 else max(max_update - self.warmup, 1)
+        if self.name == "cosine":  # fairseq's cosine_lr_scheduler.py
+            self.min_lr = min(s.min_lr, self.peak)
+            self.warmup_init = self.min_lr if s.warmup_init_lr < 0 else s.warmup_init_lr
+            # Past the last update only (checks.py requires max_update or the period).
+            self.period = s.lr_period_updates if s.lr_period_updates > 0 else max(max_update - self.warmup, 1)
+            self.t_mult, self.shrink = s.t_mult, s.lr_shrink
+        if self.name == "reduce_lr_on_plateau":  # fairseq's reduce_lr_on_plateau.py over torch's ReduceLROnPlateau
+            self.warmup_init = s.warmup_init_lr if s.warmup_init_lr >= 0 else 0.0 if self.warmup > 0 else self.peak
+            self.shrink, self.threshold, self.patience = s.lr_shrink, s.lr_threshold, s.lr_patience
+            self.maximize = cfg.checkpoint.maximize_best_checkpoint_metric
+        self.warmup_step = (self.peak - self.warmup_init) / self.warmup if self.warmup > 0 else 0.0
+        if self.name == "reduce_lr_on_plateau":
+            self.reset()
 
     def lr(self, num_updates):
+        if self.name == "cosine":
+            return self.cosine(num_updates)
+        if self.name == "reduce_lr_on_plateau":
+            if self.warmup > 0 and num_updates <= self.warmup:
+                return self.warmup_init + num_updates * self.warmup_step
+            return self.current
         if self.warmup > 0 and num_updates < self.warmup:
             return self.warmup_init + (self.peak - self.warmup_init) * (num_updates + 1) / self.warmup
         if self.name == "fixed":
             return self.peak
         if self.name == "inverse_sqrt":
             return self.peak * math.sqrt(max(self.warmup, 1)) / math.sqrt(max(num_updates, 1))
-        if self.name == "polynomial_decay":
-            if num_updates >= self.total:
-                return self.end_lr
-            frac = 1 - (num_updates - self.warmup) / max(self.total - self.warmup, 1)
-            return (self.peak - self.end_lr) * frac ** self.power + self.end_lr
-        t = min(num_updates - self.warmup, self.period) / self.period  # cosine
-        return self.min_lr + 0.5 * (self.peak - self.min_lr) * (1 + math.cos(math.pi * t))
+        # polynomial_decay
+        if num_updates >= self.total:
+            return self.end_lr
+        frac = 1 - (num_updates - self.warmup) / max(self.total - self.warmup, 1)
+        return (self.peak - self.end_lr) * frac ** self.power + self.end_lr
+
+    def cosine(self, num_updates):
+        """fairseq's step_update: warmup from --warmup-init-lr (default --min-lr), then cosine
+        cycles, each --t-mult times longer than the last, its max and min lr times
+        --lr-shrink**cycle."""
+        if num_updates < self.warmup:
+            return self.warmup_init + num_updates * self.warmup_step
+        curr, period, t_mult = num_updates - self.warmup, self.period, self.t_mult
+        if t_mult != 1:
+            i = math.floor(math.log(1 - curr / period * (1 - t_mult), t_mult))
+            t_i = t_mult ** i * period
+            t_curr = curr - (1 - t_mult ** i) / (1 - t_mult) * period
+        else:
+            i = math.floor(curr / period)
+            t_i = period
+            t_curr = curr - period * i
+        shrink = self.shrink ** i
+        min_lr, max_lr = self.min_lr * shrink, self.peak * shrink
+        return min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * t_curr / t_i))
 
     def apply(self, optimizer, num_updates):
         lr = self.lr(num_updates)
         for g in optimizer.param_groups:
             g["lr"] = lr
         return lr
+
+    # ------------------------------------------------------ reduce_lr_on_plateau
+    def reset(self):
+        # The lr that warmup ends on (fairseq keeps the optimizer's), or --lr without warmup.
+        self.current = self.warmup_init + self.warmup * self.warmup_step if self.warmup > 0 else self.peak
+        self.best = -math.inf if self.maximize else math.inf
+        self.bad_epochs = 0
+
+    def step_epoch(self, metric, num_updates):
+        """At an epoch's end, with its validation metric (None when it did not validate):
+        torch's ReduceLROnPlateau step (mode min or max, relative threshold, no cooldown,
+        min lr 0, eps 1e-8), once warmup is over (fairseq's lr_step)."""
+        if self.name != "reduce_lr_on_plateau" or metric is None or num_updates <= self.warmup:
+            return
+        if self.maximize:
+            better = metric > self.best * (1 + self.threshold)
+        else:
+            better = metric < self.best * (1 - self.threshold)
+        if better:
+            self.best, self.bad_epochs = metric, 0
+        else:
+            self.bad_epochs += 1
+        if self.bad_epochs > self.patience:
+            new = max(self.current * self.shrink, 0.0)
+            if self.current - new > 1e-8:
+                self.current = new
+            self.bad_epochs = 0
+
+    def state_dict(self):
+        if self.name != "reduce_lr_on_plateau":
+            return None
+        return {"name": self.name, "lr": self.current, "bad_epochs": self.bad_epochs,
+                "best": self.best if math.isfinite(self.best) else None}
+
+    def load_state_dict(self, state):
+        """A saved plateau's state; anything else (another schedule's, none) leaves this one fresh."""
+        if self.name != "reduce_lr_on_plateau" or not state or state.get("name") != self.name:
+            return
+        self.current, self.bad_epochs = state["lr"], state["bad_epochs"]
+        if state["best"] is not None:
+            self.best = state["best"]

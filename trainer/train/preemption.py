@@ -1,17 +1,22 @@
-"""Stop cleanly when the cluster says so: STOP_SIGNALS (trainer/errors.py) finish the
-current update, the ranks agree, checkpoint_last is saved, and under SLURM the job requeues itself so the
-same command resumes from it. Outside SLURM the same signals save and exit.
+"""Stop cleanly when the cluster or the user says so: STOP_SIGNALS (trainer/errors.py) finish
+the current update, the ranks agree, checkpoint_last is saved, and under SLURM the job requeues
+itself so the same command resumes from it. Outside SLURM the same signals save and exit;
+Ctrl-C (SIGINT) with exit status 130, as an interrupted command does.
 
 A signal reaches the ranks at different moments (or only some of them), so the flag is
 summed over all ranks after every update: all stop after the same update, or none does.
+A second signal, later, means "now": a second SIGTERM kills the rank the default way, a
+second Ctrl-C raises InterruptedAgain, which ends the job with one line.
 """
+import ctypes
 import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 
-from trainer.errors import STOP_SIGNALS
+from trainer.errors import INTERRUPTED, STOP_SIGNALS, InterruptedAgain, end_child_processes
 from trainer.parallel.ranks import all_reduce_sum
 
 log = logging.getLogger("shardlm")
@@ -28,22 +33,39 @@ class Preemption:
         self.env = env
         self.received = None
         self.first_at = None
+        self.interrupted = False  # a Ctrl-C reached this rank, or (once agreed) another one
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         now = time.monotonic()
-        if self.received is not None and signum == signal.SIGTERM and now - self.first_at > SAME_SIGNAL_S:
+        again = self.received is not None and now - self.first_at > SAME_SIGNAL_S
+        if again and signum in (signal.SIGTERM, signal.SIGINT):
+            end_child_processes()  # the data loader workers go first, quietly
+        if again and signum == signal.SIGTERM:
             # A second TERM: the cluster is out of patience; die the default way.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
+        if again and signum == signal.SIGINT:
+            # A second Ctrl-C: the user will not wait for the save. Python's own answer to
+            # Ctrl-C, raised where the rank is; the launcher turns it into one line.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a third one must not interrupt the way out
+            raise InterruptedAgain
         self.received = signal.Signals(signum).name
         self.first_at = self.first_at or now
+        self.interrupted = self.interrupted or signum == signal.SIGINT
 
     def agreed(self):
-        """True on every rank once any rank has received a signal (one tiny all-reduce)."""
-        (flag,) = all_reduce_sum([1.0 if self.received else 0.0], self.env)
+        """True on every rank once any rank has received a signal (one tiny all-reduce,
+        which also tells every rank whether it was a Ctrl-C)."""
+        flag, interrupts = all_reduce_sum([1.0 if self.received else 0.0, 1.0 if self.interrupted else 0.0],
+                                          self.env)
+        self.interrupted = interrupts > 0
         return flag > 0
+
+    def exit_code(self):
+        """0, or 130 for a run that a Ctrl-C stopped (the shell's code for an interrupted command)."""
+        return INTERRUPTED if self.interrupted else 0
 
     def requeue(self):
         """Under SLURM, put this job back in the queue (rank 0, once); True if requeued."""
@@ -58,3 +80,30 @@ class Preemption:
             return False
         log.info(f"requeued SLURM job {job}: it resumes from checkpoint_last")
         return True
+
+
+def leave_stop_signals_to_the_rank(worker_id=None):
+    """Run in each data-loading worker of a rank (data/iterator.py). A job's signals reach
+    every process of it, its workers too: the rank finishes its update, saves and ends its
+    workers itself, so a worker leaves them to it (torch's worker would die of SIGTERM, and
+    its rank with it, unsaved). Only its rank's SIGTERM (torch ending a worker that did not
+    stop when asked, or multiprocessing's exit) still ends it; it also dies with its rank."""
+    for sig in STOP_SIGNALS:
+        if sig != signal.SIGTERM:
+            signal.signal(sig, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: torch's worker notices its rank is gone within seconds
+    if not hasattr(signal, "sigwaitinfo"):  # macOS: torch's own handling (dies of any SIGTERM)
+        return
+    rank = os.getppid()
+    # Blocked here, inherited by every thread started from now on: only the waiter takes it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def wait_for_the_ranks_sigterm():
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == rank:
+                os._exit(0)
+
+    threading.Thread(target=wait_for_the_ranks_sigterm, daemon=True, name="sigterm-from-rank").start()

@@ -1,13 +1,20 @@
-"""Log records in fairseq's formats (json, simple, tqdm, none), plus TensorBoard.
+"""Log records in fairseq's formats (json, simple, tqdm, none), plus TensorBoard and
+Weights & Biases.
 
 Tags: `train_inner` every --log-interval updates, `train` per epoch (keys prefixed
 `train_`), `valid` (prefixed `valid_`). A json record is one line whose JSON object runs
-from the first `{` to the end of the line.
+from the first `{` to the end of the line. TensorBoard gets one directory per tag, W&B
+keys `tag/key` (fairseq's), both at step num_updates; only rank 0 writes either.
 """
 import json
 import logging
 import os
+import socket
 import sys
+import urllib.request
+from urllib.parse import urlsplit
+
+from omegaconf import OmegaConf
 
 log = logging.getLogger("shardlm")
 LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
@@ -40,6 +47,7 @@ class Progress:
         self.writers = {}
         self.tb_dir = cfg.common.tensorboard_logdir if is_master else None
         self.bar = None
+        self.wandb = start_wandb(cfg) if is_master and cfg.common.wandb_project else None
 
     def epoch_bar(self, iterable, epoch, total):
         """Wrap an epoch's batches: a tqdm bar in tqdm format, pass-through otherwise."""
@@ -55,6 +63,9 @@ class Progress:
         prefix = "" if tag == "train_inner" else tag + "_"
         record = {prefix + k: v for k, v in stats.items()}
         self._tensorboard(tag, stats, num_updates)
+        if self.wandb is not None:
+            self.wandb.log({f"{tag}/{k}": v for k, v in stats.items()
+                            if isinstance(v, (int, float)) and k != "num_updates"}, step=num_updates)
         if self.fmt == "none":
             return
         logger = logging.getLogger(tag)
@@ -89,6 +100,48 @@ class Progress:
             self.bar.close()
         for w in self.writers.values():
             w.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def start_wandb(cfg):
+    """fairseq's W&B run: --wandb-project, named $WANDB_NAME or after --save-dir, with the
+    config. Unless $WANDB_MODE says otherwise, a run that cannot reach W&B (no network, a
+    compute node, no `wandb login`) logs offline rather than failing the job at its start:
+    `wandb sync` uploads it later."""
+    import wandb  # a slow import: only rank 0 of a run that asked for it pays it
+
+    save_dir = os.path.basename(os.path.normpath(cfg.checkpoint.save_dir))
+    kwargs = dict(project=cfg.common.wandb_project, name=os.environ.get("WANDB_NAME", save_dir),
+                  config=OmegaConf.to_container(cfg, resolve=True))
+    if os.environ.get("WANDB_MODE"):
+        return wandb.init(**kwargs)
+    api = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    if not _reachable(api):
+        log.warning(f"W&B: {api} cannot be reached: logging offline (`wandb sync` uploads it later)")
+        return wandb.init(mode="offline", **kwargs)
+    try:
+        return wandb.init(**kwargs)
+    except wandb.errors.Error as e:  # no API key, refused key, a timeout
+        why = str(e).splitlines()[0].rstrip(".") if str(e) else type(e).__name__
+        log.warning(f"W&B: {why}: logging offline (`wandb sync` uploads it later)")
+        return wandb.init(mode="offline", **kwargs)
+
+
+def _reachable(url, timeout=5.0):
+    """A TCP connection opens to the host of `url`, or to the proxy that would carry it."""
+    u = urlsplit(url)
+    proxy = urllib.request.getproxies().get(u.scheme)
+    if proxy and not urllib.request.proxy_bypass(u.hostname or ""):
+        u = urlsplit(proxy if "://" in proxy else "http://" + proxy)
+    if not u.hostname:
+        return False
+    try:
+        socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout).close()
+        return True
+    except OSError:  # no such host, refused, timed out
+        return False
 
 
 def _fmt(v):

@@ -6,6 +6,7 @@ gives the gradient of --batch-size 8. The division is folded into the loss befor
 backward: no extra pass over the gradients.
 """
 import contextlib
+import hashlib
 import logging
 import math
 import time
@@ -18,7 +19,7 @@ from trainer.errors import RankStopped
 from trainer.parallel.parallelize import mixed_precision_dtype
 from trainer.parallel.ranks import all_reduce_sum
 from trainer.train.meters import LN2
-from trainer.train.optim import LRSchedule, ShardLocalAdamW, build_optimizer, local_shards
+from trainer.train.optim import CPU_ADAM, NAG, LRSchedule, ShardLocalAdamW, build_optimizer, local_shards
 
 log = logging.getLogger("shardlm")
 
@@ -27,11 +28,13 @@ class Trainer:
     def __init__(self, cfg, model, env, pad, grad_sync):
         self.cfg, self.model, self.env, self.pad, self.grad_sync = cfg, model, env, pad, grad_sync
         self.optimizer = build_optimizer(model, cfg)
+        if cfg.optimizer._name == "cpu_adam" and env.is_master:
+            log.info(CPU_ADAM)
         # An update's step steps the parameters of the next forward's first all-gathers
         # first, then starts those gathers (EarlyGather); nothing to pass where none is.
         early = grad_sync.early_gather
         self.step_kwargs = {}
-        if early is not None and isinstance(self.optimizer, ShardLocalAdamW):
+        if early is not None and isinstance(self.optimizer, (ShardLocalAdamW, NAG)):
             self.step_kwargs = dict(first=early.param_ids(), then=early.start)
         self.schedule = LRSchedule(cfg)
         self.num_updates = 0
@@ -52,16 +55,25 @@ class Trainer:
                 log.warning("--fp16 on a CPU: there are no fast fp16 kernels here, so it runs but slowly; "
                             "--bf16 is the fast mixed precision on CPUs")
 
+    def next_lr(self):
+        """The lr of the next update (fairseq's get_lr once lr_step_update has run)."""
+        return self.schedule.lr(self.num_updates - self.lr_updates_offset)
+
+    def lr_step(self, epoch_metric):
+        """fairseq's lr_step at an epoch's end, with its validation metric (or None)."""
+        self.schedule.step_epoch(epoch_metric, self.num_updates - self.lr_updates_offset)
+
     @property
     def loss_scale(self):
         return self.scaler.get_scale() if self.scaler is not None else None
 
-    def loss_sum(self, batch):
+    def loss_sum(self, batch, layers=None):
         """Summed cross-entropy (nats, fp32) over the batch's non-pad targets. The model
-        computes it with its output projection, a chunk of logits at a time."""
+        computes it with its output projection, a chunk of logits at a time. layers: the
+        decoder layers to run (LayerDrop's draw; None: all)."""
         with self.autocast:
             return self.model(batch["src_tokens"].to(self.env.device, non_blocking=True),
-                              target=batch["target"].to(self.env.device, non_blocking=True))
+                              target=batch["target"].to(self.env.device, non_blocking=True), layers=layers)
 
     def train_step(self, samples):
         """Forward/backward every micro-batch, then clip and step. Returns the update's stats,
@@ -75,9 +87,13 @@ class Trainer:
         # which the weight undoes (FSDP sums them).
         loss_weight = (self.env.world_size if self.grad_sync.averages else 1) / max(total_tokens, 1)
         loss_total = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        lm = getattr(self.model, "module", self.model)  # the TransformerLM inside DDP
         for i, batch in enumerate(samples):
-            with self.grad_sync.micro_batch(is_first=i == 0, is_last=i == len(samples) - 1):
-                loss = self.loss_sum(batch)
+            # LayerDrop's draw for this micro-batch, from a seed every rank computes alike
+            # (fairseq reseeds each update from --seed + num_updates; here per micro-batch too).
+            layers = lm.layerdrop_layers(layerdrop_seed(self.cfg.common.seed, self.num_updates, i))
+            with self.grad_sync.micro_batch(is_first=i == 0, is_last=i == len(samples) - 1, layers=layers):
+                loss = self.loss_sum(batch, layers)
                 loss_total += loss.detach()
                 scaled = loss * loss_weight
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
@@ -176,6 +192,13 @@ class Trainer:
         self.model.eval()
         loss = self.loss_sum(batch).item()  # a dummy batch runs too: sharded forwards are collective
         return (0.0 if batch.get("dummy") else loss), batch["ntokens"], batch["nsentences"]
+
+
+def layerdrop_seed(seed, num_updates, micro_batch):
+    """One 63-bit seed per (--seed, update, micro-batch): the same on every rank and in a
+    resumed run, unrelated between neighbours."""
+    key = f"{seed}/{num_updates}/{micro_batch}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 def global_grad_norm(grads):

@@ -1,19 +1,28 @@
-"""The language_modeling and dummy_lm tasks: vocabulary and batch iterators per split.
+"""The language_modeling and dummy_lm tasks: vocabulary, datasets and batch iterators per split.
 
 `train DATA` reads a directory written by `preprocess` or by fairseq-preprocess (both
-in fairseq's MMIDIDX format); without DATA it prepares the embedded corpus once.
+in fairseq's MMIDIDX format), or several joined by os.pathsep (fairseq's sharded data:
+epoch e trains on the ((e - 1) mod n)-th; the vocabulary and validation come from the
+first); without DATA it prepares the embedded corpus once. As in fairseq, the training
+split is read with its pieces (train, train1, train2, … of that directory), and a
+validation split with them only under --combine-valid-subsets.
 """
+import functools
 import json
 import logging
+import re
+import zlib
 from pathlib import Path
 
+from data.data_dir import data_dirs
 from data.dummy_lm import DummyLMDataset
 from data.embedded_corpus import prepare_embedded_corpus
 from data.errors import DataError
 from data.indexed_dataset import IndexedDataset, exists
-from data.iterator import EpochBatchIterator
-from data.token_block import TokenBlockDataset
-from data.tokenizer import load_tokenizer
+from data.iterator import EpochBatchIterator, collate
+from data.token_block import ConcatDataset, TokenBlockDataset
+from data.tokenizer import SPECIAL_IDS, load_tokenizer
+from trainer.train.preemption import leave_stop_signals_to_the_rank
 
 log = logging.getLogger("shardlm")
 
@@ -27,54 +36,120 @@ def embedded_loss_floor(data_dir):
     return floor["valid_bits_per_char"] * floor["valid_chars"] / meta["splits"]["valid"]["tokens"]
 
 
+def valid_subsets(cfg):
+    return [s for s in cfg.dataset.valid_subset.split(",") if s]
+
+
 class LMTask:
     def __init__(self, cfg, env):
         self.cfg, self.env = cfg, env
         t = cfg.task
-        self.pad = 1
+        self.pad, self.bos = SPECIAL_IDS["pad"], SPECIAL_IDS["bos"]
         self.valid_loss_floor = None
+        self._datasets = {}  # (split, data dir) -> dataset; of the training split, the current shard's only
         if t._name == "dummy_lm":
-            self.data_dir, self.tokenizer, self.vocab_size = None, None, t.dict_size
-            return
-        if t.data:
-            self.data_dir = Path(t.data)
-            if not self.data_dir.is_dir():
-                raise DataError(f"data directory {t.data} does not exist; pass a directory written by "
-                                "`preprocess` (or leave DATA out to use the embedded corpus)")
+            self.data_dirs, self.data_dir, self.tokenizer, self.vocab_size = [], None, None, t.dict_size
         else:
-            self.data_dir = prepare_embedded_corpus()
-            log.info(f"no DATA given: training on the embedded corpus in {self.data_dir}")
-        self.tokenizer = load_tokenizer(self.data_dir)
-        self.vocab_size = self.tokenizer.vocab_size
-        self.pad = self.tokenizer.pad
-        self.valid_loss_floor = None if t.data else embedded_loss_floor(self.data_dir)
-        if self.valid_loss_floor is not None:
-            log.info(f"embedded corpus: the true model's valid loss is {self.valid_loss_floor:.3f} "
-                     f"(ppl {2 ** self.valid_loss_floor:.2f}); no model can do better")
-
-    def dataset(self, split):
-        t = self.cfg.task
-        if t._name == "dummy_lm":
-            return DummyLMDataset(t.dict_size, t.tokens_per_sample, t.dataset_size, seed=self.cfg.common.seed)
-        prefix = self.data_dir / split
-        if not self.has_split(split):
-            raise DataError(f"no split {split!r} in {self.data_dir} (expected {split}.bin and {split}.idx); "
-                            "check --train-subset/--valid-subset or re-run preprocess")
-        return TokenBlockDataset(IndexedDataset(str(prefix)), t.tokens_per_sample, t.sample_break_mode,
-                                 pad=self.pad, eos=self.tokenizer.eos)
+            if t.data:
+                self.data_dirs = data_dirs(t.data)
+            else:
+                self.data_dirs = [prepare_embedded_corpus()]
+                log.info(f"no DATA given: training on the embedded corpus in {self.data_dirs[0]}")
+            self.data_dir = self.data_dirs[0]  # the vocabulary's and validation's
+            self.tokenizer = load_tokenizer(self.data_dir)
+            self.vocab_size = self.tokenizer.vocab_size
+            self.pad, self.bos = self.tokenizer.pad, self.tokenizer.bos
+            self.valid_loss_floor = None if t.data else embedded_loss_floor(self.data_dir)
+            if self.valid_loss_floor is not None:
+                log.info(f"embedded corpus: the true model's valid loss is {self.valid_loss_floor:.3f} "
+                         f"(ppl {2 ** self.valid_loss_floor:.2f}); no model can do better")
+            if len(self.data_dirs) > 1:
+                log.info(f"sharded data: epoch e trains on the ((e - 1) mod {len(self.data_dirs)})-th of "
+                         f"{', '.join(map(str, self.data_dirs))}; validation reads {self.data_dir}")
+            self._warn_unused_valid_subsets()
+        # Validation splits load now, as fairseq loads them before training: a bad one stops
+        # the run before its first update, not at its first validation.
+        if not cfg.dataset.disable_validation:
+            for split in valid_subsets(cfg):
+                if self.has_split(split):
+                    self.dataset(split)
 
     def has_split(self, split):
         if self.cfg.task._name == "dummy_lm":
-            return split == self.cfg.dataset.train_subset  # random tokens: nothing to validate on
+            return True  # fairseq's dummy_lm: any split name gives random data
         return exists(self.data_dir / split)
 
-    def batch_iterator(self, split, training):
+    def dataset(self, split, epoch=1):
+        """The split's blocks; the training split's from the data dir of ``epoch``."""
+        training = split == self.cfg.dataset.train_subset
+        data_dir = self.data_dirs[(epoch - 1) % len(self.data_dirs)] if training and self.data_dirs else self.data_dir
+        key = (split, data_dir)
+        if key not in self._datasets:
+            if training:  # one shard's blocks in memory at a time
+                self._datasets = {k: v for k, v in self._datasets.items() if k[0] != split}
+            self._datasets[key] = self._load(split, data_dir, training)
+        return self._datasets[key]
+
+    def _load(self, split, data_dir, training):
+        t, d = self.cfg.task, self.cfg.dataset
+        if t._name == "dummy_lm":
+            stream = 0 if training else zlib.crc32(split.encode()) or 1
+            return DummyLMDataset(t.dict_size, t.tokens_per_sample, t.dataset_size, seed=self.cfg.common.seed,
+                                  stream=stream)
+        if not exists(data_dir / split):
+            raise DataError(f"no split {split!r} in {data_dir} (expected {split}.bin and {split}.idx); "
+                            "check --train-subset/--valid-subset or re-run preprocess")
+        names = [split]
+        if training or d.combine_valid_subsets:  # fairseq's load_indexed_dataset(combine=True)
+            while exists(data_dir / f"{split}{len(names)}"):
+                names.append(f"{split}{len(names)}")
+            if len(names) > 1:
+                log.info(f"{split}: {', '.join(names)} of {data_dir} read as one split")
+        parts = [self._blocks(data_dir / name, training) for name in names]
+        return parts[0] if len(parts) == 1 else ConcatDataset(parts)
+
+    def _blocks(self, prefix, training):
+        """fairseq drops samples longer than the model's positions from training with a
+        warning, and refuses them in validation unless told to skip them."""
+        t = self.cfg.task
+        blocks = TokenBlockDataset(IndexedDataset(str(prefix)), t.tokens_per_sample, t.sample_break_mode,
+                                   pad=self.pad, eos=self.tokenizer.eos)
+        if len(blocks.too_long):
+            first = int(blocks.too_long[0])
+            size = f"{int(blocks.indexed.sizes[first])} tokens, more than --tokens-per-sample {t.tokens_per_sample}"
+            if not training and not self.cfg.dataset.skip_invalid_size_inputs_valid_test:
+                raise DataError(f"sentence #{first} of {prefix} has an invalid size ({size}; --sample-break-mode "
+                                f"{t.sample_break_mode} cuts no sentence): skip such sentences with "
+                                "--skip-invalid-size-inputs-valid-test, or raise --tokens-per-sample")
+            if self.env.is_master:
+                log.warning(f"{len(blocks.too_long):,} sentences of {prefix} are longer than a sample and are "
+                            f"skipped (the first: #{first}, {size})")
+        return blocks
+
+    def _warn_unused_valid_subsets(self):
+        """fairseq refuses to start when DATA has valid1, valid2, … that nothing validates on."""
         d = self.cfg.dataset
+        if d.disable_validation or d.combine_valid_subsets or not self.env.is_master:
+            return
+        unused = sorted({p.stem for p in self.data_dir.glob("valid*.idx")
+                         if re.fullmatch(r"valid\d+", p.stem) and exists(p.with_suffix(""))} - set(valid_subsets(self.cfg)))
+        if unused:
+            log.warning(f"{', '.join(unused)} in {self.data_dir} are not validated on: --combine-valid-subsets "
+                        "adds them to valid, or name them in --valid-subset")
+
+    def batch_iterator(self, split, training):
+        d, t = self.cfg.dataset, self.cfg.task
         batch_size, max_tokens = d.batch_size, d.max_tokens
         if not training:
             batch_size = d.batch_size_valid or batch_size
             max_tokens = d.max_tokens_valid or max_tokens
-        return EpochBatchIterator(self.dataset(split), batch_size=batch_size, max_tokens=max_tokens,
+        bos = self.bos if t.add_bos_token else None
+        width = t.tokens_per_sample + (bos is not None) if t.pad_to_fixed_length else None
+        # Training takes each epoch's dataset as the epoch starts (sharded data).
+        dataset = functools.partial(self.dataset, split) if training else self.dataset(split)
+        return EpochBatchIterator(dataset, batch_size=batch_size, max_tokens=max_tokens,
                                   seed=self.cfg.common.seed, num_shards=self.env.world_size,
                                   shard_id=self.env.rank, shuffle=training, pad=self.pad,
-                                  every_batch=not training)
+                                  every_batch=not training, required_batch_size_multiple=d.required_batch_size_multiple,
+                                  num_workers=d.num_workers, worker_init=leave_stop_signals_to_the_rank,
+                                  collater=functools.partial(collate, pad=self.pad, bos=bos, width=width))
