@@ -1,9 +1,10 @@
-"""How a job stops on bad input or a lost rank, said in one line: the exception classes
-every room raises, the hint that follows them, and `--debug`'s traceback.
+"""How a job stops on bad input, a lost rank or Ctrl-C, said in one line: the exception
+classes every room raises, the hint that follows them, and `--debug`'s traceback.
 
 A torch-free leaf: every room imports it, the torch-free entry points (`train --help`,
 a bad flag, the launcher) included.
 """
+import multiprocessing
 import os
 import signal
 import traceback
@@ -49,8 +50,6 @@ def end_child_processes():
     """SIGKILL the processes this one started through multiprocessing (a rank's data loader
     workers) before it stops at once: left to the interpreter's exit, or orphaned, a worker
     serving its rank a batch prints the traceback of the connection its rank dropped."""
-    import multiprocessing
-
     # torch's DataLoader raises from its SIGCHLD handler when a worker dies of a signal;
     # these deaths are this process's doing.
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -163,17 +163,27 @@ def _rank_errors(errors_dir):
     return messages
 
 
+def _import_training():
+    """The rank imports torch; the launcher never does. A Ctrl-C waits for the import to
+    finish: KeyboardInterrupt raised inside the initialization of torch or of a C extension
+    can escape through C++ and abort the process ("terminate called ... KeyboardInterrupt")
+    or turn into another error. (Blocking SIGINT would not do: numpy's threads, started
+    before, would still take it for the main thread.)"""
+    pressed = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        from trainer.train.main import run  # torch: the launcher of spawned ranks never imports it
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
+    return run
+
+
 def run_rank(cfg, rdv, target=None, prog="train"):
     try:
         if target is None:
-            # The rank imports torch; the launcher never does. Ctrl-C waits for the import to
-            # finish: KeyboardInterrupt raised inside torch's initialization can escape
-            # through C++ and abort the process ("terminate called ... KeyboardInterrupt").
-            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            try:
-                from trainer.train.main import run as target
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            target = _import_training()
         code = target(cfg, rdv)
         if code == INTERRUPTED:
             _ignore_ctrl_c()
