@@ -301,3 +301,16 @@ def test_hydra_integration_docs_lines_train(data_bin, tmp_path):
     records, _ = _run(f"train --config-dir {configs} --config-name wiki103", data_bin, tmp_path, HYDRA_SHRINK,
                       "optimization.lr=0.003")
     _loss_fell(records)
+
+
+@pytest.mark.parametrize("line", ["train --ddp-backend=fully_sharded --cpu-offload", "train"])
+def test_the_users_own_line_trains_on_the_embedded_corpus(line, tmp_path):
+    """The line shardlm was asked for, and bare `train`: no DATA, no batch size, no lr.
+    Shrunk only in the model and the number of updates; the batch (8 sequences) and Adam's
+    lr are the embedded corpus's defaults."""
+    records, r = _run(line, None, tmp_path, "--arch transformer_lm_gpt2_tiny --tokens-per-sample 64",
+                      "--max-update 8 --log-interval 1 --log-format json --no-save")
+    assert "embedded corpus" in r.stdout
+    assert {rec["bsz"] for rec in records["train_inner"]} == {8}
+    assert records["train_inner"][0]["lr"] == 0.0005
+    _loss_fell(records)
