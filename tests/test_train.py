@@ -93,7 +93,8 @@ def test_presets_build_on_meta_device():
     from trainer.config.compose import compose_config
     for name in PRESETS:
         cfg = compose_config([("model._name", name)], [])
-        model = build_model(cfg.model, 50264, 2048, device="meta")
+        # One Billion Word's 793,471 tokens: room for every preset's adaptive cutoffs.
+        model = build_model(cfg.model, 793471, 2048, device="meta")
         assert all(p.is_meta for p in model.parameters())
     cfg = compose_config([("model._name", "transformer_lm_gpt3_13")], [])
     n = num_parameters(build_model(cfg.model, 50264, 2048, device="meta"))
