@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import parse_records, run_train
+from helpers import parse_records
 
 LETTERS = [chr(c) for c in range(97, 123)]
 # Appended to every training line: the model and the run shrunk, nothing else changed.
