@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import parse_records
+from test_fairseq_configs import WIKI103_YAML
 
 LETTERS = [chr(c) for c in range(97, 123)]
 # Appended to every training line: the model and the run shrunk, nothing else changed.
@@ -266,27 +267,7 @@ HYDRA_CASE_1 = """train \
     task=language_modeling \
     optimization.max_update=5000"""
 # docs/hydra_integration.md, "Replace bundled configs with an external config".
-HYDRA_CASE_2_YAML = """# @package _group_
-
-model:
-  _name: transformer_lm
-distributed_training:
-  distributed_world_size: 1
-dataset:
-  batch_size: 2
-task:
-  _name: language_modeling
-  data: {DATA}
-  add_bos_token: false
-  max_target_positions: 1024
-optimization:
-  max_update: 50000
-  lr: [ 0.25 ]
-criterion: cross_entropy
-optimizer: adam
-lr_scheduler:
-  _name: cosine
-"""
+# Its wiki103.yaml, verbatim but for the data path: test_fairseq_configs.WIKI103_YAML.
 HYDRA_SHRINK = ("model.decoder_layers=2 model.decoder_embed_dim=32 model.decoder_ffn_embed_dim=64 "
                 "model.decoder_attention_heads=2 task.tokens_per_sample=32 optimization.max_update=8 "
                 "common.log_interval=1 common.log_format=json checkpoint.no_save=true")
@@ -297,7 +278,7 @@ def test_hydra_integration_docs_lines_train(data_bin, tmp_path):
     _loss_fell(records)
     configs = tmp_path / "configs"
     configs.mkdir()
-    (configs / "wiki103.yaml").write_text(HYDRA_CASE_2_YAML.format(DATA=data_bin))
+    (configs / "wiki103.yaml").write_text(WIKI103_YAML.replace("/path/to/data", str(data_bin)))
     records, _ = _run(f"train --config-dir {configs} --config-name wiki103", data_bin, tmp_path, HYDRA_SHRINK,
                       "optimization.lr=0.003")
     _loss_fell(records)
