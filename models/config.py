@@ -8,6 +8,8 @@ from typing import Optional
 
 # fairseq's utils.get_activation_fn names (gelu_fast is its old name of gelu_accurate).
 ACTIVATIONS = ("relu", "relu_squared", "gelu", "gelu_fast", "gelu_accurate", "tanh", "linear", "swish")
+NORMS = ("layernorm", "rmsnorm")
+ROPE_SCALINGS = ("llama3",)
 
 
 @dataclass
@@ -93,6 +95,33 @@ class TransformerLMConfig:
         "help": "Quant-Noise block size (only with --quant-noise-pq)"})
     quant_noise_scalar: float = field(default=0.0, metadata={
         "help": "Quant-Noise scalar noise: not supported, 0 only"})
+    # The Llama family's pieces (Llama 3, Qwen3): each one a field, off by default, so the
+    # GPT-style models and their checkpoints are unchanged.
+    norm_type: str = field(default="layernorm", metadata={
+        "help": "the decoder's norms: layernorm, or rmsnorm (Llama, Qwen3)", "choices": NORMS})
+    norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of every norm (Llama 1e-5, Qwen3 1e-6)"})
+    gated_ffn: bool = field(default=False, metadata={
+        "help": "gated feed-forward, fc2(act(gate(x)) * up(x)): with --activation-fn swish it is SwiGLU (Llama)"})
+    decoder_kv_heads: Optional[int] = field(default=None, metadata={
+        "help": "key/value heads, fewer than the query heads for grouped-query attention "
+                "(default: --decoder-attention-heads)"})
+    decoder_head_dim: Optional[int] = field(default=None, metadata={
+        "help": "width of each attention head (default: --decoder-embed-dim / --decoder-attention-heads; "
+                "Qwen3 sets 128)"})
+    no_bias: bool = field(default=False, metadata={"help": "no bias in any linear layer or norm (Llama, Qwen3)"})
+    qk_norm: bool = field(default=False, metadata={
+        "help": "an RMSNorm on each head's queries and keys before the rotary embedding (Qwen3)"})
+    rope: bool = field(default=False, metadata={
+        "help": "rotary position embeddings on queries and keys (rotating halves, as Llama) instead of "
+                "positions added to the embeddings"})
+    rope_theta: float = field(default=10000.0, metadata={"help": "rotary embeddings' base (Llama 3 500000)"})
+    rope_scaling: Optional[str] = field(default=None, metadata={
+        "help": "rotary frequency scaling: llama3 (Llama 3.1's long-context scaling)", "choices": ROPE_SCALINGS})
+    rope_scaling_factor: float = field(default=8.0, metadata={"help": "llama3 rope scaling: factor"})
+    rope_low_freq_factor: float = field(default=1.0, metadata={"help": "llama3 rope scaling: low_freq_factor"})
+    rope_high_freq_factor: float = field(default=4.0, metadata={"help": "llama3 rope scaling: high_freq_factor"})
+    rope_original_max_positions: int = field(default=8192, metadata={
+        "help": "llama3 rope scaling: original_max_position_embeddings"})
     min_params_to_wrap: int = field(default=0, metadata={
         "help": "FSDP: a decoder layer with at least this many parameters is its own shard unit "
                 "(fairseq's 1e8 left most layers unwrapped; 0 wraps every layer)"})
@@ -164,6 +193,48 @@ def _gpt2(layers, dim, ffn, heads):
                 dropout=0.1, attention_dropout=0.1)
 
 
+def head_dim(model_cfg):
+    return getattr(model_cfg, "decoder_head_dim", None) or model_cfg.decoder_embed_dim // model_cfg.decoder_attention_heads
+
+
+def kv_heads(model_cfg):
+    return getattr(model_cfg, "decoder_kv_heads", None) or model_cfg.decoder_attention_heads
+
+
+def _llama(layers, dim, ffn, heads, kv, tied, scaling, head=None, theta=500000.0):
+    # Llama 3.x (Meta's published config.json files): RMSNorm, SwiGLU, GQA, RoPE with
+    # llama3 scaling, no biases, unscaled embeddings, no dropout.
+    return dict(decoder_layers=layers, decoder_embed_dim=dim, decoder_ffn_embed_dim=ffn,
+                decoder_attention_heads=heads, decoder_kv_heads=kv, decoder_head_dim=head or dim // heads,
+                norm_type="rmsnorm", norm_eps=1e-5, gated_ffn=True, activation_fn="swish", no_bias=True,
+                qk_norm=False, rope=True, rope_theta=theta, rope_scaling="llama3", rope_scaling_factor=scaling,
+                rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_positions=8192,
+                no_scale_embedding=True, share_decoder_input_output_embed=tied, decoder_learned_pos=False,
+                no_token_positional_embeddings=True, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+
+
+def _qwen3(layers, dim, ffn, heads, tied):
+    # Qwen3 dense models: Llama's pieces with q/k RMSNorm, 128-wide heads, 8 kv heads,
+    # rope_theta 1e6 without scaling, RMSNorm eps 1e-6.
+    return {**_llama(layers, dim, ffn, heads, 8, tied, 1.0, head=128, theta=1000000.0),
+            "norm_eps": 1e-6, "qk_norm": True, "rope_scaling": None}
+
+
+# The published shapes. Their vocabularies (Llama 3 128256, Qwen3 151936) come with the
+# data (`preprocess --tokenizer HF_DIR`) or a Hugging Face model directory.
+LLAMA_PRESETS = {
+    "llama3_2_1b": _llama(16, 2048, 8192, 32, 8, True, 32.0),
+    "llama3_2_3b": _llama(28, 3072, 8192, 24, 8, True, 32.0),
+    "llama3_1_8b": _llama(32, 4096, 14336, 32, 8, False, 8.0),
+    "llama3_1_70b": _llama(80, 8192, 28672, 64, 8, False, 8.0),
+    "llama3_1_405b": _llama(126, 16384, 53248, 128, 8, False, 8.0),
+    "qwen3_0_6b": _qwen3(28, 1024, 3072, 16, True),
+    "qwen3_1_7b": _qwen3(28, 2048, 6144, 16, True),
+    "qwen3_4b": _qwen3(36, 2560, 9728, 32, True),
+    "qwen3_8b": _qwen3(36, 4096, 12288, 32, False),
+}
+
+
 # transformer_lm_baevski_wiki103 and _gbw, each followed by transformer_lm_big, whose
 # getattr defaults leave the keys already set (16 layers and 8 heads stay).
 _BIG = dict(decoder_layers=12, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096, decoder_attention_heads=16)
@@ -198,4 +269,5 @@ PRESETS = {
     "transformer_lm_gpt3_6_7": _gpt3(32, 4096, 32),
     "transformer_lm_gpt3_13": _gpt3(40, 5120, 40),
     "transformer_lm_gpt3_175": _gpt3(96, 12288, 96),
+    **LLAMA_PRESETS,
 }

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.adaptive import AdaptiveInput, AdaptiveSoftmax
-from models.config import num_layers
+from models.config import head_dim, kv_heads, num_layers
 from models.cpu_attention import causal_matmul_attention, use_matmul_attention
 from models.linear_cross_entropy import linear_cross_entropy
 
@@ -42,31 +42,50 @@ class DecoderLayer(nn.Module):
     places it: --scale-heads scales each head's slice of the attention block's output and
     --scale-attn normalizes that output (both after out_proj, where fairseq applies them),
     --scale-fc normalizes the feed-forward's hidden activations, --scale-resids scales the
-    feed-forward residual per channel."""
+    feed-forward residual per channel.
+
+    The Llama family's pieces keep the same parameter names, so every wrapper that works on
+    a layer works on theirs: qkv_proj holds the query heads' rows, then the key heads', then
+    the value heads' (fewer under grouped-query attention); fc1 holds the gate's rows, then
+    the up projection's (--gated-ffn); q_norm and k_norm (--qk-norm) normalize each head."""
 
     def __init__(self, cfg):
         super().__init__()
         d, ffn = cfg.decoder_embed_dim, cfg.decoder_ffn_embed_dim
         self.num_heads = cfg.decoder_attention_heads
+        self.num_kv_heads, self.head_dim = kv_heads(cfg), head_dim(cfg)
         self.normalize_before = cfg.decoder_normalize_before
         self.dropout, self.attention_dropout = cfg.dropout, cfg.attention_dropout
         self.activation_dropout = cfg.activation_dropout
         self.activation_fn = ACTIVATION_FNS[cfg.activation_fn]
-        self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.qkv_proj = nn.Linear(d, 3 * d)  # one matmul for q, k and v
-        self.out_proj = nn.Linear(d, d)
+        self.gated = getattr(cfg, "gated_ffn", False)
+        bias = not getattr(cfg, "no_bias", False)
+        norm = partial(make_norm, cfg)
+        inner = self.num_heads * self.head_dim
+        self.self_attn_layer_norm = norm(d)
+        self.qkv_proj = nn.Linear(d, inner + 2 * self.num_kv_heads * self.head_dim, bias=bias)  # one matmul
+        self.out_proj = nn.Linear(inner, d, bias=bias)
+        qk_norm = getattr(cfg, "qk_norm", False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if qk_norm else None
         # getattr: off in configs without them, as fairseq's safe_getattr reads them
         self.c_attn = nn.Parameter(torch.ones(self.num_heads)) if getattr(cfg, "scale_heads", False) else None
-        self.attn_ln = nn.LayerNorm(d) if getattr(cfg, "scale_attn", False) else None
-        self.final_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, ffn)
-        self.ffn_layernorm = nn.LayerNorm(ffn) if getattr(cfg, "scale_fc", False) else None
-        self.fc2 = nn.Linear(ffn, d)
+        self.attn_ln = norm(d) if getattr(cfg, "scale_attn", False) else None
+        self.final_layer_norm = norm(d)
+        self.fc1 = nn.Linear(d, 2 * ffn if self.gated else ffn, bias=bias)
+        self.ffn_layernorm = norm(ffn) if getattr(cfg, "scale_fc", False) else None
+        self.fc2 = nn.Linear(ffn, d, bias=bias)
         self.w_resid = nn.Parameter(torch.ones(d)) if getattr(cfg, "scale_resids", False) else None
 
-    def attention(self, x, cache=None):
-        B, T, C = x.shape
-        q, k, v = self.qkv_proj(x).view(B, T, 3, self.num_heads, C // self.num_heads).transpose(1, 3).unbind(2)
+    def attention(self, x, cache=None, rope=None):
+        B, T, _ = x.shape
+        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x).view(B, T, H + 2 * KV, D).split((H, KV, KV), dim=2)
+        if self.q_norm is not None:  # Qwen3: per head, before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # Right padding only: a causal mask already keeps every real token off the pads.
         mask, causal = None, True
         if cache is not None:
@@ -79,23 +98,32 @@ class DecoderLayer(nn.Module):
             causal = False
         dropout_p = self.attention_dropout if self.training else 0.0
         if causal and use_matmul_attention(q, dropout_p):
+            if KV != H:  # each key/value head serves H / KV query heads
+                k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
             y = causal_matmul_attention(q, k, v)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
-        y = self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p,
+                                               enable_gqa=KV != H)
+        y = self.out_proj(y.transpose(1, 2).reshape(B, T, H * D))
         if self.c_attn is not None:
-            y = (y.view(B, T, self.num_heads, C // self.num_heads) * self.c_attn[:, None]).view(B, T, C)
+            C = y.shape[-1]
+            y = (y.view(B, T, H, C // H) * self.c_attn[:, None]).view(B, T, C)
         return y if self.attn_ln is None else self.attn_ln(y)
 
     def feed_forward(self, x):
-        x = _dropout(self.activation_fn(self.fc1(x)), self.activation_dropout, self.training)
+        if self.gated:
+            gate, up = self.fc1(x).chunk(2, dim=-1)
+            x = _dropout(self.activation_fn(gate) * up, self.activation_dropout, self.training)
+        else:
+            x = _dropout(self.activation_fn(self.fc1(x)), self.activation_dropout, self.training)
         if self.ffn_layernorm is not None:
             x = self.ffn_layernorm(x)
         return self.fc2(x)
 
-    def forward(self, x, cache=None):
-        """cache: this layer's `KVCache.append` (generation only); None in training."""
-        attention = self.attention if cache is None else partial(self.attention, cache=cache)
+    def forward(self, x, cache=None, rope=None):
+        """cache: this layer's `KVCache.append` (generation only); None in training.
+        rope: the (cos, sin) tables of x's positions (`rope_tables`), with --rope."""
+        attention = partial(self.attention, cache=cache, rope=rope)
         for norm, sublayer, scale in ((self.self_attn_layer_norm, attention, None),
                                       (self.final_layer_norm, self.feed_forward, self.w_resid)):
             h = sublayer(norm(x) if self.normalize_before else x)
@@ -103,6 +131,50 @@ class DecoderLayer(nn.Module):
             if not self.normalize_before:
                 x = norm(x)
         return x
+
+
+def make_norm(cfg, dim):
+    """The decoder's norm: LayerNorm (GPT-style) or RMSNorm (Llama family)."""
+    bias = not getattr(cfg, "no_bias", False)
+    eps = getattr(cfg, "norm_eps", 1e-5)
+    if getattr(cfg, "norm_type", "layernorm") == "rmsnorm":
+        return nn.RMSNorm(dim, eps=eps)
+    return nn.LayerNorm(dim, eps=eps, bias=bias)
+
+
+def rope_inverse_frequencies(cfg, device=None):
+    """Each rotated pair's angular frequency, as Llama's RoPE computes it (fp32), with Llama
+    3.1's scaling when --rope-scaling llama3: frequencies whose wavelength exceeds the
+    original context are divided by the factor, the high ones kept, those between blended."""
+    dim = head_dim(cfg)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    if cfg.rope_scaling != "llama3":
+        return inv_freq
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_context = cfg.rope_original_max_positions
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_tables(inv_freq, start, length, dtype):
+    """(cos, sin) of positions start … start+length-1, each length × head_dim: the angles
+    computed in fp32, then cast to the activations' dtype (as transformers does)."""
+    positions = torch.arange(start, start + length, device=inv_freq.device, dtype=torch.float32)
+    angles = positions[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate x (B×H×T×D) by its positions' angles, pairing channel i with i + D/2
+    (transformers' rotate_half: the layout of Llama's published q/k weights)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)  # under autocast x may be narrower than the stream
 
 
 def sinusoidal_positions(num_positions, dim, device, dtype, start=0):
@@ -123,10 +195,10 @@ class KVCache:
     that one position instead of re-running the whole prefix."""
 
     def __init__(self, model, batch_size=1, max_len=None):
-        p = model.layers[0].out_proj.weight  # d×d (an adaptive input has no single table)
-        heads = model.layers[0].num_heads
+        layer = model.layers[0]
+        p = layer.out_proj.weight  # its device and dtype (an adaptive input has no single table)
         self.max_len = max_len or model.max_positions
-        shape = (batch_size, heads, self.max_len, p.shape[1] // heads)
+        shape = (batch_size, layer.num_kv_heads, self.max_len, layer.head_dim)  # grouped-query: the kv heads only
         self.k = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in model.layers]
         self.v = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in model.layers]
         self.length = 0  # positions stored so far = the position of the next token
@@ -149,7 +221,10 @@ class TransformerLM(nn.Module):
         self.vocab_size, self.max_positions, self.padding_idx = vocab_size, max_positions, padding_idx
         self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(d)
         self.dropout = cfg.dropout
-        self.positions = None if cfg.no_token_positional_embeddings else (
+        # --rope rotates queries and keys inside attention: nothing is added to the embeddings.
+        self.rope = cfg if getattr(cfg, "rope", False) else None
+        self._inv_freq = None  # computed on first use, on the activations' device (not a buffer: FSDP builds on meta)
+        self.positions = None if cfg.no_token_positional_embeddings or self.rope is not None else (
             "learned" if cfg.decoder_learned_pos else "sinusoidal")
         if cfg.adaptive_input:  # narrower tables for rarer tokens, each projected to d (models/adaptive.py)
             self.embed_tokens = AdaptiveInput(vocab_size, padding_idx, cfg.decoder_input_dim or d,
@@ -161,12 +236,12 @@ class TransformerLM(nn.Module):
         width_in = self.embed_tokens.embedding_dim
         self.project_in_dim = nn.Linear(width_in, d, bias=False) if width_in != d else None
         self.embed_positions = nn.Embedding(max_positions, d) if self.positions == "learned" else None
-        self.layernorm_embedding = nn.LayerNorm(d) if cfg.layernorm_embedding else None
+        self.layernorm_embedding = make_norm(cfg, d) if cfg.layernorm_embedding else None
         # --decoder-layers-to-keep builds only those (renumbered from 0), as fairseq does.
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(num_layers(cfg)))
         self.layerdrop = cfg.decoder_layerdrop
         final_norm = cfg.decoder_normalize_before and not cfg.no_decoder_final_norm
-        self.layer_norm = nn.LayerNorm(d) if final_norm else None
+        self.layer_norm = make_norm(cfg, d) if final_norm else None
         width_out = cfg.decoder_output_dim or d
         # fairseq: a tied adaptive softmax takes the layers' width (no projection).
         self.project_out_dim = (nn.Linear(d, width_out, bias=False)
@@ -224,7 +299,7 @@ class TransformerLM(nn.Module):
                 kinds[prefix + "c_attn"] = kinds[prefix + "w_resid"] = "scale"
             if isinstance(module, nn.Linear) and module is not self.output_projection:
                 kinds[prefix + "weight"], kinds[prefix + "bias"] = "linear", "bias"
-            elif isinstance(module, nn.LayerNorm):
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 kinds[prefix + "weight"], kinds[prefix + "bias"] = "norm_weight", "bias"
         return kinds
 
@@ -243,6 +318,14 @@ class TransformerLM(nn.Module):
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
         return _dropout(x, self.dropout, self.training)
+
+    def rope_tables(self, start, length, x):
+        """(cos, sin) for positions start … start+length-1 with --rope, else None."""
+        if self.rope is None:
+            return None
+        if self._inv_freq is None or self._inv_freq.device != x.device:
+            self._inv_freq = rope_inverse_frequencies(self.rope, x.device)
+        return rope_tables(self._inv_freq, start, length, x.dtype)
 
     def layerdrop_layers(self, seed):
         """LayerDrop (fairseq's LayerDropModuleList): the ids of the layers one training
@@ -264,14 +347,15 @@ class TransformerLM(nn.Module):
         layers: in training, the ids of the layers to run (`layerdrop_layers`); None, and
         always in eval mode, runs them all. softmax_batch: with `target`, score at most this
         many tokens' output distributions at a time (eval-lm's --softmax-batch)."""
+        start = 0 if cache is None else cache.length
+        x = self.embed(tokens, start)
+        rope = self.rope_tables(start, tokens.shape[1], x)
         if cache is None:  # training, and generation without a cache
-            x = self.embed(tokens)
             for i in range(len(self.layers)) if layers is None or not self.training else layers:
-                x = self.layers[i](x)
+                x = self.layers[i](x, rope=rope)
         else:
-            x = self.embed(tokens, cache.length)
             for i, layer in enumerate(self.layers):
-                x = layer(x, cache=partial(cache.append, i))
+                x = layer(x, cache=partial(cache.append, i), rope=rope)
             cache.length += tokens.shape[1]
         if self.layer_norm is not None:
             x = self.layer_norm(x)

@@ -1,0 +1,190 @@
+"""Hugging Face's Llama-family models (LlamaForCausalLM, Qwen3ForCausalLM) in our terms:
+their config.json as our model fields and back, and which of their tensors make each of our
+parameters. Torch-free: `train` reads a model directory's config before torch is imported.
+
+Our layer fuses what they keep apart: qkv_proj is q_proj, k_proj and v_proj stacked by rows,
+fc1 is gate_proj and up_proj stacked by rows. Every other tensor is theirs under another
+name, in the same [out, in] orientation, so a slice of rows of ours is a slice of rows of
+one or more of theirs: a sharded rank reads only its rows (trainer/checkpoint/hf_dir.py).
+"""
+from models.config import head_dim, kv_heads, num_layers
+
+# model_type → the class transformers builds from it.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# transformers' hidden_act → our --activation-fn (silu is fairseq's swish).
+_ACTIVATIONS = {"silu": "swish", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_accurate", "relu": "relu"}
+
+
+class HFConfigError(ValueError):
+    """config.json describes a model we cannot build; the message says which key and why."""
+
+
+def _rope_settings(config):
+    """rope_theta and the scaling, from transformers' current `rope_parameters` or the older
+    top-level `rope_theta` + `rope_scaling` (both kinds of config.json are published)."""
+    params = dict(config.get("rope_scaling") or {})
+    params.update(config.get("rope_parameters") or {})
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return dict(rope_theta=float(theta), rope_scaling=None)
+    if kind != "llama3":
+        raise HFConfigError(f"rope scaling {kind!r} is not supported (default and llama3 are)")
+    return dict(rope_theta=float(theta), rope_scaling="llama3", rope_scaling_factor=float(params["factor"]),
+                rope_low_freq_factor=float(params["low_freq_factor"]),
+                rope_high_freq_factor=float(params["high_freq_factor"]),
+                rope_original_max_positions=int(params["original_max_position_embeddings"]))
+
+
+def model_from_hf_config(config):
+    """config.json (a dict) → (our model fields, vocab_size, max_positions). HFConfigError
+    naming the key when the model is not one we can build exactly."""
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise HFConfigError(f"model_type {model_type!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    act = config.get("hidden_act", "silu")
+    if act not in _ACTIVATIONS:
+        raise HFConfigError(f"hidden_act {act!r} is not supported ({', '.join(_ACTIVATIONS)} are)")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise HFConfigError("attention_bias/mlp_bias true: biased Llama layers are not supported")
+    if config.get("pretraining_tp", 1) != 1:
+        raise HFConfigError(f"pretraining_tp {config['pretraining_tp']}: only 1 is supported")
+    if model_type == "qwen3" and config.get("use_sliding_window"):
+        raise HFConfigError("use_sliding_window true: sliding-window attention is not supported")
+    heads = config["num_attention_heads"]
+    fields = dict(
+        decoder_layers=config["num_hidden_layers"], decoder_embed_dim=config["hidden_size"],
+        decoder_ffn_embed_dim=config["intermediate_size"], decoder_attention_heads=heads,
+        decoder_kv_heads=config.get("num_key_value_heads") or heads,
+        decoder_head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        norm_type="rmsnorm", norm_eps=float(config.get("rms_norm_eps", 1e-6)), gated_ffn=True,
+        activation_fn=_ACTIVATIONS[act], no_bias=True, qk_norm=model_type == "qwen3", rope=True,
+        **_rope_settings(config),
+        no_scale_embedding=True, share_decoder_input_output_embed=bool(config.get("tie_word_embeddings", False)),
+        decoder_learned_pos=False, no_token_positional_embeddings=True, decoder_normalize_before=True,
+        no_decoder_final_norm=False, layernorm_embedding=False,
+        attention_dropout=float(config.get("attention_dropout", 0.0)),
+    )
+    return fields, config["vocab_size"], config.get("max_position_embeddings", 2048)
+
+
+def llama_incompatibility(model_cfg):
+    """Why `model_cfg` is not a Llama or Qwen3 model transformers can build, or None."""
+    if getattr(model_cfg, "norm_type", "layernorm") != "rmsnorm":
+        return "its norms are LayerNorm (--norm-type rmsnorm is the Llama family's)"
+    if not getattr(model_cfg, "rope", False):
+        return "it has no rotary embeddings (--rope)"
+    if not getattr(model_cfg, "gated_ffn", False):
+        return "its feed-forward is not gated (--gated-ffn)"
+    if not getattr(model_cfg, "no_bias", False):
+        return "its layers have biases (--no-bias)"
+    if model_cfg.activation_fn not in {ours: theirs for theirs, ours in _ACTIVATIONS.items()}:
+        return f"activation {model_cfg.activation_fn!r} has no transformers name"
+    if not model_cfg.no_scale_embedding:
+        return "it scales token embeddings by sqrt(d) (--no-scale-embedding is Llama's)"
+    if not model_cfg.decoder_normalize_before or model_cfg.no_decoder_final_norm or model_cfg.layernorm_embedding:
+        return "its norms are not placed as Llama's (pre-norm, a final norm, none after the embeddings)"
+    if any(getattr(model_cfg, k, False) for k in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")):
+        return "it has NormFormer's scales"
+    if getattr(model_cfg, "adaptive_input", False) or getattr(model_cfg, "adaptive_softmax_cutoff", None):
+        return "it has adaptive input/softmax bands"
+    if any(getattr(model_cfg, k, None) not in (None, model_cfg.decoder_embed_dim)
+           for k in ("decoder_input_dim", "decoder_output_dim")):
+        return "its embeddings or output are of another width than the layers"
+    return None
+
+
+def hf_model_type(model_cfg):
+    return "qwen3" if getattr(model_cfg, "qk_norm", False) else "llama"
+
+
+def hf_config(model_cfg, vocab_size, max_positions, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+              dtype="float32"):
+    """config.json for LlamaForCausalLM or Qwen3ForCausalLM (Qwen3 when --qk-norm)."""
+    why = llama_incompatibility(model_cfg)
+    if why:
+        raise HFConfigError(f"not a Llama-family model: {why}")
+    model_type = hf_model_type(model_cfg)
+    rope = {"rope_type": "default", "rope_theta": model_cfg.rope_theta}
+    if model_cfg.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=model_cfg.rope_scaling_factor,
+                    low_freq_factor=model_cfg.rope_low_freq_factor, high_freq_factor=model_cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=model_cfg.rope_original_max_positions)
+    act = {ours: theirs for theirs, ours in _ACTIVATIONS.items()}[model_cfg.activation_fn]
+    config = {
+        "model_type": model_type,
+        "architectures": [ARCHITECTURES[model_type]],
+        "vocab_size": vocab_size,
+        "hidden_size": model_cfg.decoder_embed_dim,
+        "intermediate_size": model_cfg.decoder_ffn_embed_dim,
+        "num_hidden_layers": num_layers(model_cfg),
+        "num_attention_heads": model_cfg.decoder_attention_heads,
+        "num_key_value_heads": kv_heads(model_cfg),
+        "head_dim": head_dim(model_cfg),
+        "hidden_act": act,
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": model_cfg.norm_eps,
+        # Both spellings: transformers 5 reads rope_parameters, releases before it rope_theta/rope_scaling.
+        "rope_parameters": rope,
+        "rope_theta": model_cfg.rope_theta,
+        "rope_scaling": None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": bool(model_cfg.share_decoder_input_output_embed),
+        "use_cache": True,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+        "torch_dtype": dtype,
+    }
+    if model_type == "llama":
+        config.update(mlp_bias=False, pretraining_tp=1)
+    else:
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers(model_cfg))
+    return config
+
+
+def hf_parts(name, model_cfg):
+    """Our parameter `name` as HF tensors stacked by rows: [(hf name, rows)], in order."""
+    d, ffn = model_cfg.decoder_embed_dim, model_cfg.decoder_ffn_embed_dim
+    H, KV, D = model_cfg.decoder_attention_heads, kv_heads(model_cfg), head_dim(model_cfg)
+    if name == "embed_tokens.weight":
+        return [("model.embed_tokens.weight", None)]
+    if name == "output_projection.weight":
+        return [("lm_head.weight", None)]
+    if name == "layer_norm.weight":
+        return [("model.norm.weight", None)]
+    prefix, _, rest = name.partition(".")
+    layer, _, local = rest.partition(".")
+    if prefix != "layers" or not layer.isdigit():
+        raise KeyError(name)
+    hf = f"model.layers.{layer}."
+    parts = {
+        "self_attn_layer_norm.weight": [(hf + "input_layernorm.weight", d)],
+        "qkv_proj.weight": [(hf + "self_attn.q_proj.weight", H * D), (hf + "self_attn.k_proj.weight", KV * D),
+                            (hf + "self_attn.v_proj.weight", KV * D)],
+        "q_norm.weight": [(hf + "self_attn.q_norm.weight", D)],
+        "k_norm.weight": [(hf + "self_attn.k_norm.weight", D)],
+        "out_proj.weight": [(hf + "self_attn.o_proj.weight", d)],
+        "final_layer_norm.weight": [(hf + "post_attention_layernorm.weight", d)],
+        "fc1.weight": [(hf + "mlp.gate_proj.weight", ffn), (hf + "mlp.up_proj.weight", ffn)],
+        "fc2.weight": [(hf + "mlp.down_proj.weight", d)],
+    }
+    if local not in parts:
+        raise KeyError(name)
+    return parts[local]
+
+
+def row_slices(parts, start, stop):
+    """Rows start…stop-1 of the stacked tensor as [(hf name, first row, end row)] of the parts
+    they fall in (a part of None rows is the whole tensor)."""
+    if len(parts) == 1:
+        return [(parts[0][0], start, stop)]
+    out, offset = [], 0
+    for hf_name, rows in parts:
+        lo, hi = max(start, offset), min(stop, offset + rows)
+        if lo < hi:
+            out.append((hf_name, lo - offset, hi - offset))
+        offset += rows
+    return out
