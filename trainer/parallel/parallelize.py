@@ -182,6 +182,21 @@ def parallelize(model, cfg, env):
     return model, GradSync(model, cfg, env, background_reduce, early_gather, prefetch)
 
 
+def local_rows(p):
+    """(this rank's part of parameter p, the index of its first row in the whole): FSDP
+    shards by rows (dim 0), so a rank's part is whole rows; an unsharded one is all of it."""
+    if not hasattr(p, "to_local"):
+        return p.data, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = p.to_local()
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if tuple(shape) != tuple(local.shape) or any(offset[1:]):
+        raise RuntimeError(f"unexpected shard layout of a {list(p.shape)} parameter: local {list(local.shape)} "
+                           f"at {list(offset)}")
+    return local, offset[0]
+
+
 def sharded_bytes(model):
     """Bytes of parameters this rank holds (its shards under FSDP)."""
     total = 0

@@ -1,0 +1,148 @@
+"""A Hugging Face model directory as a source of weights: `config.json` plus
+`model.safetensors`, or `model-0000N-of-0000M.safetensors` named by
+`model.safetensors.index.json`.
+
+Everything is checked before any weight is read (every file there, every header readable,
+every tensor our model needs present with the shape and a float dtype our parameter
+implies), so a bad directory costs a second and one line naming the file and the tensor.
+The files are read with the `safetensors` library, memory-mapped: a rank reads only the
+rows of its own shards (`get_slice`), so no rank ever holds the whole model.
+"""
+import json
+from pathlib import Path
+
+import torch
+
+from models.hf_llama import HFConfigError, hf_parts, model_from_hf_config, row_slices
+from trainer.errors import UsageError
+
+CONFIG = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def is_hf_dir(path):
+    """A Hugging Face model directory (its config.json), not one of our checkpoints or exports."""
+    path = Path(path)
+    return (path / CONFIG).is_file() and not (path / "trainer_state.json").exists() \
+        and not (path / "config.yaml").exists()
+
+
+def read_hf_config(path):
+    """(config.json as a dict, our model fields, vocab size, max positions) of an HF dir."""
+    path = Path(path)
+    try:
+        config = json.loads((path / CONFIG).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path / CONFIG} is not valid JSON ({str(e).splitlines()[0]}); pass a Hugging Face "
+                         "model directory as save_pretrained writes it") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{path / CONFIG} is not a JSON object; pass a Hugging Face model directory")
+    try:
+        fields, vocab_size, max_positions = model_from_hf_config(config)
+    except HFConfigError as e:
+        raise UsageError(f"{path / CONFIG}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise UsageError(f"{path / CONFIG}: missing or invalid key {e}; pass a complete Hugging Face config") from None
+    return config, fields, vocab_size, max_positions
+
+
+class HFWeights:
+    """The tensors of an HF directory by name: their files, shapes and dtypes, and row slices
+    of our parameters read from them. Use as a context manager (it keeps the files open)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.files = self._tensor_files()  # HF tensor name → file
+        self.specs, self._open = {}, {}
+        for file in sorted(set(self.files.values())):
+            handle = self._handle(file)
+            for name in handle.keys():
+                if self.files.get(name) == file:
+                    piece = handle.get_slice(name)
+                    self.specs[name] = (tuple(piece.get_shape()), piece.get_dtype())
+        for name, file in self.files.items():
+            if name not in self.specs:
+                raise UsageError(f"{self.path / INDEX} maps {name} to {file}, which does not hold it; the download "
+                                 "is incomplete or mixed: fetch the model directory again")
+
+    def _tensor_files(self):
+        index = self.path / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                assert isinstance(weight_map, dict)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AssertionError):
+                raise UsageError(f"{index} is not a safetensors index (no weight_map); fetch the model "
+                                 "directory again") from None
+            for name, file in sorted(weight_map.items()):
+                if not (self.path / file).is_file():
+                    raise UsageError(f"missing shard {self.path / file} (holds {name}, per {INDEX}); fetch the "
+                                     "model directory again")
+            return dict(weight_map)
+        if not (self.path / SINGLE_FILE).is_file():
+            raise UsageError(f"{self.path} has a config.json but no {SINGLE_FILE} or {INDEX}; pass a Hugging Face "
+                             "model directory with its safetensors weights")
+        return {name: SINGLE_FILE for name in self._handle(SINGLE_FILE).keys()}
+
+    def _handle(self, file):
+        if file not in self._open:
+            from safetensors import SafetensorError, safe_open
+            try:
+                self._open[file] = safe_open(str(self.path / file), framework="pt")
+            except (SafetensorError, OSError) as e:
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise UsageError(f"{self.path / file} is not a readable safetensors file ({reason[:160]}); it is "
+                                 "truncated or damaged: fetch it again") from None
+        return self._open[file]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._open.clear()  # safe_open handles unmap when dropped
+
+    def check(self, params, model_cfg):
+        """Raise UsageError naming the file and tensor when the directory does not give every
+        one of `params` ({our name: shape}) whole, with the shape our config implies."""
+        for name, shape in params.items():
+            for hf_name, rows in hf_parts(name, model_cfg):
+                expected = (rows if rows is not None else shape[0], *shape[1:])
+                if hf_name not in self.specs:
+                    raise UsageError(f"{self.path} has no tensor {hf_name} (for {name}); the weights do not cover "
+                                     "the model its config.json describes: fetch the complete directory")
+                found, dtype = self.specs[hf_name]
+                where = self.path / self.files[hf_name]
+                if found != tuple(expected):
+                    raise UsageError(f"{where}: tensor {hf_name} is {list(found)}, config.json implies "
+                                     f"{list(expected)}; the weights and config.json are of different models")
+                if dtype not in _FLOAT_DTYPES:
+                    raise UsageError(f"{where}: tensor {hf_name} is {dtype}, not a float type (F32, F16, BF16); "
+                                     "quantized weights are not supported: pass the unquantized model")
+
+    def rows(self, name, model_cfg, start, stop, dtype):
+        """Rows start…stop-1 of our parameter `name`, read from the files (only those rows)."""
+        pieces = []
+        for hf_name, lo, hi in row_slices(hf_parts(name, model_cfg), start, stop):
+            piece = self._handle(self.files[hf_name]).get_slice(hf_name)[lo:hi]
+            pieces.append(piece.to(dtype))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+@torch.no_grad()
+def load_hf_weights(model, model_cfg, path):
+    """Copy an HF directory's weights into `model` (plain, DDP-wrapped or sharded): each rank
+    reads the rows of its own shards only. Checks everything first; returns the number of
+    parameters loaded."""
+    from trainer.parallel.parallelize import local_rows
+
+    model = getattr(model, "module", model)  # DDP
+    params = dict(model.named_parameters())
+    with HFWeights(path) as weights:
+        weights.check({name: tuple(p.shape) for name, p in params.items()}, model_cfg)
+        for name, p in params.items():
+            local, first = local_rows(p)
+            if local.numel():
+                local.copy_(weights.rows(name, model_cfg, first, first + local.shape[0], local.dtype))
+    return sum(p.numel() for p in params.values())
