@@ -1,6 +1,6 @@
 """fairseq's model options beyond the plain transformer: LayerDrop, pruning with
 --decoder-layers-to-keep, NormFormer, relu_squared and embeddings/outputs of another
-width. Each trains the same on FSDP and DDP ranks as in one process, resumes exactly,
+width, and the Llama family's pieces. Each trains the same on FSDP and DDP ranks as in one process, resumes exactly,
 and a LayerDrop-trained checkpoint evaluates with fewer layers."""
 import pytest
 import torch
@@ -18,6 +18,11 @@ FEATURES = {
     "normformer": ["--scale-attn", "--scale-fc", "--scale-heads", "--scale-resids"],
     "relu_squared": ["--activation-fn", "relu_squared"],
     "widths": ["--decoder-input-dim", "48", "--decoder-output-dim", "80"],
+    # the Llama family's pieces: 2 query heads of width 24 on 1 key/value head, rotary
+    # embeddings scaled as Llama 3.1's (an original context of 16 < 32 tokens, so the
+    # scaling acts), gated feed-forward, RMSNorm, Qwen3's q/k norms, no biases
+    "llama": ["--norm-type", "rmsnorm", "--gated-ffn", "--decoder-kv-heads", "1", "--decoder-head-dim", "24",
+              "--no-bias", "--qk-norm", "--rope", "--rope-scaling", "llama3", "--rope-original-max-positions", "16"],
 }
 EVERY = [a for flags in FEATURES.values() for a in flags]  # all at once: 4 runs of 2 ranks, not 16
 BACKENDS = {  # 2 ranks; one process runs the same micro-batches with twice the sequences

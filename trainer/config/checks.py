@@ -11,7 +11,7 @@ from dataclasses import fields
 from dataclasses import MISSING
 
 from models.config import adaptive_bands, parse_cutoffs
-from models.config import layers_to_keep
+from models.config import head_dim, layers_to_keep
 from models.config import TransformerLMConfig
 from trainer.config.schema import uses_fsdp
 from trainer.errors import UsageError
@@ -44,9 +44,7 @@ def check_config(cfg):
     for key in ("model.dropout", "model.attention_dropout", "model.activation_dropout"):
         if not 0.0 <= _get(cfg, key) < 1.0:
             raise UsageError(f"{key} must be in [0, 1), got {_get(cfg, key)}")
-    if m.decoder_embed_dim % m.decoder_attention_heads:
-        raise UsageError(f"--decoder-attention-heads {m.decoder_attention_heads} does not divide "
-                         f"--decoder-embed-dim {m.decoder_embed_dim}; pick heads that divide it")
+    _check_attention_shape(cfg)
     if len(cfg.optimizer.adam_betas) != 2:
         raise UsageError(f"--adam-betas needs two numbers like \"(0.9, 0.98)\", got {list(cfg.optimizer.adam_betas)}")
     if not all(0.0 <= b < 1.0 for b in cfg.optimizer.adam_betas):
@@ -316,6 +314,31 @@ def _check_optim(cfg):
             raise UsageError(f"--lr-shrink must be in (0, 1) for reduce_lr_on_plateau (the lr's factor on a "
                              f"plateau), got {s.lr_shrink}")
         _non_negative(cfg, "lr_scheduler.lr_threshold", "lr_scheduler.lr_patience")
+
+
+def _check_attention_shape(cfg):
+    """Heads, their width, grouped-query attention, rotary embeddings and norms."""
+    m = cfg.model
+    _positive(cfg, "model.decoder_kv_heads", "model.decoder_head_dim", optional=True)
+    _positive(cfg, "model.norm_eps", "model.rope_theta")
+    if m.decoder_head_dim is None and m.decoder_embed_dim % m.decoder_attention_heads:
+        raise UsageError(f"--decoder-attention-heads {m.decoder_attention_heads} does not divide "
+                         f"--decoder-embed-dim {m.decoder_embed_dim}; pick heads that divide it "
+                         "(or set --decoder-head-dim)")
+    if m.decoder_kv_heads is not None and m.decoder_attention_heads % m.decoder_kv_heads:
+        raise UsageError(f"--decoder-kv-heads {m.decoder_kv_heads} does not divide --decoder-attention-heads "
+                         f"{m.decoder_attention_heads}: each key/value head serves a whole group of query heads")
+    if m.rope:
+        if head_dim(m) % 2:
+            raise UsageError(f"--rope rotates pairs of channels: the head width {head_dim(m)} must be even")
+        if m.decoder_learned_pos:
+            raise UsageError("--rope and --decoder-learned-pos are two position encodings; drop one")
+        if m.rope_scaling == "llama3" and not (m.rope_scaling_factor > 0 and 0 < m.rope_low_freq_factor
+                                               < m.rope_high_freq_factor and m.rope_original_max_positions > 0):
+            raise UsageError("--rope-scaling llama3 needs --rope-scaling-factor > 0, 0 < --rope-low-freq-factor < "
+                             "--rope-high-freq-factor and --rope-original-max-positions > 0")
+    elif m.rope_scaling is not None:
+        raise UsageError(f"--rope-scaling {m.rope_scaling} scales rotary embeddings: add --rope")
 
 
 def _check_model_features(cfg):

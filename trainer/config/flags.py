@@ -9,6 +9,7 @@ import difflib
 import typing
 from dataclasses import MISSING, fields
 
+from models.config import PRESETS
 from trainer.config.schema import GROUPS
 from trainer.errors import UsageError
 
@@ -137,10 +138,23 @@ def unknown_flag_message(parser, token):
     return f"unrecognized flag {name}{hint}"
 
 
-EPILOG = """\
+def _wrapped(words, indent="  ", width=100):
+    lines, line = [], indent
+    for word in words:
+        if len(line) + len(word) > width and line.strip():
+            lines.append(line.rstrip())
+            line = indent
+        line += word + " "
+    return "\n".join(lines + [line.rstrip()])
+
+
+EPILOG = f"""\
 Every flag is also a config key: `--update-freq 4` = `optimization.update_freq=4`.
 Precedence (lowest first): --config-dir/--config-name file < --arch preset < flags < key=value overrides.
+Presets (--arch; the Llama family's take their vocabulary from DATA):
+{_wrapped(sorted(PRESETS))}
 Examples:
   train --arch transformer_lm_gpt2_tiny --max-update 100 --batch-size 8 --tokens-per-sample 128
   train data-bin --ddp-backend fully_sharded optimization.max_update=1000 model=transformer_lm_gpt
+  train data-bin --finetune-from-model ./Llama-3.2-1B --ddp-backend fully_sharded --bf16 --lr 2e-5
 """
