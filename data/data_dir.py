@@ -15,7 +15,7 @@ import numpy as np
 
 from data.errors import DataError
 from data.indexed_dataset import IndexedDataset, bin_path, exists
-from data.tokenizer import load_tokenizer
+from data.tokenizer import has_tokenizer, load_tokenizer
 
 # Token ids read from each end of a token file to see that they fit the tokenizer.
 SAMPLE_TOKENS = 1 << 20
@@ -42,10 +42,6 @@ def data_dirs(data: str | os.PathLike) -> list[Path]:
     return dirs
 
 
-def has_tokenizer(path: Path) -> bool:
-    return (path / "tokenizer.model").is_file() or (path / "dict.txt").is_file()
-
-
 def check_data_dir(data: str | os.PathLike, splits, subset_flag: str = "--train-subset", train_split=None):
     """The tokenizer of DATA's first dir, after checking every dir of DATA, its metadata,
     ``splits`` in the first dir and ``train_split`` in every one (sharded data)."""
@@ -57,7 +53,7 @@ def check_data_dir(data: str | os.PathLike, splits, subset_flag: str = "--train-
         if i and has_tokenizer(path) and load_tokenizer(path).pieces() != tokenizer.pieces():
             raise DataError(
                 f"{path} has another vocabulary than {dirs[0]}; every data directory of DATA must be preprocessed "
-                "with the same tokenizer (preprocess --spm-model, fairseq-preprocess --srcdict)"
+                "with the same tokenizer (preprocess --spm-model or --tokenizer, fairseq-preprocess --srcdict)"
             )
         _check_metadata(path, tokenizer.vocab_size)
         for split in (list(splits) if i == 0 else []) + ([train_split] if train_split else []):
@@ -102,5 +98,6 @@ def check_token_ids(dataset: IndexedDataset, vocab_size: int) -> None:
         bad = largest if largest >= vocab_size else smallest
         raise DataError(
             f"{bin_path(dataset.prefix)} holds token id {bad}, outside the tokenizer's {vocab_size} ids: the token "
-            "files were made with another tokenizer; re-run preprocess (with --spm-model to reuse a tokenizer)"
+            "files were made with another tokenizer; re-run preprocess (with --spm-model or --tokenizer to reuse a "
+            "tokenizer)"
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import sys
 import time
 from collections import deque
@@ -19,13 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
+from data.hf_tokenizer import HFTokenizer
 from data.indexed_dataset import IndexedDatasetBuilder, bin_path, idx_path
 from data.tokenizer import SentencePieceTokenizer
 
 # Rows per chunk: small enough that the progress bar moves and N workers share the work
 # evenly, large enough that a chunk's shard file is not mostly overhead.
 _MAX_CHUNK_ROWS = 20_000
-# Rows handed to sentencepiece per call.
+# Rows handed to the tokenizer per call.
 _BATCH_ROWS = 1_000
 
 
@@ -41,25 +43,36 @@ class EncodeStats:
 
 
 class _WorkerState:
-    """What every chunk in one process reuses: sentencepiece models by path, loaded once."""
+    """What every chunk in one process reuses: tokenizers by path, loaded once."""
 
-    tokenizers: dict[str, SentencePieceTokenizer] = {}
+    tokenizers: dict[str, SentencePieceTokenizer | HFTokenizer] = {}
+
+
+def _load_tokenizer(path: str) -> SentencePieceTokenizer | HFTokenizer:
+    """A sentencepiece .model, or an HF tokenizer.json (its configs beside it)."""
+    return HFTokenizer(path) if path.endswith(".json") else SentencePieceTokenizer(path)
 
 
 def _warm_up() -> None:
     """Run first in each worker so that spawning overlaps the parent's reading of the inputs."""
 
 
+def _one_thread_per_worker() -> None:
+    """Each worker's initializer: `tokenizers` would otherwise start a thread per core in
+    every worker; the parallelism is the workers (as sentencepiece's num_threads=1)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
 def _encode_chunk(task: tuple[list, str, str, str]) -> tuple[int, int]:
     """Encode one chunk's texts into a shard; returns (documents, tokens).
 
-    The parent reads the rows and sends their text: a worker then needs only sentencepiece
+    The parent reads the rows and sends their text: a worker then needs only the tokenizer
     and numpy, not ``datasets`` (whose slow import every spawned worker would pay for).
     """
     texts, model_path, dtype, shard_prefix = task
     tokenizer = _WorkerState.tokenizers.get(model_path)
     if tokenizer is None:
-        tokenizer = _WorkerState.tokenizers[model_path] = SentencePieceTokenizer(model_path)
+        tokenizer = _WorkerState.tokenizers[model_path] = _load_tokenizer(model_path)
     builder = IndexedDatasetBuilder(shard_prefix, np.dtype(dtype))
     tokens = 0
     try:
@@ -93,7 +106,7 @@ class EncodePool:
             # multiprocessing.Pool: a worker that dies raises BrokenProcessPool instead of
             # being respawned forever.
             context = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(workers, mp_context=context)
+            self._pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread_per_worker)
             self._pool.submit(_warm_up)  # spawns every worker now (3.11 spawns on first submit)
 
     def __enter__(self) -> EncodePool:
@@ -144,7 +157,8 @@ def encode_splits(
     pool: EncodePool,
     shard_dir: Path,
 ) -> Iterator[tuple[str, EncodeStats]]:
-    """Encode each split's rows (+ ``</s>``) into ``<out_dir>/<split>.bin/.idx``.
+    """Encode each split's rows (+ eos) into ``<out_dir>/<split>.bin/.idx`` with the
+    tokenizer at ``model_path`` (tokenizer.model, or tokenizer.json with its configs).
 
     ``splits`` maps split name -> rows (data/text_rows.py). Yields ``(split, stats)`` as
     each split is written, so the caller can report it.

@@ -4,9 +4,11 @@ Writes into ``--destdir``:
 
 * ``{split}.bin`` / ``{split}.idx``: fairseq's MMIDIDX format (``data/indexed_dataset.py``),
   one sequence per input line (text) or row (json, parquet, csv, arrow, saved), each
-  ending in ``</s>``;
-* ``tokenizer.model``: the sentencepiece model;
-* ``metadata.json``: vocabulary size, dtype, special ids, per-split counts and sources.
+  ending in ``</s>`` (the tokenizer's eos);
+* ``tokenizer.model``: the sentencepiece model; or, with ``--tokenizer HF_DIR``, that
+  model's ``tokenizer.json`` (+ ``tokenizer_config.json``, ``special_tokens_map.json``);
+* ``metadata.json``: vocabulary size, dtype, special ids, per-split counts and sources
+  (and for ``--tokenizer``: the tokenizer's kind and sha256, to tell which model it is).
 
 Everything is built in a temp dir inside destdir and moved into place at the end,
 ``metadata.json`` last, so a crash or Ctrl-C leaves no half-written split behind.
@@ -25,7 +27,8 @@ from data.encode import EncodePool, encode_splits
 from data.errors import DataError
 from data.indexed_dataset import best_fitting_dtype
 from data.sources import INPUT_FORMATS, Source, load_rows, resolve_sources, split_specs
-from data.tokenizer import SPECIAL_IDS, SentencePieceTokenizer, train_sentencepiece
+from data.hf_tokenizer import HF_TOKENIZER_FILE, HFTokenizer, hf_tokenizer_paths
+from data.tokenizer import SPECIAL_IDS, SentencePieceTokenizer, file_sha256, train_sentencepiece
 
 METADATA_FORMAT = "shardlm-mmidx-1"
 TOKENIZER_FILE = "tokenizer.model"
@@ -39,7 +42,8 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
     parser = parser_class(
         prog="preprocess", allow_abbrev=False,
         description="Tokenize local text, jsonl, parquet or csv files (or a saved HF dataset) "
-        "into memory-mapped token files for train.",
+        "into memory-mapped token files for train, with a sentencepiece model trained on "
+        "--trainpref (default), reused (--spm-model), or a Hugging Face model's own tokenizer (--tokenizer).",
     )
     inputs = "a path, a glob, or a comma-separated list of them"
     parser.add_argument("--trainpref", metavar="FP", help=f"train input: {inputs}")
@@ -61,8 +65,8 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
         help="input file format; auto picks by extension: .txt/.tokens/.raw/none -> text, "
         ".json/.jsonl -> json, .parquet, .csv, .arrow; a save_to_disk dir is always read as saved",
     )
-    # These two default to None so that passing them with --spm-model (which they cannot
-    # affect) is refused rather than ignored; _check_args fills in the real defaults.
+    # These default to None so that passing them with --spm-model or --tokenizer (which
+    # they cannot affect) is refused rather than ignored; _check_args fills in the real defaults.
     parser.add_argument(
         "--vocab-size", type=int, default=None, help=f"sentencepiece vocabulary size (default: {DEFAULT_VOCAB_SIZE})"
     )
@@ -74,8 +78,16 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
         "--spm-model", metavar="PATH",
         help="reuse this sentencepiece .model instead of training one (needs ids bos=0 pad=1 eos=2 unk=3)",
     )
+    parser.add_argument(
+        "--tokenizer", metavar="HF_DIR",
+        help="encode with this Hugging Face model's own tokenizer instead of sentencepiece: a model or tokenizer "
+        "directory (tokenizer.json, tokenizer_config.json) or a tokenizer.json file. Its template adds BOS where "
+        "the model has one, its eos_token ends every sequence, pad comes from its config (docs/data.md)",
+    )
     parser.add_argument("--workers", type=int, default=1, help="encoding processes (default: 1)")
-    parser.add_argument("--seed", type=int, default=1, help="seed for sentencepiece's sentence sampling (default: 1)")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="seed for sentencepiece's sentence sampling (default: 1)"
+    )
     parser.add_argument("--debug", action="store_true", help="on an error, also print its traceback (or set SHARDLM_DEBUG=1)")
     return parser
 
@@ -83,17 +95,24 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
 def _check_args(args) -> None:
     if args.workers < 1:
         raise DataError(f"--workers must be at least 1, got {args.workers}")
+    tokenizer = args.tokenizer
+    if tokenizer and (args.spm_model or args.vocab_size is not None or args.spm_model_type is not None
+                      or args.seed is not None):
+        raise DataError("--tokenizer encodes with that model's own tokenizer; leave out --spm-model, --vocab-size, "
+                        "--spm-model-type and --seed")
+    if args.seed is None:
+        args.seed = 1
     if args.spm_model and (args.vocab_size is not None or args.spm_model_type is not None):
         raise DataError("--vocab-size and --spm-model-type shape a new tokenizer; leave them out with --spm-model")
     if args.vocab_size is None:
         args.vocab_size = DEFAULT_VOCAB_SIZE
     if args.spm_model_type is None:
         args.spm_model_type = DEFAULT_SPM_MODEL_TYPE
-    if not args.spm_model and args.vocab_size <= len(SPECIAL_IDS):
+    if not (args.spm_model or tokenizer) and args.vocab_size <= len(SPECIAL_IDS):
         raise DataError(f"--vocab-size must be larger than the {len(SPECIAL_IDS)} special symbols, got {args.vocab_size}")
     if not (args.trainpref or args.validpref or args.testpref):
         raise DataError("nothing to preprocess; pass --trainpref and/or --validpref/--testpref")
-    if not args.trainpref and not args.spm_model:
+    if not args.trainpref and not (args.spm_model or tokenizer):
         raise DataError("--trainpref is needed to train the tokenizer; pass it, or reuse a model with --spm-model")
 
 
@@ -108,20 +127,28 @@ def _load_spm_model(path: str) -> SentencePieceTokenizer:
     return tokenizer
 
 
-def _outputs(splits) -> list[str]:
-    names = [METADATA_FILE, TOKENIZER_FILE]
+def _tokenizer_outputs(args) -> dict[str, Path | None]:
+    """destdir's tokenizer files -> where each comes from (None: trained here)."""
+    if args.tokenizer:
+        tokenizer_json, configs = hf_tokenizer_paths(args.tokenizer)
+        return {HF_TOKENIZER_FILE: tokenizer_json, **{p.name: p for p in configs}}
+    return {TOKENIZER_FILE: Path(args.spm_model) if args.spm_model else None}
+
+
+def _outputs(splits, tokenizer_files) -> list[str]:
+    names = [METADATA_FILE, *tokenizer_files]
     for split in splits:
         names += [f"{split}.bin", f"{split}.idx"]
     return names
 
 
-def _refuse_overwrite(destdir: Path, splits) -> None:
+def _refuse_overwrite(destdir: Path, splits, tokenizer_files) -> None:
     if destdir.exists() and not destdir.is_dir():
         raise DataError(f"--destdir {destdir} is a file; choose a directory")
     blocker = next((p for p in destdir.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise DataError(f"--destdir {destdir} cannot be created: {blocker} is a file; choose another --destdir")
-    for name in _outputs(splits):
+    for name in _outputs(splits, tokenizer_files):
         if (destdir / name).exists():
             raise DataError(f"{destdir / name} already exists; choose another --destdir or delete it")
 
@@ -154,6 +181,8 @@ def _load_and_encode(args, sources: dict[str, list[Source]], work: Path, out: Pa
         split: load_rows(split_sources, args.text_column, work / "hf-cache")
         for split, split_sources in sources.items()
     }
+    if args.tokenizer:
+        return _encode_hf(args, rows, sources, work, out, pool)
     model_path = out / TOKENIZER_FILE
     if args.spm_model:
         shutil.copyfile(args.spm_model, model_path)
@@ -167,8 +196,45 @@ def _load_and_encode(args, sources: dict[str, list[Source]], work: Path, out: Pa
         trained = train_sentencepiece(text_file, work / "spm", args.vocab_size, args.spm_model_type, seed=args.seed)
         shutil.copyfile(trained, model_path)
     tokenizer = SentencePieceTokenizer(model_path)
-    dtype = best_fitting_dtype(tokenizer.vocab_size)
+    return {
+        "format": METADATA_FORMAT,
+        "tokenizer": TOKENIZER_FILE,
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": best_fitting_dtype(tokenizer.vocab_size).name,
+        "special_ids": tokenizer.special_ids(),
+        "splits": _encode(rows, sources, model_path, tokenizer, work, out, pool),
+    }
 
+
+def _encode_hf(args, rows, sources, work: Path, out: Path, pool) -> dict:
+    """--tokenizer: the model's tokenizer files, copied into the data dir, encode it."""
+    for name, source in _tokenizer_outputs(args).items():
+        shutil.copyfile(source, out / name)
+    tokenizer = HFTokenizer(out / HF_TOKENIZER_FILE)
+    names = tokenizer.special_tokens()
+    print(
+        f"tokenizer {args.tokenizer}: vocab {tokenizer.vocab_size:,}, "
+        + ", ".join(f"{key} {tokenizer.special_ids()[key]} ({token})" for key, token in names.items())
+        + ("" if tokenizer.pad_reason == "pad_token" else f"; pad is {tokenizer.pad_reason}"),
+        flush=True,
+    )
+    return {
+        "format": METADATA_FORMAT,
+        "tokenizer": HF_TOKENIZER_FILE,
+        "tokenizer_kind": "hf",
+        "tokenizer_sha256": file_sha256(out / HF_TOKENIZER_FILE),
+        "tokenizer_source": os.path.abspath(args.tokenizer),
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": best_fitting_dtype(tokenizer.vocab_size).name,
+        "special_ids": tokenizer.special_ids(),
+        "special_tokens": names,
+        "splits": _encode(rows, sources, out / HF_TOKENIZER_FILE, tokenizer, work, out, pool),
+    }
+
+
+def _encode(rows, sources, model_path: Path, tokenizer, work: Path, out: Path, pool) -> dict:
+    """Each split's token files in ``out``; returns metadata's "splits"."""
+    dtype = best_fitting_dtype(tokenizer.vocab_size)
     shard_dir = work / "shards"
     shard_dir.mkdir()
     splits = {}
@@ -183,14 +249,7 @@ def _load_and_encode(args, sources: dict[str, list[Source]], work: Path, out: Pa
             "tokens": stats.tokens,
             "sources": [os.fspath(source.path) for source in sources[split]],
         }
-    return {
-        "format": METADATA_FORMAT,
-        "tokenizer": TOKENIZER_FILE,
-        "vocab_size": tokenizer.vocab_size,
-        "dtype": dtype.name,
-        "special_ids": tokenizer.special_ids(),
-        "splits": splits,
-    }
+    return splits
 
 
 def preprocess(args: argparse.Namespace) -> Path:
@@ -204,7 +263,10 @@ def preprocess(args: argparse.Namespace) -> Path:
     }
     if args.spm_model:
         _load_spm_model(args.spm_model)
-    _refuse_overwrite(destdir, sources)
+    if args.tokenizer:
+        HFTokenizer(args.tokenizer)  # its special ids and pad, refused now if it has none
+    tokenizer_files = _tokenizer_outputs(args)
+    _refuse_overwrite(destdir, sources, tokenizer_files)
 
     created = not destdir.exists()
     destdir.mkdir(parents=True, exist_ok=True)
@@ -219,9 +281,9 @@ def preprocess(args: argparse.Namespace) -> Path:
             with open(out / METADATA_FILE, "w", encoding="utf-8") as f:
                 json.dump(metadata, f, indent=2)
                 f.write("\n")
-            _refuse_overwrite(destdir, sources)  # someone may have written there meanwhile
+            _refuse_overwrite(destdir, sources, tokenizer_files)  # someone may have written there meanwhile
             # metadata.json last: its presence says the data dir is complete.
-            for name in _outputs(sources):
+            for name in _outputs(sources, tokenizer_files):
                 if name != METADATA_FILE:
                     os.replace(out / name, destdir / name)
             os.replace(out / METADATA_FILE, destdir / METADATA_FILE)

@@ -1,17 +1,21 @@
-"""Text <-> token ids: a sentencepiece model (our data dirs) or a fairseq dict.txt (theirs).
+"""Text <-> token ids: a sentencepiece model (our data dirs), a Hugging Face tokenizer.json
+(``preprocess --tokenizer``, data/hf_tokenizer.py) or a fairseq dict.txt (theirs).
 
-Both tokenizers use fairseq's special ids, so a model trained on either kind of data
-dir sees the same ``<pad>`` and ``</s>``.
+sentencepiece and dict.txt use fairseq's special ids, so a model trained on either kind
+of data dir sees the same ``<pad>`` and ``</s>``; an HF tokenizer keeps its model's own.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import os
 from pathlib import Path
 
 from data.dictionary import Dictionary
 from data.errors import DataError
+from data.hf_tokenizer import HF_CONFIG_FILES, HF_TOKENIZER_FILE, HFTokenizer, hf_vocab_size, load_hf_tokenizer_file
 
 SPECIAL_IDS = dict(bos=0, pad=1, eos=2, unk=3)
 
@@ -144,13 +148,62 @@ class DictionaryTokenizer:
         return list(self.dictionary.symbols)
 
 
-def load_tokenizer(data_dir: str | os.PathLike) -> SentencePieceTokenizer | DictionaryTokenizer:
-    """The tokenizer of a data dir: ``tokenizer.model`` (ours) or ``dict.txt`` (fairseq's)."""
+# A data dir's tokenizer file, by kind. Without metadata.json naming one, tokenizer.json
+# comes first: an HF model dir may also hold its slow tokenizer's tokenizer.model.
+TOKENIZER_KINDS = {HF_TOKENIZER_FILE: "hf", "tokenizer.model": "sentencepiece", "dict.txt": "fairseq-dict"}
+# Every file that makes up a data dir's tokenizer: checkpoints and exports copy these.
+TOKENIZER_FILES = ("tokenizer.model", "dict.txt", HF_TOKENIZER_FILE, *HF_CONFIG_FILES)
+
+
+def tokenizer_files(data_dir: str | os.PathLike) -> tuple[str, Path]:
+    """(kind, file) of the tokenizer of a data dir, checkpoint or export: kind is "hf"
+    (tokenizer.json), "sentencepiece" (tokenizer.model) or "fairseq-dict" (dict.txt)."""
     data_dir = Path(data_dir)
-    if (data_dir / "tokenizer.model").is_file():
-        return SentencePieceTokenizer(data_dir / "tokenizer.model")
-    if (data_dir / "dict.txt").is_file():
-        return DictionaryTokenizer(Dictionary.load(data_dir / "dict.txt"))
+    try:  # preprocess records the file it encoded with
+        named = json.loads((data_dir / "metadata.json").read_text(encoding="utf-8")).get("tokenizer")
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        named = None
+    names = ([named] if isinstance(named, str) and named in TOKENIZER_KINDS else []) + list(TOKENIZER_KINDS)
+    for name in names:
+        if (data_dir / name).is_file():
+            return TOKENIZER_KINDS[name], data_dir / name
     raise DataError(
-        f"{data_dir} has neither tokenizer.model nor dict.txt; run preprocess to create a data dir"
+        f"{data_dir} has neither tokenizer.model nor dict.txt nor tokenizer.json; run preprocess to create a data dir"
     )
+
+
+def has_tokenizer(data_dir: str | os.PathLike) -> bool:
+    return any((Path(data_dir) / name).is_file() for name in TOKENIZER_KINDS)
+
+
+def load_tokenizer(data_dir: str | os.PathLike) -> SentencePieceTokenizer | HFTokenizer | DictionaryTokenizer:
+    """The tokenizer of a data dir: ``tokenizer.model`` (ours), ``tokenizer.json``
+    (preprocess --tokenizer) or ``dict.txt`` (fairseq's)."""
+    kind, path = tokenizer_files(data_dir)
+    if kind == "sentencepiece":
+        return SentencePieceTokenizer(path)
+    if kind == "hf":
+        return HFTokenizer(path)
+    return DictionaryTokenizer(Dictionary.load(path))
+
+
+def tokenizer_identity(data_dir: str | os.PathLike) -> dict:
+    """What says which tokenizer made a data dir (or a checkpoint, an export, an HF model
+    dir): ``dict(kind=..., sha256=..., vocab_size=...)``; for an HF model's tokenizer,
+    sha256 is that of its tokenizer.json. Torch-free and quick (no special ids resolved)."""
+    kind, path = tokenizer_files(data_dir)
+    if kind == "hf":
+        vocab_size = hf_vocab_size(load_hf_tokenizer_file(path))
+    elif kind == "sentencepiece":
+        vocab_size = SentencePieceTokenizer(path).vocab_size
+    else:
+        vocab_size = len(Dictionary.load(path))
+    return dict(kind=kind, sha256=file_sha256(path), vocab_size=vocab_size)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -150,3 +150,23 @@ def train_updates(argv, world, tmp_path):
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
     assert all(r == ranks[0] for r in ranks), "ranks disagree"
     return {n: (loss, gnorm) for n, loss, gnorm in ranks[0]}
+
+
+def byte_level_tokenizer(lines, specials, bos=None, vocab_size=300):
+    """A small byte-level BPE trained on `lines`, like Llama 3's and Qwen's: the base
+    vocabulary, then the special tokens; the template puts `bos` before every text (Llama 3)
+    or nothing (Qwen)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    steps = [processors.ByteLevel(trim_offsets=False)]
+    if bos:
+        steps.append(processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1",
+                                                   special_tokens=[(bos, tok.token_to_id(bos))]))
+    tok.post_processor = processors.Sequence(steps)
+    return tok
