@@ -24,8 +24,11 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from data.atomic_file import write_atomically
+from data.tokenizer import TOKENIZER_FILES
 from models.config import layers_to_keep
+from models.hf_llama import hf_model_type
 from trainer.checkpoint import files
+from trainer.checkpoint.hf_dir import is_hf_dir, load_hf_weights
 from trainer.config.flags import flag_name, iter_fields
 from trainer.errors import RankStopped, UsageError
 from trainer.parallel.ranks import all_reduce_sum
@@ -312,7 +315,7 @@ class Checkpointer:
             "torch": torch.__version__})
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
         data_dir = getattr(self.task, "data_dir", None)
-        for name in ("tokenizer.model", "dict.txt", "metadata.json"):
+        for name in (*TOKENIZER_FILES, "metadata.json"):
             if data_dir is not None and (Path(data_dir) / name).is_file():
                 shutil.copyfile(Path(data_dir) / name, tmp / name)
 
@@ -360,6 +363,12 @@ class Checkpointer:
         if path is None:
             return None
         c, trainer = self.c, self.trainer
+        if finetune and is_hf_dir(path):
+            # Into the sharded, materialized model: each rank reads its own rows only.
+            n = load_hf_weights(trainer.model, self.cfg.model, path)
+            log.info(f"fine-tuning from {path} (Hugging Face {hf_model_type(self.cfg.model)}, {n:,} parameters): "
+                     "optimizer, lr schedule, data position and meters start fresh")
+            return path
         saved = read_trainer_state(path)
         with_optim = not (finetune or c.reset_optimizer) and saved.get("has_optimizer")
         state = tensor_state(trainer.model, trainer.optimizer, with_optim)

@@ -21,6 +21,7 @@ import re
 import shutil
 from pathlib import Path
 
+from trainer.config.hf_model import is_hf_dir, read_hf_config
 from trainer.errors import UsageError
 
 TMP_PREFIX = ".tmp-"
@@ -70,7 +71,8 @@ def checkpoints_in(save_dir):
 
 def restore_choice(c):
     """What a run starts from, fairseq's load_checkpoint: (checkpoint directory or None,
-    whether it is --finetune-from-model's, the path looked for). Refuses in one line a
+    whether it is --finetune-from-model's, the path looked for). --finetune-from-model may
+    be a Hugging Face model directory (its config.json checked here). Refuses in one line a
     --restore-file that names nothing while --save-dir holds checkpoints: fairseq would
     start afresh and its saves would overwrite them, for a typo."""
     save_dir = Path(c.save_dir)
@@ -101,10 +103,14 @@ def restore_choice(c):
                              f"{', '.join(held)}: fix the path (e.g. --restore-file {held[-1]}), or choose "
                              "another --save-dir")
     if c.finetune_from_model and default:
+        if is_hf_dir(c.finetune_from_model):
+            read_hf_config(c.finetune_from_model)
+            return Path(c.finetune_from_model), True, Path(c.finetune_from_model)
         found = resolve(c.finetune_from_model)
         if found is None:
-            raise UsageError(f"--finetune-from-model {c.finetune_from_model} is not a checkpoint directory; "
-                             "pass one written by train")
+            raise UsageError(f"--finetune-from-model {c.finetune_from_model} is neither a checkpoint directory "
+                             "nor a Hugging Face model directory (config.json and safetensors weights); pass one "
+                             "written by train, or save_pretrained's")
         return found, True, found
     return None, False, restore
 

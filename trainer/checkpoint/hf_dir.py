@@ -9,43 +9,23 @@ The files are read with the `safetensors` library, memory-mapped: a rank reads o
 rows of its own shards (`get_slice`), so no rank ever holds the whole model.
 """
 import json
+import struct
 from pathlib import Path
 
 import torch
 
-from models.hf_llama import HFConfigError, hf_parts, model_from_hf_config, row_slices
+from models.hf_llama import hf_parts, row_slices
+# Torch-free, in the config room, which composes the model from config.json; here too for
+# the commands that read weights.
+from trainer.config.hf_model import is_hf_dir, read_hf_config
 from trainer.errors import UsageError
+from trainer.parallel.parallelize import local_rows
 
-CONFIG = "config.json"
+__all__ = ["HFWeights", "is_hf_dir", "load_hf_weights", "read_hf_config"]
+
 SINGLE_FILE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-
-
-def is_hf_dir(path):
-    """A Hugging Face model directory (its config.json), not one of our checkpoints or exports."""
-    path = Path(path)
-    return (path / CONFIG).is_file() and not (path / "trainer_state.json").exists() \
-        and not (path / "config.yaml").exists()
-
-
-def read_hf_config(path):
-    """(config.json as a dict, our model fields, vocab size, max positions) of an HF dir."""
-    path = Path(path)
-    try:
-        config = json.loads((path / CONFIG).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"{path / CONFIG} is not valid JSON ({str(e).splitlines()[0]}); pass a Hugging Face "
-                         "model directory as save_pretrained writes it") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{path / CONFIG} is not a JSON object; pass a Hugging Face model directory")
-    try:
-        fields, vocab_size, max_positions = model_from_hf_config(config)
-    except HFConfigError as e:
-        raise UsageError(f"{path / CONFIG}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise UsageError(f"{path / CONFIG}: missing or invalid key {e}; pass a complete Hugging Face config") from None
-    return config, fields, vocab_size, max_positions
 
 
 class HFWeights:
@@ -54,8 +34,8 @@ class HFWeights:
 
     def __init__(self, path):
         self.path = Path(path)
+        self.specs, self._open = {}, {}  # before _tensor_files: a single model.safetensors is opened there
         self.files = self._tensor_files()  # HF tensor name → file
-        self.specs, self._open = {}, {}
         for file in sorted(set(self.files.values())):
             handle = self._handle(file)
             for name in handle.keys():
@@ -92,10 +72,24 @@ class HFWeights:
             try:
                 self._open[file] = safe_open(str(self.path / file), framework="pt")
             except (SafetensorError, OSError) as e:
-                reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise UsageError(f"{self.path / file} is not a readable safetensors file ({reason[:160]}); it is "
-                                 "truncated or damaged: fetch it again") from None
+                raise UsageError(self._unreadable(file, e)) from None
         return self._open[file]
+
+    def _unreadable(self, file, error):
+        """Why `file` cannot be opened, naming a tensor where one can be named: the first one
+        a file cut short no longer holds whole (its header still says where each ends), else
+        one the index maps to it (a file cut inside its header names none of its own)."""
+        path = self.path / file
+        cut = _cut_tensor(path)
+        if cut is not None:
+            name, end, size = cut
+            return (f"{path} is cut short: tensor {name} ends at byte {end}, the file has {size}; the download is "
+                    "incomplete: fetch it again")
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        held = sorted(name for name, f in getattr(self, "files", {}).items() if f == file)
+        holds = f" (holds {held[0]}, per {INDEX})" if held else ""
+        return (f"{path}{holds} is not a readable safetensors file ({reason[:160]}); it is truncated or damaged: "
+                "fetch it again")
 
     def __enter__(self):
         return self
@@ -130,13 +124,28 @@ class HFWeights:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
+def _cut_tensor(path):
+    """(name, end byte, file size) of the first tensor that a safetensors file whose header
+    is whole but whose data is cut short lacks; None when the header itself is unreadable."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                return None
+            header = json.loads(f.read(n))
+        ends = sorted((8 + n + info["data_offsets"][1], name) for name, info in header.items()
+                      if name != "__metadata__")
+    except (OSError, struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    return next(((name, end, size) for end, name in ends if end > size), None)
+
+
 @torch.no_grad()
 def load_hf_weights(model, model_cfg, path):
     """Copy an HF directory's weights into `model` (plain, DDP-wrapped or sharded): each rank
     reads the rows of its own shards only. Checks everything first; returns the number of
     parameters loaded."""
-    from trainer.parallel.parallelize import local_rows
-
     model = getattr(model, "module", model)  # DDP
     params = dict(model.named_parameters())
     with HFWeights(path) as weights:

@@ -21,6 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from trainer.config.hf_model import CONFIG as HF_CONFIG, apply_hf_model, hf_model_settings, is_hf_dir
 from trainer.config.schema import GROUP_OPTIONS, GROUPS, register_configs
 from trainer.errors import UsageError
 from trainer.config.flags import iter_fields, parse_float_list
@@ -57,8 +58,9 @@ def compose_config(flag_settings, overrides, config_dir=None, config_name=None) 
 def implied_settings(cfg, given=()):
     """What some settings imply, set on the config so that a file or an override implies
     it too: fairseq's parse_args_and_arch rules (--memory-efficient-fp16 implies --fp16,
-    --memory-efficient-bf16 --bf16), and the embedded corpus's batch size and Adam lr.
-    `given`: the keys the user set."""
+    --memory-efficient-bf16 --bf16), the embedded corpus's batch size and Adam lr, and the
+    model of --finetune-from-model HF_DIR (its config.json's). `given`: the keys the user set."""
+    apply_hf_model(cfg, given)
     c = cfg.common
     c.fp16 = c.fp16 or c.memory_efficient_fp16
     c.bf16 = c.bf16 or c.memory_efficient_bf16
@@ -210,6 +212,9 @@ def group_option(group, name, config_dir=None):
     transformer_lm), else NAME: `--arch`'s presets keep their names and meaning.
     """
     name, options = str(name), GROUP_OPTIONS[group]
+    if group == "model" and is_hf_dir(name):  # the model of a run fine-tuned from HF_DIR, as its config.yaml names it
+        fixed, defaults = hf_model_settings(name)
+        return name, [(f"model.{k}", v) for k, v in {**defaults, **fixed}.items()], str(Path(name) / HF_CONFIG)
     parts = name.split("/")
     if ".." not in parts and not name.startswith("/"):  # a name, not a way out of the search path
         for root in ([Path(config_dir)] if config_dir else []) + [CONF_DIR]:

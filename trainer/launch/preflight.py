@@ -13,7 +13,9 @@ from data.errors import DataError
 from data.indexed_dataset import IndexedDataset, exists
 from data.iterator import EpochBatchIterator
 from data.token_block import TokenBlockDataset
+from data.tokenizer import has_tokenizer, tokenizer_identity
 from trainer.checkpoint.files import restore_choice
+from trainer.config.hf_model import hf_finetune_dir, hf_vocab_size
 from trainer.config.schema import uses_fsdp
 from trainer.errors import UsageError
 from trainer.host import host_memory_gb, runs_on_gpu
@@ -32,8 +34,41 @@ def check_inputs(cfg, environ=None):
         vocab = _check_data(cfg, world_size)
     elif cfg.task._name == "language_modeling":
         _check_embedded_splits(cfg.dataset)
+    if hf_finetune_dir(cfg) is not None:
+        vocab = _check_hf_vocabulary(cfg, vocab)
     _check_fits_host(cfg, vocab, world_size)
     _check_compiler(cfg, environ)
+
+
+def _check_hf_vocabulary(cfg, data_vocab):
+    """A Hugging Face model reads ids of its own tokenizer: the data must have been made by
+    it (`preprocess --tokenizer HF_DIR`), or the embeddings it learned mean other tokens.
+    Returns the model's vocabulary (config.json's vocab_size, which may exceed the data's)."""
+    path, t = hf_finetune_dir(cfg), cfg.task
+    model_vocab = hf_vocab_size(cfg)
+    fix = f"preprocess with --tokenizer {path}"
+    if t._name == "dummy_lm":
+        if t.dict_size > model_vocab:
+            raise UsageError(f"--dict-size {t.dict_size} exceeds {path}'s vocabulary of {model_vocab}; lower it")
+        return model_vocab
+    if not t.data:
+        raise UsageError(f"the embedded corpus (no DATA) was made by sentencepiece; the model's vocabulary is "
+                         f"{path}'s ({model_vocab}): {fix} and pass that DATA")
+    data = data_dirs(t.data)[0]
+    ours = tokenizer_identity(data)
+    if ours["kind"] != "hf":
+        made_by = "sentencepiece" if ours["kind"] == "sentencepiece" else "a fairseq dict.txt"
+        raise UsageError(f"DATA {data} was made by {made_by} (vocabulary {data_vocab}); the model's vocabulary is "
+                         f"{model_vocab}: {fix}")
+    if has_tokenizer(path):
+        theirs = tokenizer_identity(path)
+        if theirs["kind"] == "hf" and theirs["sha256"] != ours["sha256"]:
+            raise UsageError(f"DATA {data} was made by another tokenizer than {path}'s (tokenizer.json sha256 "
+                             f"{ours['sha256'][:12]}…, {path}'s {theirs['sha256'][:12]}…): {fix}")
+    if data_vocab > model_vocab:
+        raise UsageError(f"DATA {data} has a vocabulary of {data_vocab}, more than the model's {model_vocab} "
+                         f"({path}/config.json's vocab_size): {fix}")
+    return model_vocab
 
 
 def _check_compiler(cfg, environ):

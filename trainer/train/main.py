@@ -45,22 +45,23 @@ def build(cfg, env):
     """Task, model (wrapped for its backend) and trainer for a composed config."""
     set_seed(cfg.common.seed)
     task = LMTask(cfg, env)
-    check_adaptive_vocab(cfg.model, task.vocab_size, task.pad)
+    vocab_size = task.model_vocab_size
+    check_adaptive_vocab(cfg.model, vocab_size, task.pad)
     max_positions = model_positions(cfg)
     # Sharded models start on the meta device: no rank ever holds the whole model.
     device = "meta" if uses_fsdp(cfg) else env.device
-    model = build_model(cfg.model, task.vocab_size, max_positions, device=device, padding_idx=task.pad,
+    model = build_model(cfg.model, vocab_size, max_positions, device=device, padding_idx=task.pad,
                         seed=cfg.common.seed)
     n_params = num_parameters(model)
     log.info(f"model {cfg.model._name}, {len(model.layers)} layers x {cfg.model.decoder_embed_dim}, "
-             f"vocabulary {task.vocab_size}")
+             f"vocabulary {vocab_size}")
     log.info(f"num. model params: {n_params:,} (num. trained: "
              f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,})")
     vocab_modules = (model.embed_tokens, model.embed_positions, model.output_projection, model.adaptive_softmax)
     embed_params = sum(p.numel() for m in vocab_modules if m is not None for p in m.parameters())
     # An adaptive softmax scores the head (first band + clusters) for every token; a tail
     # only for its band's tokens, left out of this count, as the adaptive input's bands are.
-    scored = task.vocab_size if model.adaptive_softmax is None else model.adaptive_softmax.head_size
+    scored = vocab_size if model.adaptive_softmax is None else model.adaptive_softmax.head_size
     fpt = flops_per_token(cfg.model, n_params, scored, embed_params, cfg.task.tokens_per_sample)
     model, grad_sync = parallelize(model, cfg, env)
     log.info(f"rank {env.rank} holds {sharded_bytes(model) / 2 ** 20:,.1f} MiB of parameters "

@@ -22,6 +22,7 @@ from data.indexed_dataset import IndexedDataset, exists
 from data.iterator import EpochBatchIterator, collate
 from data.token_block import ConcatDataset, TokenBlockDataset
 from data.tokenizer import SPECIAL_IDS, load_tokenizer
+from trainer.config.hf_model import hf_vocab_size
 from trainer.train.preemption import leave_stop_signals_to_the_rank
 
 log = logging.getLogger("shardlm")
@@ -67,6 +68,9 @@ class LMTask:
                 log.info(f"sharded data: epoch e trains on the ((e - 1) mod {len(self.data_dirs)})-th of "
                          f"{', '.join(map(str, self.data_dirs))}; validation reads {self.data_dir}")
             self._warn_unused_valid_subsets()
+        # The model's rows: the data's vocabulary, or a Hugging Face model's own (Qwen3 pads its
+        # embedding past its tokenizer's ids; preflight saw that the data fits in it).
+        self.model_vocab_size = hf_vocab_size(cfg) or self.vocab_size
         # Validation splits load now, as fairseq loads them before training: a bad one stops
         # the run before its first update, not at its first validation.
         if not cfg.dataset.disable_validation:
