@@ -128,7 +128,8 @@ def eval_lm_main(argv=None):
 
     p = _parser("eval-lm", "Loss (base 2) and perplexity of a trained model on a split (fairseq-eval-lm).")
     p.add_argument("data", nargs="?", help="data directory (default: the embedded corpus)")
-    p.add_argument("--path", required=True, help="checkpoint directory or export-model output")
+    p.add_argument("--path", required=True, help="checkpoint directory, export-model output, or Hugging Face "
+                   "model directory (Llama/Qwen3: config.json, safetensors, tokenizer.json)")
     p.add_argument("--gen-subset", default="test", help="split to evaluate")
     p.add_argument("--tokens-per-sample", type=_positive_int, help="block length (default: the training run's)")
     p.add_argument("--context-window", type=int, default=0,
@@ -175,7 +176,8 @@ def generate_main(argv=None):
     from data.errors import DataError
 
     p = _parser("generate", "Sample text from a trained model (a checkpoint directory or an export).")
-    p.add_argument("--path", required=True, help="checkpoint directory or export-model output")
+    p.add_argument("--path", required=True, help="checkpoint directory, export-model output, or Hugging Face "
+                   "model directory (Llama/Qwen3: config.json, safetensors, tokenizer.json)")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable); default: one prompt per stdin line")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to sample per prompt")
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy decoding")
@@ -202,17 +204,20 @@ def export_model_main(argv=None):
 
     p = _parser("export-model", "Write a checkpoint as one model.safetensors (+ config and tokenizer).")
     p.add_argument("--path", required=True, help="checkpoint directory")
-    p.add_argument("--out", required=True, help="output directory (must not hold a model.safetensors yet)")
+    p.add_argument("--out", required=True, help="output directory (must not hold a model yet)")
     p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                   help="hf: a directory transformers loads as GPT2LMHeadModel")
+                   help="hf: a directory transformers loads (LlamaForCausalLM, Qwen3ForCausalLM with --qk-norm, "
+                        "or GPT2LMHeadModel), with the tokenizer as tokenizer.json")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="cast the weights (default: as saved)")
+    p.add_argument("--max-shard-size", help="--format hf: split the weights into files of at most this size, "
+                                            "as save_pretrained does (e.g. 500MB, 2GiB; default: 5GB)")
     try:
         args = _parse(p, argv)
         import torch
 
         from trainer.inference.export import export_model
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
-        out = export_model(args.path, args.out, args.format, dtype)
+        out = export_model(args.path, args.out, args.format, dtype, args.max_shard_size)
     except UsageError as e:
         return _fail("export-model", e, 2)
     except DataError as e:

@@ -3,6 +3,9 @@
 Blocks are cut exactly as training's validation cuts them (same --tokens-per-sample and
 --sample-break-mode) and start with <s> when the run trained with --add-bos-token (its
 config.yaml says), so with --context-window 0 the result is training's valid loss.
+A Hugging Face model directory (--path HF_DIR) scores the same blocks as
+transformers would (default --tokens-per-sample: 1024, at most its max_position_embeddings);
+its data must be made with its own tokenizer (preprocess --tokenizer HF_DIR).
 --context-window K (fairseq's LMContextWindowDataset) shortens each block by K and
 gives it the K tokens before it as unscored context: every token is predicted from at
 least K tokens of history, at the cost of longer inputs.
@@ -58,7 +61,11 @@ def evaluate(model, dataset, args, pad, bos, env):
 
 def eval_lm(args, env):
     """Load, evaluate, print fairseq's two lines (rank 0). Returns the base-2 loss."""
-    model, cfg, _ = load_model(args.path, env.device, getattr(args, "model_overrides", None))
+    data_dir = data_dirs(args.data)[0] if args.data else prepare_embedded_corpus()
+    tok = load_tokenizer(data_dir)
+    # The loss skips the targets the batches are padded with: the data's pad id (a Hugging
+    # Face model has none of its own; config.json's pad_token_id is often its eos).
+    model, cfg, model_tok = load_model(args.path, env.device, getattr(args, "model_overrides", None), pad=tok.pad)
     tokens_per_sample = args.tokens_per_sample or cfg.task.tokens_per_sample
     if args.context_window >= tokens_per_sample:
         raise UsageError(f"--context-window {args.context_window} must be smaller than --tokens-per-sample "
@@ -73,7 +80,8 @@ def eval_lm(args, env):
     if args.max_tokens is not None and args.max_tokens < tokens_per_sample:
         raise UsageError(f"--max-tokens {args.max_tokens} is smaller than one block (--tokens-per-sample "
                          f"{tokens_per_sample}); raise it or lower --tokens-per-sample")
-    dataset, tok = split_dataset(cfg, args, tokens_per_sample - args.context_window, model.vocab_size)
+    check_same_tokenizer(data_dir, tok, model_tok, model.vocab_size)
+    dataset = split_dataset(cfg, args, tokens_per_sample - args.context_window, data_dir, tok)
     start = time.perf_counter()
     loss_sum, ntokens = evaluate(model, dataset, args, tok.pad, tok.bos if add_bos else None, env)
     loss_sum, ntokens = all_reduce_sum([loss_sum, ntokens], env)
@@ -85,28 +93,32 @@ def eval_lm(args, env):
     return loss
 
 
-def split_dataset(cfg, args, tokens_per_sample, vocab_size):
-    """(the split's token blocks as training cut them, the tokenizer); the data's tokenizer
-    must be the model's. Of a sharded DATA the first directory is read, as fairseq-eval-lm does."""
-    if args.data:
-        data_dir = data_dirs(args.data)[0]
-    else:
-        data_dir = prepare_embedded_corpus()
+def check_same_tokenizer(data_dir, tok, model_tok, vocab_size):
+    """The data's tokenizer must be the model's: the same pieces when the model has its own
+    (a checkpoint's copy, an HF dir's tokenizer.json), else ids within its embedding."""
+    fix = "evaluate on data made with the model's tokenizer (preprocess --tokenizer for a Hugging Face model)"
+    if model_tok is not None and model_tok.pieces() != tok.pieces():
+        raise UsageError(f"{data_dir}'s tokenizer ({tok.vocab_size} tokens) is not the model's "
+                         f"({model_tok.vocab_size}): {fix}")
+    # A Hugging Face model's embedding may have more rows than its tokenizer has ids (Qwen3's).
+    if tok.vocab_size > vocab_size:
+        raise UsageError(f"{data_dir} has a vocabulary of {tok.vocab_size}, the model {vocab_size}: {fix}")
+
+
+def split_dataset(cfg, args, tokens_per_sample, data_dir, tok):
+    """The split's token blocks as training cut them. Of a sharded DATA the first directory
+    is read, as fairseq-eval-lm does."""
     if not exists(data_dir / args.gen_subset):
         raise UsageError(f"no split {args.gen_subset!r} in {data_dir} (expected {args.gen_subset}.bin/.idx); "
                          "pick one with --gen-subset")
-    tok = load_tokenizer(data_dir)
-    if tok.vocab_size != vocab_size:
-        raise UsageError(f"{data_dir} has a vocabulary of {tok.vocab_size}, the model {vocab_size}: "
-                         "evaluate on data made with the model's tokenizer")
     tokens = IndexedDataset(str(data_dir / args.gen_subset))
-    check_token_ids(tokens, vocab_size)
+    check_token_ids(tokens, tok.vocab_size)
     break_mode = args.sample_break_mode or cfg.task.sample_break_mode
     blocks = TokenBlockDataset(tokens, tokens_per_sample, break_mode, pad=tok.pad, eos=tok.eos)
     if len(blocks.too_long):  # fairseq-eval-lm skips samples longer than the model's positions
         log.warning(f"{len(blocks.too_long):,} sentences of {args.gen_subset} are longer than a block of "
                     f"{tokens_per_sample} tokens and are skipped")
-    return blocks, tok
+    return blocks
 
 
 def run(args, cfg, rdv):

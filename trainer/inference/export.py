@@ -1,5 +1,6 @@
 """export-model: a checkpoint as one consolidated safetensors file with its config and
-tokenizer, or as a Hugging Face GPT-2 directory, one tensor at a time."""
+tokenizer, or as a Hugging Face directory (Llama/Qwen3 or GPT-2, with the tokenizer as
+tokenizer.json), one tensor at a time."""
 import os
 import shutil
 import tempfile
@@ -7,25 +8,45 @@ from pathlib import Path
 
 import torch
 
+from data.hf_convert import write_hf_tokenizer
+from data.tokenizer import SPECIAL_IDS, has_tokenizer, load_tokenizer
+from models.hf_llama import llama_incompatibility
+from models.transformer_lm import build_model
 from trainer.errors import UsageError
-from trainer.inference.hf_gpt2 import check_hf_compatible, write_hf_gpt2
+from trainer.inference.hf_gpt2 import gpt2_incompatibility, write_hf_gpt2
+from trainer.inference.hf_llama_export import write_hf_llama
+from trainer.inference.hf_weights import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, parse_shard_size
 from trainer.inference.load import EXPORT_FILE, SIDE_FILES, CheckpointTensors
 from trainer.inference.safetensors_file import write_safetensors
 
+# Files whose presence in --out means it already holds a model: ours, or a Hugging Face one.
+_MODEL_FILES = (EXPORT_FILE, INDEX_FILE, "config.json")
 
-def export_model(path, out, fmt="safetensors", dtype=None):
-    """Write `out/model.safetensors` (or an HF GPT-2 directory) from a checkpoint, one tensor
-    at a time. Refuses to write into a directory that already holds a model. Everything is
-    written in a temporary directory first, so a checkpoint that cannot be read leaves `out`
-    as it was."""
+
+def export_model(path, out, fmt="safetensors", dtype=None, max_shard_size=None):
+    """Write `out/model.safetensors` (or a Hugging Face directory) from a checkpoint, one
+    tensor at a time. Refuses to write into a directory that already holds a model, or over
+    any file there. Everything is written in a temporary directory first, so a checkpoint
+    that cannot be read leaves `out` as it was."""
+    if max_shard_size is not None and fmt != "hf":
+        raise UsageError("--max-shard-size splits a --format hf export; --format safetensors writes one file")
+    max_bytes = parse_shard_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     src = CheckpointTensors(path)
     out = Path(out)
     _check_out(out)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=_nearest_existing(out)))
     try:
-        _write_export(src, tmp, fmt, dtype)
+        if fmt == "hf":
+            _write_hf(src, tmp, dtype, max_bytes)
+        else:
+            _write_export(src, tmp, dtype)
+        taken = sorted(f.name for f in tmp.iterdir() if (out / f.name).exists())
+        if taken:
+            raise UsageError(f"{out} already holds {', '.join(taken)}; pass another --out (nothing was written)")
         out.mkdir(parents=True, exist_ok=True)
-        for f in sorted(tmp.iterdir(), key=lambda f: f.name == EXPORT_FILE):  # the model file last
+        # The files that make `out` a model last, config.json the very last: a move cut short
+        # leaves no directory that looks complete.
+        for f in sorted(tmp.iterdir(), key=lambda f: (f.name in _MODEL_FILES, f.name == "config.json")):
             os.replace(f, out / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -33,8 +54,9 @@ def export_model(path, out, fmt="safetensors", dtype=None):
 
 
 def _check_out(out):
-    if (out / EXPORT_FILE).exists():
-        raise UsageError(f"{out / EXPORT_FILE} already exists; pass another --out (nothing was overwritten)")
+    held = next((out / name for name in _MODEL_FILES if (out / name).exists()), None)
+    if held is not None:
+        raise UsageError(f"{held} already exists; pass another --out (nothing was overwritten)")
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; pass a directory")
     blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
@@ -46,17 +68,52 @@ def _nearest_existing(path):
     return next(p for p in (path, *path.parents) if p.exists())
 
 
-def _write_export(src, out, fmt, dtype):
+def _write_export(src, out, dtype):
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
-    if fmt == "hf":
-        check_hf_compatible(src.cfg.model)
-        write_hf_gpt2(out, src.get, src.cfg.model, src.vocab_size(), src.max_positions(),
-                      dtype=dtype or torch.float32, bos_token_id=0, pad_token_id=1, eos_token_id=2)
-    else:
-        specs = [(n, shape, dtype or dt) for n, (shape, dt) in sorted(src.specs.items())]
-        write_safetensors(out / EXPORT_FILE, specs, lambda n: cast(src.get(n)),
-                          metadata={"format": "pt", "producer": "shardlm"})
-        shutil.copyfile(src.path / "config.yaml", out / "config.yaml")
+    specs = [(n, shape, dtype or dt) for n, (shape, dt) in sorted(src.specs.items())]
+    write_safetensors(out / EXPORT_FILE, specs, lambda n: cast(src.get(n)),
+                      metadata={"format": "pt", "producer": "shardlm"})
+    shutil.copyfile(src.path / "config.yaml", out / "config.yaml")
     for name in SIDE_FILES[1:]:
         if (src.path / name).is_file():
             shutil.copyfile(src.path / name, out / name)
+
+
+def _write_hf(src, out, dtype, max_bytes):
+    """A Llama-family model as LlamaForCausalLM/Qwen3ForCausalLM, a GPT-style one as GPT-2,
+    and the tokenizer as tokenizer.json, so transformers needs nothing of ours."""
+    cfg = src.cfg.model
+    llama_why, gpt2_why = llama_incompatibility(cfg), gpt2_incompatibility(cfg)
+    if llama_why and gpt2_why:
+        raise UsageError(f"cannot export as a Hugging Face model: not a Llama-family model ({llama_why}) "
+                         f"nor a GPT-2 one ({gpt2_why})")
+    our_specs = _model_specs(src)
+    ids = _special_token_ids(src.path)
+    if llama_why is None:
+        write_hf_llama(out, src.get, our_specs, cfg, src.vocab_size(), src.max_positions(),
+                       dtype or src.specs["embed_tokens.weight"][1], max_bytes, **ids)
+    else:
+        write_hf_gpt2(out, src.get, cfg, src.vocab_size(), src.max_positions(), dtype=dtype or torch.float32,
+                      max_shard_size=max_bytes, **ids)
+    if has_tokenizer(src.path):
+        write_hf_tokenizer(src.path, out)
+
+
+def _model_specs(src):
+    """[(name, shape)] of the model the checkpoint's config builds, in its order, each checked
+    against the checkpoint's tensor of that name."""
+    model = build_model(src.cfg.model, src.vocab_size(), src.max_positions(), device="meta")
+    specs = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    for name, shape in specs:
+        if name not in src.specs:
+            raise UsageError(f"{src.path} has no tensor {name}; it is not a shardlm model of its config.yaml")
+        if tuple(src.specs[name][0]) != shape:
+            raise UsageError(f"{src.path}: {name} is {list(src.specs[name][0])}, its config.yaml implies {list(shape)}")
+    return specs
+
+
+def _special_token_ids(path):
+    """config.json's bos/eos/pad ids: the tokenizer's, or fairseq's (those of every data dir
+    without one, e.g. dummy_lm's)."""
+    ids = load_tokenizer(path).special_ids() if has_tokenizer(path) else SPECIAL_IDS
+    return {f"{key}_token_id": ids.get(key) for key in ("bos", "eos", "pad")}

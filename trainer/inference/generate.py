@@ -1,6 +1,8 @@
-"""generate (fairseq-interactive): text continuations sampled from a trained model."""
+"""generate (fairseq-interactive): text continuations sampled from a trained model or a
+Hugging Face model directory (--temperature 0: greedy, transformers' do_sample=False)."""
 import sys
 
+from data.hf_tokenizer import HFTokenizer
 from models.generate import sample
 from trainer.errors import UsageError
 from trainer.inference.load import load_model
@@ -16,14 +18,17 @@ def generate(args):
     if tokenizer is None:
         raise UsageError(f"{args.path} has no tokenizer (trained with --task dummy_lm?): nothing can "
                          "turn text into its tokens")
+    # A Hugging Face tokenizer starts a text as its model learned texts start (Llama 3's
+    # <|begin_of_text|>; nothing for Qwen3); a fairseq LM learned every block as "</s> sentence".
+    start = [] if isinstance(tokenizer, HFTokenizer) else [tokenizer.eos]
     for i, prompt in enumerate(prompts):
-        # The model learned every block as "</s> sentence": start the prompt the same way.
-        ids = [tokenizer.eos] + tokenizer.encode(prompt)
+        ids = start + tokenizer.encode(prompt)
         try:
             new = sample(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, seed=args.seed + i, eos=tokenizer.eos, use_cache=not args.no_kv_cache)
+                         top_p=args.top_p, seed=args.seed + i, eos=tokenizer.eos,
+                         bos=tokenizer.eos if tokenizer.bos is None else tokenizer.bos, use_cache=not args.no_kv_cache)
         except ValueError as e:
             raise UsageError(str(e)) from None
         # Decoded whole: a piece's leading space belongs to the text around it.
-        print(tokenizer.decode(ids[1:] + new), flush=True)
+        print(tokenizer.decode(ids[len(start):] + new), flush=True)
     return 0

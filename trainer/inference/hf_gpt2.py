@@ -12,13 +12,14 @@ import json
 import math
 import os
 import re
+from pathlib import Path
 
 import torch
 
-from models.config import num_layers
+from models.config import head_dim, kv_heads, num_layers
 from models.transformer_lm import sinusoidal_positions
 from trainer.errors import UsageError
-from trainer.inference.safetensors_file import write_safetensors
+from trainer.inference.hf_weights import DEFAULT_MAX_SHARD_SIZE, write_hf_weights
 
 # F.gelu is the exact erf form: HF's "gelu", not its tanh approximation "gelu_new".
 HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu"}
@@ -45,8 +46,28 @@ _LAYER_TENSORS = {
 
 def check_hf_compatible(model_cfg):
     """Raise UsageError naming the first option GPT-2 cannot express."""
+    why = gpt2_incompatibility(model_cfg)
+    if why:
+        raise UsageError(f"cannot export as a HuggingFace GPT-2 model: {why}")
+
+
+def gpt2_incompatibility(model_cfg):
+    """Why `model_cfg` is not a GPT-2 model, or None."""
     why = None
-    if getattr(model_cfg, "adaptive_input", False) or getattr(model_cfg, "adaptive_softmax_cutoff", None) is not None:
+    if getattr(model_cfg, "norm_type", "layernorm") != "layernorm":
+        why = f"{model_cfg.norm_type} norms; GPT-2's are LayerNorm"
+    elif getattr(model_cfg, "no_bias", False):
+        why = "layers without biases (no_bias); GPT-2's have them"
+    elif getattr(model_cfg, "gated_ffn", False):
+        why = "a gated feed-forward (gated_ffn); GPT-2's is not gated"
+    elif getattr(model_cfg, "rope", False):
+        why = "rotary embeddings (rope); GPT-2 adds positions to the embeddings"
+    elif getattr(model_cfg, "qk_norm", False):
+        why = "norms on queries and keys (qk_norm); GPT-2 has none"
+    elif kv_heads(model_cfg) != model_cfg.decoder_attention_heads or (
+            head_dim(model_cfg) * model_cfg.decoder_attention_heads != model_cfg.decoder_embed_dim):
+        why = "grouped-query attention or heads of another width (decoder_kv_heads/decoder_head_dim)"
+    elif getattr(model_cfg, "adaptive_input", False) or getattr(model_cfg, "adaptive_softmax_cutoff", None) is not None:
         why = "adaptive input/softmax bands; GPT-2 has one full embedding table and output projection"
     elif not model_cfg.decoder_normalize_before:
         why = "post-norm layers (decoder_normalize_before=False); GPT-2 normalizes before each sublayer"
@@ -63,8 +84,7 @@ def check_hf_compatible(model_cfg):
     elif any(getattr(model_cfg, key, None) not in (None, model_cfg.decoder_embed_dim)
              for key in ("decoder_input_dim", "decoder_output_dim")):
         why = "embeddings or output of another width than the layers (decoder_input_dim/decoder_output_dim)"
-    if why:
-        raise UsageError(f"cannot export as a HuggingFace GPT-2 model: {why}")
+    return why
 
 
 def _embed_scale(model_cfg):
@@ -91,7 +111,7 @@ def hf_config(model_cfg, vocab_size, max_positions, bos_token_id=None, eos_token
         "n_head": model_cfg.decoder_attention_heads,
         "n_inner": model_cfg.decoder_ffn_embed_dim,
         "activation_function": HF_ACTIVATIONS[model_cfg.activation_fn],
-        "layer_norm_epsilon": 1e-5,  # nn.LayerNorm's default, which our layers use
+        "layer_norm_epsilon": getattr(model_cfg, "norm_eps", 1e-5),
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "summary_first_dropout": 0.0,
         "scale_attn_weights": True,  # 1/sqrt(head_dim), as scaled_dot_product_attention does
         "scale_attn_by_inverse_layer_idx": False,
@@ -160,13 +180,15 @@ def hf_tensor(hf_name, get_ours, model_cfg, max_positions, dtype=None):
     return tensor.to(dtype or tensor.dtype).contiguous()
 
 
-def write_hf_gpt2(out_dir, get_ours, model_cfg, vocab_size, max_positions, dtype=torch.float32, **token_ids):
-    """A directory GPT2LMHeadModel.from_pretrained loads: config.json + model.safetensors,
-    streamed one tensor at a time. token_ids: bos_token_id, eos_token_id, pad_token_id."""
+def write_hf_gpt2(out_dir, get_ours, model_cfg, vocab_size, max_positions, dtype=torch.float32,
+                  max_shard_size=DEFAULT_MAX_SHARD_SIZE, **token_ids):
+    """A directory GPT2LMHeadModel.from_pretrained loads: config.json + model.safetensors (or
+    shards and their index), streamed one tensor at a time. token_ids: bos_token_id,
+    eos_token_id, pad_token_id."""
     os.makedirs(out_dir, exist_ok=True)
     specs = hf_tensor_specs(model_cfg, vocab_size, max_positions, dtype)
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), specs,
-                      lambda name: hf_tensor(name, get_ours, model_cfg, max_positions, dtype), HF_METADATA)
+    write_hf_weights(Path(out_dir), specs, lambda name: hf_tensor(name, get_ours, model_cfg, max_positions, dtype),
+                     max_shard_size, HF_METADATA)
     config = hf_config(model_cfg, vocab_size, max_positions, dtype=dtype, **token_ids)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

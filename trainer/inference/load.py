@@ -1,11 +1,14 @@
-"""One process, no torch.distributed: load a trained model from a sharded checkpoint or
-an export (trainer/inference/export.py writes those).
+"""One process, no torch.distributed: load a trained model from a sharded checkpoint, an
+export (trainer/inference/export.py writes those) or a Hugging Face model directory.
 
 A sharded checkpoint is read tensor by tensor through DCP, which stitches each tensor
 from the shards of every rank that wrote it, so no process ever holds more than one
 whole parameter beside what it is building. An export is a directory with
-`model.safetensors`, `config.yaml` and the tokenizer.
+`model.safetensors`, `config.yaml` and the tokenizer. A Hugging Face directory
+(LlamaForCausalLM or Qwen3ForCausalLM: config.json, safetensors, tokenizer.json) is
+read through trainer/checkpoint/hf_dir.py, one of our parameters at a time.
 """
+import copy
 import logging
 import warnings
 from pathlib import Path
@@ -14,22 +17,24 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.tokenizer import load_tokenizer
+from data.tokenizer import TOKENIZER_FILES, has_tokenizer, load_tokenizer
 from models.config import TransformerLMConfig
+from models.hf_llama import hf_parts
 from models.transformer_lm import build_model
 from trainer.checkpoint import files
 from trainer.checkpoint.checkpointer import NoBytesLoadPlanner, renumber_layers, saved_layer_ids
+from trainer.checkpoint.hf_dir import _FLOAT_DTYPES, HFWeights, is_hf_dir, read_hf_config
 from trainer.config.checks import _check_model_features
-from trainer.config.schema import model_positions
+from trainer.config.schema import TaskConfig, model_positions
 from trainer.errors import UsageError
 from trainer.inference.safetensors_file import read_safetensors, safetensors_specs
 
 log = logging.getLogger("shardlm")
 EXPORT_FILE = "model.safetensors"
-SIDE_FILES = ("config.yaml", "tokenizer.model", "dict.txt", "metadata.json")
+SIDE_FILES = ("config.yaml", *TOKENIZER_FILES, "metadata.json")
 
 
-def _kind(path):
+def _kind(path, hf=False):
     path = files.fairseq_path(path)  # `--path DIR/checkpoint_best.pt`, as fairseq's commands are given
     if (path / EXPORT_FILE).is_file() and (path / "config.yaml").is_file():
         return "export", path
@@ -39,15 +44,25 @@ def _kind(path):
     if (path / "checkpoint_last").is_dir():
         raise UsageError(f"{path} is a --save-dir, not one checkpoint; pass one of its checkpoints, "
                          f"e.g. --path {path / 'checkpoint_last'}")
+    if is_hf_dir(path):
+        if not hf:
+            raise UsageError(f"{path} is a Hugging Face model directory; this command needs a checkpoint "
+                             "directory (from --save-dir) or an export (from export-model)")
+        return "hf", path
+    also = ", nor a Hugging Face model directory (config.json and safetensors)" if hf else ""
     raise UsageError(f"{path} is neither a checkpoint directory (from --save-dir) nor an export "
-                     f"(from export-model); pass one with --path")
+                     f"(from export-model){also}; pass one with --path")
 
 
 class CheckpointTensors:
-    """Our parameters by name, one at a time, from a checkpoint or an export."""
+    """Our parameters by name, one at a time, from a checkpoint or an export, or (hf=True)
+    a Hugging Face model directory, whose tensors are named and stacked as ours here."""
 
-    def __init__(self, path):
-        self.kind, self.path = _kind(path)
+    def __init__(self, path, hf=False):
+        self.kind, self.path = _kind(path, hf)
+        if self.kind == "hf":
+            self._init_hf()
+            return
         if self.kind == "checkpoint":
             self.specs = files.tensor_specs(self.path)
         else:
@@ -60,8 +75,30 @@ class CheckpointTensors:
                              "written by train or an export-model output")
         self.cfg = _load_run_config(self.path / "config.yaml")
 
+    def _init_hf(self):
+        """config.json as a run config; every tensor checked (present, of the shape config.json
+        implies, a float type) before any is read, so a bad directory costs one line."""
+        config, fields, vocab_size, max_positions = read_hf_config(self.path)
+        self.cfg = hf_run_config(fields, max_positions, config.get("pad_token_id"), vocab_size)
+        # Read by its own shapes whatever --model-overrides changes later (a copy: OmegaConf
+        # may change the node in place).
+        self._hf_model = copy.deepcopy(self.cfg.model)
+        shapes = {name: tuple(p.shape) for name, p in
+                  build_model(self.cfg.model, vocab_size, max_positions, device="meta").named_parameters()}
+        self._hf = HFWeights(self.path)
+        self._hf.check(shapes, self._hf_model)
+        self.specs = {name: (shape, _FLOAT_DTYPES[self._hf.specs[hf_parts(name, self._hf_model)[0][0]][1]])
+                      for name, shape in shapes.items()}
+
+    def close(self):
+        """Let go of the files a Hugging Face directory is memory-mapped from."""
+        if self.kind == "hf":
+            self._hf.__exit__(None, None, None)
+
     def get(self, name):
         shape, dtype = self.specs[name]
+        if self.kind == "hf":
+            return self._hf.rows(name, self._hf_model, 0, shape[0], dtype)
         if self.kind == "export":
             try:
                 return read_safetensors(self.path / EXPORT_FILE, names=[name])[0][name]
@@ -117,29 +154,48 @@ def _load_run_config(path):
     return cfg
 
 
-def load_model(path, device="cpu", model_overrides=None):
-    """(model in eval mode, config, tokenizer or None) from a checkpoint or an export.
-    model_overrides: model keys to change first (eval-lm's --model-overrides)."""
-    src = CheckpointTensors(path)
-    if model_overrides:
-        src.cfg.model = _overridden(src.cfg.model, model_overrides)
-        _check_model_features(src.cfg)  # e.g. --decoder-layers-to-keep; train checked the saved config
-    model = build_model(src.cfg.model, src.vocab_size(), src.max_positions(), device="meta",
-                        padding_idx=src.cfg.get("padding_idx", 1))
-    model.to_empty(device=device)
-    params = dict(model.named_parameters())
-    # A model pruned by --decoder-layers-to-keep reads the layers it keeps, renumbered.
-    renamed = renumber_layers({name: name for name in params}, saved_layer_ids(src.cfg.model, src.specs))
-    saved_name = {ours: saved for saved, ours in renamed.items()}
-    missing = sorted(saved_name[name] for name in params if saved_name[name] not in src.specs)
-    if missing:
-        raise UsageError(f"{src.path} has no tensor {missing[0]}; it is not a shardlm model of this config")
-    with torch.no_grad():
-        for name, p in params.items():
-            t = src.get(saved_name[name])
-            if tuple(t.shape) != tuple(p.shape):
-                raise UsageError(f"{src.path}: {name} is {list(t.shape)}, its config.yaml implies {list(p.shape)}")
-            p.copy_(t)
+def hf_run_config(fields, max_positions, pad_token_id, vocab_size):
+    """The run config (model and task groups) of a Hugging Face model: its fields over our
+    model schema's defaults, the task schema's defaults otherwise."""
+    model = OmegaConf.merge(OmegaConf.structured(TransformerLMConfig), fields,
+                            {"max_target_positions": max_positions})
+    # eval-lm's default block is the task's (fairseq's 1024), not the model's positions
+    # (Llama 3.1's 131072): one block would hold a whole split, its attention quadratic in
+    # it. --tokens-per-sample takes it up to max_position_embeddings.
+    task = OmegaConf.structured(TaskConfig(tokens_per_sample=min(max_positions, TaskConfig.tokens_per_sample)))
+    pad = pad_token_id if isinstance(pad_token_id, int) and 0 <= pad_token_id < vocab_size else None
+    return OmegaConf.create({"model": model, "task": task, "padding_idx": pad})
+
+
+def load_model(path, device="cpu", model_overrides=None, pad=None):
+    """(model in eval mode, config, tokenizer or None) from a checkpoint, an export or a
+    Hugging Face model directory. model_overrides: model keys to change first (eval-lm's
+    --model-overrides). pad: the pad id of the data the model will score, whose targets its
+    loss skips (default: the one it was trained with; config.json's pad_token_id); it
+    changes no logit (an embedding's padding_idx only zeroes that row's gradient)."""
+    src = CheckpointTensors(path, hf=True)
+    try:
+        if model_overrides:
+            src.cfg.model = _overridden(src.cfg.model, model_overrides)
+            _check_model_features(src.cfg)  # e.g. --decoder-layers-to-keep; train checked the saved config
+        model = build_model(src.cfg.model, src.vocab_size(), src.max_positions(), device="meta",
+                            padding_idx=pad if pad is not None else src.cfg.get("padding_idx", 1))
+        model.to_empty(device=device)
+        params = dict(model.named_parameters())
+        # A model pruned by --decoder-layers-to-keep reads the layers it keeps, renumbered.
+        renamed = renumber_layers({name: name for name in params}, saved_layer_ids(src.cfg.model, src.specs))
+        saved_name = {ours: saved for saved, ours in renamed.items()}
+        missing = sorted(saved_name[name] for name in params if saved_name[name] not in src.specs)
+        if missing:
+            raise UsageError(f"{src.path} has no tensor {missing[0]}; it is not a shardlm model of this config")
+        with torch.no_grad():
+            for name, p in params.items():
+                t = src.get(saved_name[name])
+                if tuple(t.shape) != tuple(p.shape):
+                    raise UsageError(f"{src.path}: {name} is {list(t.shape)}, its config implies {list(p.shape)}")
+                p.copy_(t)
+    finally:
+        src.close()
     model.eval()
     return model, src.cfg, tokenizer_of(src.path)
 
@@ -154,6 +210,6 @@ def _overridden(model_cfg, overrides):
 
 def tokenizer_of(path):
     path = Path(path)
-    if (path / "tokenizer.model").is_file() or (path / "dict.txt").is_file():
+    if has_tokenizer(path):
         return load_tokenizer(path)
     return None
