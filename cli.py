@@ -246,8 +246,14 @@ def plan_main(argv=None):
         g.add_argument("--ranks-per-host", type=_positive_int, help="ranks on one host (default: all of them "
                        "on a CPU, up to 8 on GPUs)")
         g.add_argument("--format", choices=("text", "json"), default="text", help="json: one object")
+        g.add_argument("--path", metavar="HF_DIR", help="plan for the Hugging Face model in this directory (Llama, "
+                       "Qwen3): its config.json gives the model's shape and vocabulary, over --arch and model flags")
         ns, settings, overrides = parse_flags(parser, argv)
         cfg = compose_config(settings, overrides, ns.config_dir, ns.config_name)
+        from trainer.plan import report as plan_report
+        from trainer.plan.search import apply_hf_config, published_vocab
+        # The vocabulary, when it is not DATA's: the HF model's, or a Llama-family preset's published one.
+        vocab = apply_hf_config(cfg, ns.path) if ns.path else published_vocab(cfg)
         if cfg.distributed_training.auto_tune or cfg.distributed_training.memory_budget_gb is not None:
             # Checked before check_config, whose message for a lone budget would send the user to `plan`.
             raise UsageError("plan always picks the flags that fit; --auto-tune and --memory-budget-gb are "
@@ -268,8 +274,7 @@ def plan_main(argv=None):
         if host_gb is None and not ns.device_memory_gb:
             raise UsageError("cannot read this host's memory: give --host-memory-gb")
         device_gb = ns.device_memory_gb if device == "cuda" else (ns.device_memory_gb or host_gb / ranks_per_host)
-        from trainer.plan import report as plan_report
-        plan = plan_report.make_plan(cfg, device, device_gb, host_gb, ranks_per_host)
+        plan = plan_report.make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab, ns.path)
     except UsageError as e:
         return _fail("plan", e, 2)
     print(plan_report.as_json(plan) if ns.format == "json" else plan_report.as_text(cfg, plan))

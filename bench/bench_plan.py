@@ -22,10 +22,22 @@ def model(layers, dim, vocab, seq=256, batch=2):
             "--dropout", "0", "--optimizer", "adam", "--lr", "0.0001"]
 
 
+def llama(layers, dim, ffn, heads, kv, vocab, head=None, qwen=False, seq=256, batch=2):
+    """The Llama family's layer (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases;
+    Qwen3's q/k norms and heads wider than dim / heads) at a size this host trains."""
+    return ["--task", "dummy_lm", "--dict-size", str(vocab), "--tokens-per-sample", str(seq),
+            "--batch-size", str(batch), "--arch", "qwen3_0_6b" if qwen else "llama3_2_1b",
+            "--decoder-layers", str(layers), "--decoder-embed-dim", str(dim), "--decoder-ffn-embed-dim", str(ffn),
+            "--decoder-attention-heads", str(heads), "--decoder-kv-heads", str(kv),
+            "--decoder-head-dim", str(head or dim // heads), "--optimizer", "adam", "--lr", "0.0001"]
+
+
 M23 = model(6, 512, 8192, batch=8)            # 23 M parameters
 M109 = model(6, 1024, 32768)                  # 109 M
 M51 = model(8, 640, 16384, batch=4)           # 50 M
 M298 = model(13, 1280, 32768)                 # 298 M
+L76 = llama(8, 768, 2048, 12, 4, 32768)       # 76 M, tied (as Llama 3.2)
+Q53 = llama(6, 640, 1792, 8, 4, 32768, head=128, qwen=True)  # 53 M, heads 8 x 128 over a width of 640
 FSDP2 = ["--ddp-backend", "fully_sharded", "--distributed-world-size", "2"]
 CONFIGS = {
     "ddp 1 rank 23M": M23,
@@ -41,6 +53,15 @@ CONFIGS = {
     "ddp 1 rank 23M --bf16": M23 + ["--bf16"],
     "ddp 1 rank 23M --checkpoint-activations": M23 + ["--checkpoint-activations"],
     "fsdp 2 ranks 109M --bf16": M109 + FSDP2 + ["--bf16"],
+    "llama fsdp 2 ranks 76M": L76 + FSDP2,
+    "llama fsdp 2 ranks 76M --checkpoint-activations": L76 + FSDP2 + ["--checkpoint-activations"],
+    "llama ddp 2 ranks 76M": L76 + ["--distributed-world-size", "2"],
+    "llama fsdp 2 ranks 76M --bf16": L76 + FSDP2 + ["--bf16"],
+    "llama fsdp 2 ranks 76M --bf16 --checkpoint-activations": L76 + FSDP2 + ["--bf16", "--checkpoint-activations"],
+    "qwen3 fsdp 2 ranks 53M": Q53 + FSDP2,
+    "qwen3 ddp 2 ranks 53M --checkpoint-activations": Q53 + ["--distributed-world-size", "2",
+                                                             "--checkpoint-activations"],
+    "qwen3 ddp 1 rank 53M --bf16": Q53 + ["--bf16"],
 }
 
 

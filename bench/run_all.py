@@ -43,7 +43,7 @@ SCRIPTS = {
     "dataload": ("bench_dataload.py", ["--steps", "3"]),
     "preprocess": ("bench_preprocess.py", ["--mb", "5"]),
     "fsdp": ("bench_fsdp.py", ["--steps", "1", "--only", "ddp", "fsdp", "fsdp + jemalloc"]),
-    "plan": ("bench_plan.py", ["--only", "ddp 1 rank 23M", "fsdp 2 ranks 109M"]),
+    "plan": ("bench_plan.py", ["--only", "ddp 1 rank 23M", "fsdp 2 ranks 109M", "llama fsdp 2 ranks 76M"]),
 }
 
 

@@ -233,6 +233,9 @@ LLAMA_PRESETS = {
     "qwen3_4b": _qwen3(36, 2560, 9728, 32, True),
     "qwen3_8b": _qwen3(36, 4096, 12288, 32, False),
 }
+# Their tokenizers' vocabularies (the embedding rows of the published checkpoints), for what
+# needs one before there is data: `plan --arch llama3_1_8b` without DATA.
+PUBLISHED_VOCABS = {name: 128256 if name.startswith("llama3") else 151936 for name in LLAMA_PRESETS}
 
 
 # transformer_lm_baevski_wiki103 and _gbw, each followed by transformer_lm_big, whose

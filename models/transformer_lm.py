@@ -82,7 +82,7 @@ class DecoderLayer(nn.Module):
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).view(B, T, H + 2 * KV, D).split((H, KV, KV), dim=2)
         if self.q_norm is not None:  # Qwen3: per head, before the rotation
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = _rms_norm(self.q_norm, q), _rms_norm(self.k_norm, k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -131,6 +131,13 @@ class DecoderLayer(nn.Module):
             if not self.normalize_before:
                 x = norm(x)
         return x
+
+
+def _rms_norm(norm, x):
+    """`norm`(x) with its weight in x's dtype: under autocast, q and k leave their bf16/fp16
+    matmul narrower than the fp32 weight, and torch's rms_norm would warn and fall back to
+    its unfused path for the mismatch (FSDP's mixed precision gives both one dtype already)."""
+    return F.rms_norm(x, norm.normalized_shape, norm.weight.to(x.dtype), norm.eps)
 
 
 def make_norm(cfg, dim):

@@ -381,3 +381,135 @@ def test_cpu_attention_backward_holds_what_plan_counts(monkeypatch, scores_bytes
     assert tracked.peak == memory_plan.cpu_attention_backward_bytes(SHAPE, bf16) > 0
     assert memory_plan.cpu_attention_backward_bytes(SHAPE, replace(bf16, device="cuda")) == 0
     assert memory_plan.cpu_attention_backward_bytes(SHAPE, SETUP) == 0  # fp32: SDPA
+
+
+# The Llama family's layer at test size: 4 query heads over 2 kv heads, RoPE, SwiGLU, no
+# biases, RMSNorm; Qwen3's also with q/k norms and heads wider than dim / heads.
+LLAMA_LAYER = ["--arch", "llama3_2_1b", "--decoder-embed-dim", "256", "--decoder-ffn-embed-dim", "688",
+               "--decoder-attention-heads", "4", "--decoder-kv-heads", "2", "--decoder-head-dim", "64"]
+QWEN3_LAYER = ["--arch", "qwen3_0_6b", "--decoder-embed-dim", "256", "--decoder-ffn-embed-dim", "688",
+               "--decoder-attention-heads", "4", "--decoder-kv-heads", "2", "--decoder-head-dim", "96"]
+
+
+@pytest.mark.parametrize("flags", [LLAMA_LAYER, QWEN3_LAYER, ["--arch", "llama3_1_8b"], ["--arch", "qwen3_8b"],
+                                   LLAMA_LAYER + ["--norm-type", "layernorm", "--scale-attn", "--scale-fc"],
+                                   LLAMA_LAYER + ["--no-bias", "false", "--decoder-layers", "3"]])
+def test_parameter_count_of_the_llama_family_is_the_models(flags):
+    from models.transformer_lm import build_model, num_parameters
+    cfg = cfg_of("--task", "dummy_lm", "--dict-size", "777", "--tokens-per-sample", "64", *flags)
+    model = build_model(cfg.model, 777, 64, device="meta")
+    assert model_shape(cfg, 777).params == num_parameters(model)
+
+
+@pytest.mark.parametrize("flags", [LLAMA_LAYER, QWEN3_LAYER])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "autocast"])
+def test_llama_family_activation_bytes_are_what_autograd_saves_on_the_real_layer(flags, precision):
+    """As above, on the Llama and Qwen3 layers: RMSNorm (a CPU's composite), GQA (SDPA with
+    enable_gqa in fp32, the repeated kv heads of the CPU's bf16 attention), RoPE's tables and
+    rotated q/k, Qwen3's q/k norms, the gated FFN, no biases; bf16 as FSDP runs it (the
+    layer in bf16), autocast as DDP does (its weight copies are the planner's
+    mixed_precision_copies, not activations)."""
+    import torch
+
+    from models.transformer_lm import DecoderLayer, rope_inverse_frequencies, rope_tables
+    from trainer.plan.ledger import rope_table_bytes
+    cfg = cfg_of("--task", "dummy_lm", "--dict-size", "777", "--tokens-per-sample", str(SETUP.seq_len), *flags)
+    shape = model_shape(cfg, 777)
+    autocast = precision == "autocast"
+    setup = replace(SETUP, precision="fp32" if precision == "fp32" else "bf16",
+                    **(dict(backend="pytorch_ddp", shard=1) if autocast else {}))
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    layer = DecoderLayer(cfg.model).to(dtype).train()
+    x = torch.randn(setup.sequences, setup.seq_len, shape.dim, dtype=dtype, requires_grad=True)
+    rope = rope_tables(rope_inverse_frequencies(cfg.model), 0, setup.seq_len, dtype)
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    weight_copies = {tuple(p.shape[::-1]) for p in layer.parameters() if p.dim() == 2}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights and not (autocast and tuple(t.shape) in weight_copies):
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        layer(x, rope=rope)
+    # the rope tables are the model's, one pair for all layers: the ledger counts them once
+    assert sum(saved.values()) == layer_activation_bytes(shape, setup) + rope_table_bytes(shape, setup)
+
+
+def test_flops_per_token_is_the_count_of_the_matmuls_of_grouped_query_attention():
+    """MFU's FLOPs (trainer/train/meters.py) on Qwen3's layer, 4 query heads of 96 over 2 kv
+    heads (H·head_dim ≠ d): 3× the forward's matmul FLOPs, counted by torch as the model
+    runs them (the CPU's bf16 attention is batched matmuls), plus the PaLM count's 6 per
+    parameter outside a matmul (the norms)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models.transformer_lm import build_model, num_parameters
+    from trainer.train.meters import flops_per_token
+    T, V = 64, 300
+    cfg = cfg_of("--task", "dummy_lm", "--dict-size", str(V), "--tokens-per-sample", str(T), *QWEN3_LAYER,
+                 "--decoder-layers", "2")
+    model = build_model(cfg.model, V, T).to(torch.bfloat16)
+    with FlopCounterMode(display=False) as counted:
+        model(torch.randint(0, V, (1, T)))
+    vectors = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    embed = model.embed_tokens.weight.numel()
+    fpt = flops_per_token(cfg.model, num_parameters(model), V, embed, T)
+    assert fpt == 3 * counted.get_total_flops() / T + 6 * vectors
+
+
+LLAMA_8B_ON_8_H100 = ["--device-memory-gb", "80", "--distributed-world-size", "8", "--bf16", "--ddp-backend",
+                      "fully_sharded", "--tokens-per-sample", "8192", "--batch-size", "1"]
+
+
+def test_plan_answers_for_the_published_llama_shapes_with_their_vocabularies(capsys):
+    """Without DATA, a Llama-family preset plans with its published vocabulary and says so;
+    the parameter counts are the published checkpoints' (Llama 3.1 8B: 8,030,261,248;
+    Qwen3-8B: 8.19 B with 151,936 tokens; Llama 3.1 70B: 70.55 B)."""
+    p = plan_json(capsys, "--arch", "llama3_1_8b", *LLAMA_8B_ON_8_H100)
+    assert (p["params"], p["vocab"]) == (8_030_261_248, 128256) and "published" in p["vocab_source"]
+    assert p["fits"] and p["recommended"] is not None
+    q = plan_json(capsys, "--arch", "qwen3_8b", *LLAMA_8B_ON_8_H100)
+    assert (q["params"], q["vocab"]) == (8_190_735_360, 151936)
+    # 70 B on one host of 8 x 80 GB: 16 bytes a parameter over 8 ranks is 141 GB; only --cpu-offload fits
+    big = plan_json(capsys, "--arch", "llama3_1_70b", *LLAMA_8B_ON_8_H100)
+    assert big["params"] == 70_553_706_496 and not big["fits"] and "--cpu-offload" in big["recommended"]
+    assert cli.plan_main(["--arch", "llama3_1_8b", *LLAMA_8B_ON_8_H100]) == 0
+    assert "vocabulary 128256: llama3_1_8b's published vocabulary (no DATA given)" in capsys.readouterr().out
+    # DATA's (here dummy_lm's) vocabulary wins over the published one
+    dummy = plan_json(capsys, "--arch", "llama3_1_8b", "--task", "dummy_lm", "--dict-size", "32000",
+                      *LLAMA_8B_ON_8_H100)
+    assert (dummy["vocab"], dummy["vocab_source"]) == (32000, None)
+
+
+def test_plan_path_plans_for_a_hugging_face_model_directory(tmp_path, capsys):
+    """plan --path HF_DIR: the model of its config.json (transformers' own, saved by
+    save_pretrained), with that model's parameter count; a directory that is not one gets
+    a one-line error."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False)
+    config.save_pretrained(tmp_path / "qwen")
+    with torch.device("meta"):
+        hf_params = sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
+    p = plan_json(capsys, "--path", str(tmp_path / "qwen"), "--cpu", "--batch-size", "2", "--tokens-per-sample", "64")
+    assert (p["params"], p["vocab"], p["model"]) == (hf_params, 300, str(tmp_path / "qwen"))
+    assert p["vocab_source"] == f"from {tmp_path / 'qwen' / 'config.json'}"
+    # train --finetune-from-model HF_DIR plans with the model's embedding rows, not the data's
+    tuned = plan_json(capsys, "--finetune-from-model", str(tmp_path / "qwen"), "--task", "dummy_lm", "--dict-size",
+                      "200", "--cpu", "--batch-size", "2", "--tokens-per-sample", "64")
+    assert (tuned["params"], tuned["vocab"]) == (hf_params, 300)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    for name, message in (("empty", "has no config.json"), ("bad", "config.json is not valid JSON"),
+                          ("gpt2", "model_type 'gpt2' is not supported"), ("missing", "no such directory")):
+        assert cli.plan_main(["--path", str(tmp_path / name), "--cpu"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err

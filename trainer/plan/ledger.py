@@ -20,6 +20,17 @@ with attention dropout a CPU takes SDPA's math path, which keeps the T×T probab
 the dropout mask and the dropped probabilities, in fp32 (CUDA's fused kernels apply
 dropout themselves). Dropout keeps its mask: one byte per element on CUDA, an
 element of the input's dtype on a CPU (no fused kernel there).
+
+The Llama family's layer (--norm-type rmsnorm, --rope, --gated-ffn, --decoder-kv-heads,
+--qk-norm) saves differently. RMSNorm has a fused kernel on CUDA (input and rstd saved,
+like LayerNorm's) but is a composite of small ops on a CPU, which save the input in fp32,
+its rstd and the normalized fp32 tensor before the weight. The rotary embedding's muls save
+only the cos/sin tables (one pair per forward, shared by every layer; under autocast each
+layer casts them for q and for k), and its rotated q and k are new tensors that attention
+saves beside q/k/v (v stays a view of qkv_proj's output). Grouped-query attention saves the
+kv heads only in SDPA (enable_gqa), but a CPU's bf16 attention repeats them to every query
+head first and saves the repeated ones. The gated feed-forward saves fc1's output (gate and
+up, 2·ffn wide), the activation of the gate and their product.
 """
 from dataclasses import dataclass, field
 from typing import Optional
@@ -86,18 +97,60 @@ class ModelShape:
     # project_in_dim/project_out_dim and the embedding/output tables' width beyond V×d
     # (--decoder-input-dim/--decoder-output-dim)
     projection_params: int = 0
+    # The Llama family's pieces (models/config.py); the defaults are the GPT-style layer.
+    kv_heads: int = 0  # --decoder-kv-heads (0: as many as the query heads)
+    head_dim: int = 0  # --decoder-head-dim (0: dim // heads)
+    gated: bool = False  # --gated-ffn: fc1 is gate and up, 2·ffn rows
+    bias: bool = True  # biases in the linear layers (--no-bias: none)
+    norm: str = "layernorm"  # --norm-type
+    norm_bias: bool = True  # a LayerNorm's bias (--no-bias: none; RMSNorm has none)
+    qk_norm: bool = False  # --qk-norm: an RMSNorm of head_dim on queries and keys
+    rope: bool = False  # --rope: cos/sin tables, rotated q and k
+
+    @property
+    def hd(self):
+        return self.head_dim or self.dim // self.heads
+
+    @property
+    def kv(self):
+        return self.kv_heads or self.heads
+
+    @property
+    def inner(self):
+        """The attention's width: query heads × head_dim (d unless --decoder-head-dim says otherwise)."""
+        return self.heads * self.hd
+
+    @property
+    def qkv_width(self):
+        return self.inner + 2 * self.kv * self.hd
+
+    @property
+    def fc1_width(self):
+        return 2 * self.ffn if self.gated else self.ffn
+
+    def norm_params(self, width):
+        return width * (2 if self.norm == "layernorm" and self.norm_bias else 1)
+
+    @property
+    def matmul_params(self):
+        """One layer's weight matrices: qkv_proj, out_proj, fc1, fc2."""
+        d = self.dim
+        return d * self.qkv_width + self.inner * d + d * self.fc1_width + self.ffn * d
 
     @property
     def layer_params(self):
-        d, f = self.dim, self.ffn
-        return (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d + self.normformer_params
+        d = self.dim
+        biases = (self.qkv_width + d + self.fc1_width + d) if self.bias else 0
+        qk_norms = 2 * self.hd if self.qk_norm else 0
+        return self.matmul_params + biases + 2 * self.norm_params(d) + qk_norms + self.normformer_params
 
     @property
     def root_params(self):
         """Parameters outside the decoder layers: FSDP's root unit."""
         d = self.dim
         tables = self.vocab * d * (1 if self.tied else 2) if self.vocab_params is None else self.vocab_params
-        return tables + self.learned_positions * d + 2 * d * self.norms_outside_layers + self.projection_params
+        return (tables + self.learned_positions * d + self.norms_outside_layers * self.norm_params(d)
+                + self.projection_params)
 
     @property
     def params(self):
@@ -171,31 +224,79 @@ class Ledger:
             self.peak, self.at_peak = total, dict(self.live)
 
 
+def norm_saved_bytes(m: ModelShape, s: Setup):
+    """Per token, what one norm before a matmul saves, that matmul's saved input included."""
+    c, d = s.compute_bytes, m.dim
+    stream = 4 if s.precision != "fp32" and not s.sharded else c  # autocast keeps the residual stream fp32
+    if m.norm == "rmsnorm" and s.device != "cuda":
+        # a CPU's rms_norm is a composite: the input in fp32, rstd, the fp32 normalized tensor
+        return 4 * d + 4 + 4 * d + c * d
+    return stream * d + (4 if m.norm == "rmsnorm" else 8) + c * d  # input, (mean,) rstd, output
+
+
+# Activations whose backward keeps their output, not their input: the tensor fc2 (or the
+# gate's product) keeps anyway, so they add no saved tensor of their own.
+SAVES_OUTPUT = ("relu", "tanh", "linear")
+
+
+def ffn_saved_width(m: ModelShape):
+    """Per token, elements of the feed-forward's saved tensors (its input aside)."""
+    f, act = m.ffn, m.activation_fn
+    squared = f if act == "relu_squared" else 0  # relu's output, which pow keeps, besides pow's
+    if m.gated:  # fc1's output (up is a view of it), act(gate) unless linear, the product fc2 keeps
+        return 2 * f + (0 if act == "linear" else f) + squared + f
+    return (f if act in SAVES_OUTPUT else 2 * f) + squared
+
+
+def uses_cpu_matmul_attention(m: ModelShape, s: Setup):
+    """models/cpu_attention.py: low precision on a CPU without attention dropout."""
+    return s.device == "cpu" and s.precision != "fp32" and m.attention_dropout == 0
+
+
+def rope_table_bytes(m: ModelShape, s: Setup):
+    """The (cos, sin) pair of one forward, in the embeddings' dtype, shared by every layer.
+    Under autocast no layer saves the fp32 pair itself, only its casts (layer_activation_bytes)."""
+    if not m.rope or (s.precision != "fp32" and not s.sharded):
+        return 0
+    return 2 * s.seq_len * m.hd * s.compute_bytes
+
+
 def layer_activation_bytes(m: ModelShape, s: Setup):
     """Bytes one decoder layer's forward saves for backward, for s.tokens tokens."""
     n, d, f, c = s.tokens, m.dim, m.ffn, s.compute_bytes
-    ffn_saved = f if m.activation_fn == "relu" else 2 * f
     mask = 1 if s.device == "cuda" else c  # one dropout-mask element
-    if s.precision != "fp32" and not s.sharded:
-        # autocast: the residual stream (x, x1) and the norms stay fp32; matmul inputs are
-        # saved as their low-precision casts (the two norms' outputs), matmul outputs
-        # (q/k/v, the attention output) are low precision.
-        per_token = 4 * d * 2 + c * (d + 3 * d + d + d) + c * ffn_saved
-    else:  # one dtype throughout (fp32, or FSDP's param_dtype)
-        per_token = c * (8 * d + ffn_saved)
-    per_token += 2 * 2 * 4  # the two norms' mean and rstd, fp32
+    autocast = s.precision != "fp32" and not s.sharded
+    cpu_matmul = uses_cpu_matmul_attention(m, s)
+    q_and_kv = m.heads + m.kv  # heads q_norm and k_norm see
+    # the two norms before qkv_proj and fc1, and the attention output out_proj keeps
+    per_token = 2 * norm_saved_bytes(m, s) + c * m.inner
+    if cpu_matmul:  # q (scaled), k and v, each repeated to every query head
+        per_token += 3 * c * m.inner
+    else:  # qkv_proj's output (v is a view of it), the rotated (or normalized) q and k
+        per_token += c * m.qkv_width + (c * (m.inner + m.kv * m.hd) if m.rope or m.qk_norm else 0)
+    if m.qk_norm:
+        if s.device == "cuda" and not autocast:  # the fused kernel: rstd; its input is qkv's view
+            per_token += 4 * q_and_kv
+        else:  # the composite (a CPU's, or autocast's low-precision input): fp32 input, rstd, normalized
+            upcast = 0 if c == 4 and not cpu_matmul else 4 * q_and_kv * m.hd
+            per_token += upcast + 4 * q_and_kv + 4 * q_and_kv * m.hd
+    per_token += c * ffn_saved_width(m)
     masks = (m.dropout > 0) * 2 * d * mask + (m.activation_dropout > 0) * f * mask
-    if m.activation_dropout > 0 and m.activation_fn == "relu":
-        masks += f * c  # fc2 now keeps the dropped output, relu still its own
+    if m.activation_dropout > 0 and m.activation_fn in ("relu", "tanh") and not m.gated:
+        masks += f * c  # fc2 now keeps the dropped output, the activation still its own
     if m.attention_dropout > 0 and s.device != "cuda":
         # the math path, in fp32 on a CPU: probabilities, dropout mask and dropped
         # probabilities (T×T per head), and q/k/v as fp32 copies of low-precision ones
         masks += m.heads * s.seq_len * 3 * 4
-        per_token += 3 * d * (4 - c)
-    elif s.device == "cuda" or s.precision == "fp32":
+        per_token += m.qkv_width * (4 - c)
+    elif not cpu_matmul:
         per_token += m.heads * 4  # the fused kernel's log-sum-exp
-    # else models/cpu_attention.py: q, k and v only (counted above); backward recomputes
-    return n * (per_token + masks)
+    # else models/cpu_attention.py: nothing more; backward recomputes
+    # autocast casts the rope tables to q's and k's dtype in every layer: four T×head_dim copies
+    tables = 4 * s.seq_len * m.hd * c if m.rope and autocast else 0
+    # and the q/k norms' weights to theirs (models/transformer_lm.py _rms_norm), which they keep
+    tables += 2 * m.hd * c if m.qk_norm and autocast else 0
+    return n * (per_token + masks) + tables
 
 
 def simulate(m: ModelShape, s: Setup):
@@ -235,14 +336,18 @@ def simulate(m: ModelShape, s: Setup):
 
     act = layer_activation_bytes(m, s)
     layer_input = n * m.dim * (4 if autocast else c)
+    # Recomputed under checkpointing, a layer saves its input itself, the one kept, except a
+    # CPU's RMSNorm of a low-precision input, which saves its fp32 copy (in `act`) instead.
+    input_in_act = 0 if m.norm == "rmsnorm" and s.device != "cuda" and not autocast and c != 4 else layer_input
     resid = 4 if autocast else c
     # A layer's backward peaks at its first node (fc2's): every saved tensor of the layer is
     # still alive, with the gradient coming in (n×d) and the one fc2 makes for its input (n×ffn).
-    # Later nodes free what they used before the next makes more.
-    act_grads = n * (m.dim + m.ffn) * c
+    # Later nodes free what they used before the next makes more; a gated feed-forward's
+    # product node holds one more (the gradients of act(gate) and of up, its product's freed).
+    act_grads = n * (m.dim + m.fc1_width) * c
     # Or later, a CPU's low-precision attention backward, if it holds more.
     attention_grads = cpu_attention_backward_bytes(m, s)
-    low_copies = c * (4 * m.dim ** 2 + 2 * m.dim * m.ffn)  # autocast's copies of one layer's weights
+    low_copies = c * m.matmul_params  # autocast's copies of one layer's weights
     reduce_bytes = 4 if s.fp32_reduce_scatter else c
     # also the size of a unit's unsharded gradient kept in the reduce dtype (--defer-grad-sync)
     rs_buffer, root_rs = m.layer_params * reduce_bytes, m.root_params * reduce_bytes
@@ -263,12 +368,13 @@ def simulate(m: ModelShape, s: Setup):
             L.add("mixed_precision_copies", m.layers * low_copies)  # autocast's weight cache
         if s.sharded:
             L.add("gathered_parameters", m.root_params * c)  # the root, gathered until the loss
+        L.add("activations", rope_table_bytes(m, s))  # --rope: alive until the first layer's backward
         for i in range(m.layers):
             gather(i)
             if prefetch:
                 gather(i + 1)
             if s.checkpoint_activations:
-                L.transient("activations", n * c * 2 * (m.ffn + m.dim))  # computed, not saved
+                L.transient("activations", n * c * 2 * (m.fc1_width + m.dim))  # computed, not saved
                 if offload_acts:
                     host += layer_input
                 else:
@@ -305,7 +411,7 @@ def simulate(m: ModelShape, s: Setup):
             if prefetch:
                 gather(i - 1)
             if s.checkpoint_activations:  # recomputed; the input was kept (or comes back)
-                L.add("activations", act - (0 if offload_acts else layer_input))
+                L.add("activations", act - (0 if offload_acts else input_in_act))
             if s.sharded:
                 if not kept:
                     L.add("unsharded_gradients", unit)
@@ -330,6 +436,7 @@ def simulate(m: ModelShape, s: Setup):
                 if first_reduce and not offload:
                     L.add("gradients", 4 * m.layer_params / S)
                 release(i)
+        L.sub("activations", rope_table_bytes(m, s))
         if m.tied:
             # the embedding's backward makes a dense V×d gradient of its own, added into the
             # one the loss made for the same (tied) weight: both are alive for a moment

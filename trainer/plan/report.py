@@ -15,14 +15,17 @@ LABELS = {"runtime": "runtime (interpreter, libraries, communication)",
           "mixed_precision_copies": "mixed-precision copies of weights"}
 
 
-def make_plan(cfg, device, device_gb, host_gb, ranks_per_host):
-    """host_gb None: the host's memory is unknown; plans are not judged by it."""
-    m = model_shape(cfg, vocab_size(cfg))
+def make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab=None, model_name=None):
+    """host_gb None: the host's memory is unknown; plans are not judged by it. vocab:
+    (size, where it comes from) when not the data's (`train`'s own), as `plan` finds it
+    without DATA (search.published_vocab, search.apply_hf_config)."""
+    size, source = vocab or (vocab_size(cfg), None)
+    m = model_shape(cfg, size)
     given = setup_of(cfg, device, ranks_per_host)
     p = predict(m, given)
     tried, choice = choose(m, given, device_gb, host_gb)
     return dict(model=m, given=given, prediction=p, tried=tried, choice=choice,
-                device_gb=device_gb, host_gb=host_gb)
+                device_gb=device_gb, host_gb=host_gb, vocab_source=source, model_name=model_name or cfg.model._name)
 
 
 def as_json(plan):
@@ -33,7 +36,8 @@ def as_json(plan):
         "comm_gb_per_update": round(p.comm_gb_per_update, 3), "comm_gb": p.comm,
         "device": given.device, "device_memory_gb": plan["device_gb"], "host_memory_gb": plan["host_gb"],
         "host_memory_checked": plan["host_gb"] is not None,
-        "params": plan["model"].params,
+        "params": plan["model"].params, "model": plan["model_name"], "vocab": plan["model"].vocab,
+        "vocab_source": plan["vocab_source"],  # null: DATA's tokenizer (or dummy_lm's --dict-size)
         "recommended": flags_of(choice[1], given) if choice else None,
         "recommended_per_rank_gb": choice[2].per_rank_gb if choice else None,
         "candidates": [{"flags": flags_of(s, given), "per_rank_gb": q.per_rank_gb, "host_gb": q.host_gb,
@@ -47,7 +51,9 @@ def as_text(cfg, plan):
                                            ("checkpoint-activations", s.checkpoint_activations),
                                            ("offload-activations", s.offload_activations),
                                            ("cpu-offload", s.cpu_offload)) if on]
-    lines = [f"model {cfg.model._name}: {m.params:,} parameters ({m.layers} layers x {m.dim}, vocabulary {m.vocab})",
+    source = f": {plan['vocab_source']}" if plan["vocab_source"] else ""
+    lines = [f"model {plan['model_name']}: {m.params:,} parameters ({m.layers} layers x {m.dim}, "
+             f"vocabulary {m.vocab}{source})",
              f"{s.world} rank(s), {s.ranks_per_host} per host, {s.device}, {s.precision}, {', '.join(flags)}",
              f"batch per rank: {s.sequences} x {s.seq_len} tokens, --update-freq {s.update_freq} "
              f"({s.sequences * s.seq_len * s.update_freq * s.world:,} tokens per update)",

@@ -8,13 +8,15 @@ smaller ones with --update-freq raised so that the global batch stays the same.
 A DDP run keeps DDP when it fits (it communicates least). Torch-free.
 """
 from dataclasses import replace
+from pathlib import Path
 
 from data.data_dir import data_dirs
 from data.embedded_corpus import prepare_embedded_corpus
 from data.errors import DataError
 from data.tokenizer import load_tokenizer
-from models.config import adaptive_bands, num_layers
+from models.config import PUBLISHED_VOCABS, adaptive_bands, head_dim, kv_heads, num_layers
 from trainer.config.checks import check_adaptive_vocab
+from trainer.config.hf_model import hf_vocab_size, read_hf_config
 from trainer.config.schema import ddp_backend, model_positions
 from trainer.errors import UsageError
 from trainer.plan.ledger import ModelShape, Setup, predict
@@ -26,6 +28,8 @@ OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "cpu_adam": 2, "nag": 1}
 
 def vocab_size(cfg):
     t = cfg.task
+    if hf_vocab_size(cfg) is not None:  # --finetune-from-model HF_DIR: its embedding's rows (Qwen3 pads past the data's)
+        return hf_vocab_size(cfg)
     if t._name == "dummy_lm":
         return t.dict_size
     try:
@@ -34,6 +38,30 @@ def vocab_size(cfg):
         return load_tokenizer(data_dir).vocab_size
     except DataError as e:
         raise UsageError(str(e)) from None
+
+
+def published_vocab(cfg):
+    """(vocabulary, where it comes from) for a Llama-family preset without DATA: its
+    published tokenizer's (models/config.py PUBLISHED_VOCABS); None otherwise. `plan` only:
+    `train` without DATA trains on the embedded corpus, with its own small vocabulary."""
+    name = cfg.model._name
+    if cfg.task._name == "dummy_lm" or cfg.task.data or name not in PUBLISHED_VOCABS:
+        return None
+    return PUBLISHED_VOCABS[name], f"{name}'s published vocabulary (no DATA given)"
+
+
+def apply_hf_config(cfg, model_dir):
+    """Set cfg.model to the Hugging Face model in model_dir (its config.json) and return
+    (its vocabulary, where it comes from). UsageError, one line, when config.json is missing,
+    not JSON, or describes a model we cannot build."""
+    if not Path(model_dir).is_dir():
+        raise UsageError(f"--path {model_dir}: no such directory (give a Hugging Face model directory)")
+    if not (Path(model_dir) / "config.json").is_file():
+        raise UsageError(f"{model_dir} is not a Hugging Face model directory: it has no config.json")
+    _, fields, vocab, positions = read_hf_config(model_dir)
+    for key, value in {**fields, "max_target_positions": positions}.items():
+        cfg.model[key] = value
+    return vocab, f"from {Path(model_dir) / 'config.json'}"
 
 
 def model_shape(cfg, vocab):
@@ -47,13 +75,17 @@ def model_shape(cfg, vocab):
                       norms_outside_layers=int(final_norm) + int(m.layernorm_embedding),
                       activation_fn=m.activation_fn, dropout=m.dropout, attention_dropout=m.attention_dropout,
                       activation_dropout=m.activation_dropout, vocab_params=adaptive_vocab_params(m, vocab),
-                      normformer_params=normformer_params(m), projection_params=projection_params(m, vocab))
+                      normformer_params=normformer_params(m), projection_params=projection_params(m, vocab),
+                      kv_heads=kv_heads(m), head_dim=head_dim(m), gated=m.gated_ffn, bias=not m.no_bias,
+                      norm=m.norm_type, norm_bias=not m.no_bias, qk_norm=m.qk_norm, rope=m.rope)
 
 
 def normformer_params(m):
     """One layer's NormFormer parameters, as models/transformer_lm.DecoderLayer builds them."""
     d, f = m.decoder_embed_dim, m.decoder_ffn_embed_dim
-    return 2 * d * m.scale_attn + m.decoder_attention_heads * m.scale_heads + 2 * f * m.scale_fc + d * m.scale_resids
+    per_width = 2 if m.norm_type == "layernorm" and not m.no_bias else 1  # a norm's weight (and bias)
+    return (per_width * d * m.scale_attn + m.decoder_attention_heads * m.scale_heads + per_width * f * m.scale_fc
+            + d * m.scale_resids)
 
 
 def projection_params(m, vocab):

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from models.config import num_layers
+from models.config import head_dim, num_layers
 
 LN2 = math.log(2)
 
@@ -88,6 +88,11 @@ def peak_memory_gb(device):
 
 def flops_per_token(model_cfg, num_params, vocab_size, embed_params, seq_len):
     """Training FLOPs per token (PaLM appendix B, the same count ref_loop.py uses):
-    6·(non-embedding params) + 6·V·d for the output projection + 12·L·d·T for attention."""
+    6·(non-embedding params) + 6·V·d for the output projection + 12·L·H·head_dim·T for
+    attention. The attention term is the query heads' width, H·head_dim (d unless
+    --decoder-head-dim says otherwise): grouped-query attention shares key/value heads
+    between query heads but still multiplies every query head by T keys and T values,
+    while its smaller qkv_proj is in the parameter count."""
     d, L = model_cfg.decoder_embed_dim, num_layers(model_cfg)
-    return 6 * (num_params - embed_params) + 6 * vocab_size * d + 12 * L * d * seq_len
+    inner = model_cfg.decoder_attention_heads * head_dim(model_cfg)
+    return 6 * (num_params - embed_params) + 6 * vocab_size * d + 12 * L * inner * seq_len
