@@ -52,12 +52,22 @@ def data_bin(tmp_path_factory):
     return fairseq_data_bin(tmp_path_factory.mktemp("data-bin") / "wikitext-103")
 
 
-def _run(line, data_bin, tmp_path, *extra):
-    """A documented command line: `{DATA}` and `{CK}` stand for the data-bin and a save dir."""
+def _run(line, data_bin, tmp_path, *extra, capsys=None):
+    """A documented command line: `{DATA}` and `{CK}` stand for the data-bin and a save dir.
+    With capsys, the command's entry point runs in this process (the same argv; an eval-lm
+    needs no fresh process, and a fresh one costs seconds of torch start-up)."""
     argv = shlex.split(line.format(DATA=data_bin, CK=tmp_path / "checkpoints"))
     prog, args = argv[0], argv[1:] + shlex.split(" ".join(extra))
-    cmd = [str(Path(sys.executable).with_name(prog))] + args
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    if capsys is not None:
+        import cli
+        assert Path.cwd() == tmp_path  # as the subprocess's cwd below (conftest's chdir)
+        capsys.readouterr()
+        code = cli.COMMANDS[prog](args)
+        out, err = capsys.readouterr()
+        r = subprocess.CompletedProcess(args, code or 0, out, err)
+    else:
+        cmd = [str(Path(sys.executable).with_name(prog))] + args
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert r.returncode == 0, f"{prog} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     assert "Traceback" not in r.stderr
     return parse_records(r.stdout), r
@@ -89,12 +99,12 @@ LM_README_EVAL = """eval-lm {DATA} \
     --context-window 400"""
 
 
-def test_language_model_readme_trains_and_evaluates(data_bin, tmp_path):
+def test_language_model_readme_trains_and_evaluates(data_bin, tmp_path, capsys):
     # fp16 is slow on a CPU: fewer tokens per update; warmup shortened so the loss moves in 8 updates.
     records, _ = _run(LM_README, data_bin, tmp_path, SHRINK, "--max-tokens 64 --update-freq 2",
                       "--distributed-world-size 2 --warmup-updates 2 --log-format json")
     _loss_fell(records)
-    _, r = _run(LM_README_EVAL, data_bin, tmp_path, "--tokens-per-sample 32 --context-window 16")
+    _, r = _run(LM_README_EVAL, data_bin, tmp_path, "--tokens-per-sample 32 --context-window 16", capsys=capsys)
     assert re.search(r"Loss \(base 2\): [\d.]+, Perplexity: [\d.]+", r.stdout)
 
 
@@ -228,15 +238,15 @@ TEST_BINARIES_EVAL = "eval-lm {DATA} --path {CK}/checkpoint_last.pt --no-progres
     "--add-bos-token --nval 1 --scale-fc --scale-heads --scale-attn --scale-fc",
     "--add-bos-token --criterion adaptive_loss --adaptive-softmax-cutoff 5,10,15",
 ], ids=["transformer_lm", "normformer_lm", "adaptive_softmax"])
-def test_fairseq_test_suite_lines_train_and_evaluate(extra, data_bin, tmp_path):
+def test_fairseq_test_suite_lines_train_and_evaluate(extra, data_bin, tmp_path, capsys):
     size = "--decoder-layers 2 --decoder-embed-dim 32 --decoder-ffn-embed-dim 64 --decoder-attention-heads 2 " \
            "--tokens-per-sample 32 --max-tokens 256 --log-format json --log-interval 1"
     records, _ = _run(TEST_BINARIES, data_bin, tmp_path, extra, size)
     _loss_fell(records)
     assert records["train"][-1]["train_num_updates"] > 0 and records["valid"]
-    _, r = _run(TEST_BINARIES_EVAL, data_bin, tmp_path, "--tokens-per-sample 32")
+    _, r = _run(TEST_BINARIES_EVAL, data_bin, tmp_path, "--tokens-per-sample 32", capsys=capsys)
     assert "Perplexity" in r.stdout
-    _, r = _run(TEST_BINARIES_EVAL, data_bin, tmp_path, "--tokens-per-sample 32 --context-window 25")
+    _, r = _run(TEST_BINARIES_EVAL, data_bin, tmp_path, "--tokens-per-sample 32 --context-window 25", capsys=capsys)
     assert "Perplexity" in r.stdout
 
 

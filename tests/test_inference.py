@@ -21,6 +21,17 @@ def _run(cmd, *args, check=True, stdin=None):
     return r
 
 
+def _in_process(capsys, cmd, *args):
+    """The console script's entry point called in this process (no torch start-up): its
+    return code (the script's exit status) and what it printed."""
+    import cli
+
+    capsys.readouterr()
+    code = cli.COMMANDS[cmd]([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code or 0, out, err
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A model trained on 2 FSDP ranks on the embedded corpus, with its last valid record."""
@@ -39,7 +50,7 @@ def _tokens(out):
     return int(next(x for x in out.splitlines() if x.startswith("Evaluated")).split()[1].replace(",", ""))
 
 
-def test_eval_lm_equals_training_valid_loss(trained):
+def test_eval_lm_equals_training_valid_loss(trained, capsys):
     ckpt, valid = trained
     r = _run("eval-lm", "--path", ckpt, "--gen-subset", "valid", "--batch-size", "8")
     loss, ppl = _loss(r.stdout)
@@ -48,24 +59,27 @@ def test_eval_lm_equals_training_valid_loss(trained):
     # Two ranks, and a context window: the same tokens are scored, each with more history.
     r2 = _run("eval-lm", "--path", ckpt, "--gen-subset", "valid", "--batch-size", "8", "--distributed-world-size", "2")
     assert _loss(r2.stdout)[0] == pytest.approx(loss, abs=1e-4) and _tokens(r2.stdout) == _tokens(r.stdout)
-    r3 = _run("eval-lm", "--path", ckpt, "--gen-subset", "valid", "--context-window", "32")
-    assert _tokens(r3.stdout) == _tokens(r.stdout)
-    assert _loss(r3.stdout)[0] != loss
+    code, out3, _ = _in_process(capsys, "eval-lm", "--path", ckpt, "--gen-subset", "valid", "--context-window", "32")
+    assert code == 0 and _tokens(out3) == _tokens(r.stdout)
+    assert _loss(out3)[0] != loss
 
 
-def test_eval_lm_fairseq_flags_act(trained):
+def test_eval_lm_fairseq_flags_act(trained, capsys):
     """--softmax-batch leaves the loss as it is; --model-overrides (the LayerDrop README's
     decoder_layers_to_keep) evaluates the pruned model; --num-workers 0 and
-    --no-progress-bar are fairseq's test-suite flags; a bad override is one line."""
+    --no-progress-bar are fairseq's test-suite flags; a bad override is one line.
+    (In this process: the console script itself is run by the test above.)"""
     ckpt, _ = trained
     base = ("eval-lm", "--path", ckpt, "--gen-subset", "valid", "--batch-size", "8", "--no-progress-bar")
-    loss, _ = _loss(_run(*base).stdout)
-    r = _run(*base, "--softmax-batch", "7", "--num-workers", "0")
-    assert _loss(r.stdout)[0] == pytest.approx(loss, abs=1e-4)
-    pruned = _run(*base, "--model-overrides", "{'decoder_layers_to_keep':'0'}")
-    assert _loss(pruned.stdout)[0] > loss + 0.01
-    bad = _run(*base, "--model-overrides", "{'decoder_layer':2}", check=False)
-    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "did you mean decoder_layers" in bad.stderr
+    code, out, _ = _in_process(capsys, *base)
+    assert code == 0
+    loss, _ = _loss(out)
+    code, out, _ = _in_process(capsys, *base, "--softmax-batch", "7", "--num-workers", "0")
+    assert code == 0 and _loss(out)[0] == pytest.approx(loss, abs=1e-4)
+    code, out, _ = _in_process(capsys, *base, "--model-overrides", "{'decoder_layers_to_keep':'0'}")
+    assert code == 0 and _loss(out)[0] > loss + 0.01
+    code, _, err = _in_process(capsys, *base, "--model-overrides", "{'decoder_layer':2}")
+    assert code == 2 and err.strip().count("\n") == 0 and "did you mean decoder_layers" in err
 
 
 def test_softmax_batch_scores_that_many_tokens_at_a_time():
@@ -148,25 +162,38 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(trained, tmp_path)
         assert torch.allclose(hf(tokens).logits, ours(tokens), atol=1e-4)
 
 
-def test_generate_is_seeded_and_the_kv_cache_changes_nothing(trained):
+def test_generate_is_seeded_and_the_kv_cache_changes_nothing(trained, capsys, monkeypatch):
+    """The console script once (a fresh process, as users run it); the other runs call the same
+    entry point in this process (no torch start-up each): each must print what that process did."""
+    import io
+
     ckpt, _ = trained
     args = ["--path", ckpt, "--prompt", "rara", "--prompt", "lesabi", "--max-new-tokens", "24", "--top-k", "20"]
     a = _run("generate", *args, "--seed", "5").stdout
-    assert a == _run("generate", *args, "--seed", "5").stdout
-    assert a == _run("generate", *args, "--seed", "5", "--no-kv-cache").stdout
-    assert a != _run("generate", *args, "--seed", "6").stdout
+
+    def generate(*argv, stdin=None):
+        if stdin is not None:
+            monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+        return _in_process(capsys, "generate", *argv)
+
+    assert generate(*args, "--seed", "5") == (0, a, "")
+    assert generate(*args, "--seed", "5", "--no-kv-cache") == (0, a, "")
+    assert generate(*args, "--seed", "6")[1] != a
     lines = a.splitlines()
     assert len(lines) == 2 and lines[0].startswith("rara") and len(lines[0]) > len("rara")
-    stdin = _run("generate", "--path", ckpt, "--max-new-tokens", "24", "--top-k", "20", "--seed", "5",
-                 stdin="rara\nlesabi\n").stdout
-    assert stdin == a
-    r = _run("generate", "--path", ckpt, "--prompt", "rara", "--max-new-tokens", "5000", check=False)
-    assert r.returncode != 0 and "--max-new-tokens" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    stdin = generate("--path", ckpt, "--max-new-tokens", "24", "--top-k", "20", "--seed", "5", stdin="rara\nlesabi\n")
+    assert stdin == (0, a, "")
+    code, _, err = generate("--path", ckpt, "--prompt", "rara", "--max-new-tokens", "5000")
+    assert code != 0 and "--max-new-tokens" in err and len(err.strip().splitlines()) == 1
 
 
-def test_bad_paths_get_one_line(tmp_path):
-    for cmd, args in (("eval-lm", ["--path", tmp_path]), ("generate", ["--path", tmp_path, "--prompt", "x"]),
+def test_bad_paths_get_one_line(tmp_path, capsys):
+    r = _run("eval-lm", "--path", tmp_path, check=False)  # the console script: its exit status, no traceback
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "neither a checkpoint" in r.stderr
+    # The others' entry points in this process (an exception escaping them fails the test).
+    for cmd, args in (("generate", ["--path", tmp_path, "--prompt", "x"]),
                       ("export-model", ["--path", tmp_path, "--out", tmp_path / "o"])):
-        r = _run(cmd, *args, check=False)
-        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1 and "neither a checkpoint" in r.stderr
+        code, _, err = _in_process(capsys, cmd, *args)
+        assert code != 0 and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1 and "neither a checkpoint" in err

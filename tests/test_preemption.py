@@ -35,6 +35,15 @@ def _signal_after(argv, sig, after_update, cwd, whole_group=False):
 
 
 FSDP_2_RANKS = ["--ddp-backend", "fully_sharded", "--distributed-world-size", "2"]
+_uninterrupted = {}
+
+
+def uninterrupted(extra):
+    """train_inner records of the whole run, uninterrupted (shared by the cases with the same ranks)."""
+    key = tuple(extra)
+    if key not in _uninterrupted:
+        _uninterrupted[key] = run_train(ARGV + extra + ["--no-save"])[0]["train_inner"]
+    return _uninterrupted[key]
 
 
 @pytest.mark.parametrize("sig,extra,whole_group", [(signal.SIGUSR1, FSDP_2_RANKS, False),
@@ -43,7 +52,7 @@ FSDP_2_RANKS = ["--ddp-backend", "fully_sharded", "--distributed-world-size", "2
                          ids=["usr1_fsdp_2_ranks", "term_fsdp_2_ranks_whole_group", "term_1_rank"])
 def test_signal_saves_stops_and_the_same_command_resumes(sig, extra, whole_group, tmp_path):
     argv = ARGV + extra + ["--save-dir", str(tmp_path / "ckpt")]
-    whole, _ = run_train(ARGV + extra + ["--no-save"])
+    whole = uninterrupted(extra)
     rc, out, err = _signal_after(argv, sig, 5, tmp_path, whole_group)
     assert rc == 0, err
     first = parse_records(out)["train_inner"]
@@ -53,7 +62,7 @@ def test_signal_saves_stops_and_the_same_command_resumes(sig, extra, whole_group
     rest, _ = run_train(argv)
     updates = [r["num_updates"] for r in first + rest["train_inner"]]
     assert updates == list(range(1, 41)), "an update was lost or counted twice"
-    assert [r["loss"] for r in first + rest["train_inner"]] == [r["loss"] for r in whole["train_inner"]]
+    assert [r["loss"] for r in first + rest["train_inner"]] == [r["loss"] for r in whole]
 
 
 def test_signal_with_no_save_stops_without_writing(tmp_path):

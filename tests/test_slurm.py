@@ -32,14 +32,40 @@ def cluster():
     subprocess.run(["bash", str(HERE / "stop_local_slurm.sh")], capture_output=True, timeout=300)
 
 
+def job_state(job):
+    """(JobState, ExitCode) of a job slurmctld still knows (MinJobAge keeps ended ones 300 s)."""
+    line = subprocess.run(["slurm-node", "n1", "scontrol", "-o", "show", "job", job], capture_output=True, text=True,
+                          timeout=60).stdout
+    fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+    return fields.get("JobState"), fields.get("ExitCode")
+
+
+def wait_for_job(job, timeout=900):
+    """Block until the job ends; assert it completed with exit code 0, as `sbatch --wait`'s
+    status does. (Polled here: sbatch --wait sleeps 2, 8, then 32 s between its own checks,
+    so a job of 12 s was waited on for 42.)"""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state, code = job_state(job)
+        if state not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING",
+                         "SUSPENDED"):
+            assert (state, code) == ("COMPLETED", "0:0"), f"job {job} ended {state} with exit code {code}"
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"job {job} still not ended after {timeout} s")
+
+
 def sbatch(script_dir, body, *options, wait=True):
     """Submit a batch job from inside node n1; returns its id (after it ends, with wait)."""
     script = script_dir / "job.sh"
     script.write_text("#!/bin/bash\n" + "".join(f"#SBATCH {o}\n" for o in options) + body + "\n")
-    cmd = ["slurm-node", "n1", "sbatch", "--parsable"] + (["--wait"] if wait else []) + [str(script)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 or not wait, r.stderr
-    return r.stdout.strip().split(";")[0]
+    r = subprocess.run(["slurm-node", "n1", "sbatch", "--parsable", str(script)], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    if wait:
+        wait_for_job(job)
+    return job
 
 
 def srun_train(argv, ntasks_per_node):
@@ -89,12 +115,20 @@ def test_preempted_job_saves_requeues_and_resumes(cluster, tmp_path):
     while time.time() < deadline and not (out.exists() and '"num_updates": 5,' in out.read_text()):
         time.sleep(0.2)
     subprocess.run(["slurm-node", "n1", "scancel", "--signal=USR1", job], check=True)
+    released = False
     while time.time() < deadline + 300:
         state = subprocess.run(["slurm-node", "n1", "squeue", "-h", "-j", job, "-o", "%T"],
                                capture_output=True, text=True).stdout.strip()
+        if state == "PENDING" and not released:
+            # Requeued (by train itself: the job ran before the signal). slurmctld holds a requeued
+            # job until MessageTimeout + 1 s have passed, then starts it at its next pass
+            # (backfill every 5 s here): 15-30 s of waiting that is SLURM's, not the job's.
+            subprocess.run(["slurm-node", "n1", "scontrol", "update", f"JobId={job}", "StartTime=now"],
+                           capture_output=True)
+            released = True
         if not state and "done training" in out.read_text():
             break
-        time.sleep(1)
+        time.sleep(0.25)
     text = out.read_text()
     assert "received SIGUSR1: stopping after update" in text and f"requeued SLURM job {job}" in text
     updates = [n for n, _ in logged_losses(text)]
@@ -125,10 +159,14 @@ def test_the_example_sbatch_runs_on_two_nodes(cluster, tmp_path):
     env = f"--export=ALL,DATA={prepare_embedded_corpus()},SAVE={save}"
     tiny = ["--arch", "transformer_lm_gpt2_tiny", "--decoder-attention-heads", "2", "--tokens-per-sample", "64",
             "--max-update", "4", "--warmup-updates", "2", "--save-interval-updates", "2", "--log-interval", "1"]
-    r = subprocess.run(["slurm-node", "n1", "sbatch", "--parsable", "--wait", "--partition=debug", "--ntasks-per-node=1",
+    r = subprocess.run(["slurm-node", "n1", "sbatch", "--parsable", "--partition=debug", "--ntasks-per-node=1",
                         "--cpus-per-task=1", env, f"--output={out}", str(script)] + tiny,
                        capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, (r.stderr, out.read_text()[-3000:] if out.exists() else "")
+    assert r.returncode == 0, r.stderr
+    try:
+        wait_for_job(r.stdout.strip().split(";")[0])
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{out.read_text()[-3000:] if out.exists() else ''}") from None
     text = out.read_text()
     assert "training on 2 rank(s)" in text and [n for n, _ in logged_losses(text)] == [1, 2, 3, 4]
     assert (save / "checkpoint_last").is_dir() and (save / "checkpoint_1_2").is_dir()
