@@ -66,8 +66,8 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = nn.Linear(d, inner + 2 * self.num_kv_heads * self.head_dim, bias=bias)  # one matmul
         self.out_proj = nn.Linear(inner, d, bias=bias)
         qk_norm = getattr(cfg, "qk_norm", False)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if qk_norm else None
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if qk_norm else None
         # getattr: off in configs without them, as fairseq's safe_getattr reads them
         self.c_attn = nn.Parameter(torch.ones(self.num_heads)) if getattr(cfg, "scale_heads", False) else None
         self.attn_ln = norm(d) if getattr(cfg, "scale_attn", False) else None
@@ -82,7 +82,7 @@ class DecoderLayer(nn.Module):
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).view(B, T, H + 2 * KV, D).split((H, KV, KV), dim=2)
         if self.q_norm is not None:  # Qwen3: per head, before the rotation
-            q, k = _rms_norm(self.q_norm, q), _rms_norm(self.k_norm, k)
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -133,11 +133,39 @@ class DecoderLayer(nn.Module):
         return x
 
 
-def _rms_norm(norm, x):
-    """`norm`(x) with its weight in x's dtype: under autocast, q and k leave their bf16/fp16
-    matmul narrower than the fp32 weight, and torch's rms_norm would warn and fall back to
-    its unfused path for the mismatch (FSDP's mixed precision gives both one dtype already)."""
-    return F.rms_norm(x, norm.normalized_shape, norm.weight.to(x.dtype), norm.eps)
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm in fp32 whatever the input's dtype (as transformers' LlamaRMSNorm), saving
+    only the input and its rstd, and backward in three passes over the input. On a CPU
+    torch's rms_norm is a composite of small ops in both directions (its _fused_rms_norm
+    too), about four times slower than this for a layer's input, and saves the fp32 input
+    and normalized tensor besides."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        # transformers' own order of operations, so an imported model's logits are theirs to the bit
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
+        ctx.save_for_backward(x, rstd, weight)
+        # in x's dtype: under autocast q and k stay as narrow as their matmul made them
+        return (weight * (x32 * rstd).to(x.dtype)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        x32, g32 = x.to(rstd.dtype), grad.to(rstd.dtype)
+        g_w = g32 * weight
+        # d/dx of x·rstd·w: rstd·(g·w − x·rstd²·mean(g·w·x))
+        dot = (g_w * x32).sum(-1, keepdim=True).mul_(rstd.square() / x.shape[-1])
+        dx = torch.addcmul(g_w, x32, dot, value=-1).mul_(rstd)
+        dw = (g32 * x32).mul_(rstd).sum(dim=tuple(range(grad.dim() - 1)))
+        return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm's parameter and state-dict layout, computed by _RMSNormFunction."""
+
+    def forward(self, x):
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def make_norm(cfg, dim):
@@ -145,7 +173,7 @@ def make_norm(cfg, dim):
     bias = not getattr(cfg, "no_bias", False)
     eps = getattr(cfg, "norm_eps", 1e-5)
     if getattr(cfg, "norm_type", "layernorm") == "rmsnorm":
-        return nn.RMSNorm(dim, eps=eps)
+        return RMSNorm(dim, eps=eps)
     return nn.LayerNorm(dim, eps=eps, bias=bias)
 
 

@@ -260,3 +260,31 @@ def test_bad_model_features_are_refused(flags, message):
     with pytest.raises(UsageError, match=None) as e:
         compose(DUMMY + ["--decoder-layers", "4", "--batch-size", "4"] + flags)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_rmsnorm_is_torchs_forward_and_backward():
+    """models/transformer_lm.py's RMSNorm has a backward of its own (torch's is a chain of
+    small ops on a CPU): its values and gradients are torch's nn.RMSNorm's, and float64
+    gradcheck passes."""
+    from models.transformer_lm import RMSNorm, _RMSNormFunction
+
+    torch.manual_seed(0)
+    ours, theirs = RMSNorm(48, eps=1e-6), torch.nn.RMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.normal_()
+        theirs.weight.copy_(ours.weight)
+    x = torch.randn(3, 5, 48)
+    grad = torch.randn(3, 5, 48)
+    outputs, grads = [], []
+    for norm in (ours, theirs):
+        xi = x.clone().requires_grad_()
+        out = norm(xi)
+        out.backward(grad)
+        outputs.append(out)
+        grads.append((xi.grad, norm.weight.grad))
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-6)
+    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-5)
+    assert torch.allclose(grads[0][1], grads[1][1], atol=1e-5)
+    x64 = torch.randn(2, 4, 8, dtype=torch.float64, requires_grad=True)
+    w64 = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: _RMSNormFunction.apply(x, w, 1e-5), (x64, w64))

@@ -22,9 +22,8 @@ dropout themselves). Dropout keeps its mask: one byte per element on CUDA, an
 element of the input's dtype on a CPU (no fused kernel there).
 
 The Llama family's layer (--norm-type rmsnorm, --rope, --gated-ffn, --decoder-kv-heads,
---qk-norm) saves differently. RMSNorm has a fused kernel on CUDA (input and rstd saved,
-like LayerNorm's) but is a composite of small ops on a CPU, which save the input in fp32,
-its rstd and the normalized fp32 tensor before the weight. The rotary embedding's muls save
+--qk-norm) saves differently. RMSNorm (models/transformer_lm.py's own, on every device)
+saves its input and rstd, like LayerNorm. The rotary embedding's muls save
 only the cos/sin tables (one pair per forward, shared by every layer; under autocast each
 layer casts them for q and for k), and its rotated q and k are new tensors that attention
 saves beside q/k/v (v stays a view of qkv_proj's output). Grouped-query attention saves the
@@ -228,9 +227,6 @@ def norm_saved_bytes(m: ModelShape, s: Setup):
     """Per token, what one norm before a matmul saves, that matmul's saved input included."""
     c, d = s.compute_bytes, m.dim
     stream = 4 if s.precision != "fp32" and not s.sharded else c  # autocast keeps the residual stream fp32
-    if m.norm == "rmsnorm" and s.device != "cuda":
-        # a CPU's rms_norm is a composite: the input in fp32, rstd, the fp32 normalized tensor
-        return 4 * d + 4 + 4 * d + c * d
     return stream * d + (4 if m.norm == "rmsnorm" else 8) + c * d  # input, (mean,) rstd, output
 
 
@@ -274,12 +270,8 @@ def layer_activation_bytes(m: ModelShape, s: Setup):
         per_token += 3 * c * m.inner
     else:  # qkv_proj's output (v is a view of it), the rotated (or normalized) q and k
         per_token += c * m.qkv_width + (c * (m.inner + m.kv * m.hd) if m.rope or m.qk_norm else 0)
-    if m.qk_norm:
-        if s.device == "cuda" and not autocast:  # the fused kernel: rstd; its input is qkv's view
-            per_token += 4 * q_and_kv
-        else:  # the composite (a CPU's, or autocast's low-precision input): fp32 input, rstd, normalized
-            upcast = 0 if c == 4 and not cpu_matmul else 4 * q_and_kv * m.hd
-            per_token += upcast + 4 * q_and_kv + 4 * q_and_kv * m.hd
+    if m.qk_norm:  # rstd per head (models/transformer_lm.py RMSNorm); its input is a view of qkv's output
+        per_token += 4 * q_and_kv + (c * m.qkv_width if cpu_matmul else 0)
     per_token += c * ffn_saved_width(m)
     masks = (m.dropout > 0) * 2 * d * mask + (m.activation_dropout > 0) * f * mask
     if m.activation_dropout > 0 and m.activation_fn in ("relu", "tanh") and not m.gated:
@@ -294,8 +286,6 @@ def layer_activation_bytes(m: ModelShape, s: Setup):
     # else models/cpu_attention.py: nothing more; backward recomputes
     # autocast casts the rope tables to q's and k's dtype in every layer: four T×head_dim copies
     tables = 4 * s.seq_len * m.hd * c if m.rope and autocast else 0
-    # and the q/k norms' weights to theirs (models/transformer_lm.py _rms_norm), which they keep
-    tables += 2 * m.hd * c if m.qk_norm and autocast else 0
     return n * (per_token + masks) + tables
 
 
@@ -336,9 +326,8 @@ def simulate(m: ModelShape, s: Setup):
 
     act = layer_activation_bytes(m, s)
     layer_input = n * m.dim * (4 if autocast else c)
-    # Recomputed under checkpointing, a layer saves its input itself, the one kept, except a
-    # CPU's RMSNorm of a low-precision input, which saves its fp32 copy (in `act`) instead.
-    input_in_act = 0 if m.norm == "rmsnorm" and s.device != "cuda" and not autocast and c != 4 else layer_input
+    # Recomputed under checkpointing, a layer saves its input itself, the one kept.
+    input_in_act = layer_input
     resid = 4 if autocast else c
     # A layer's backward peaks at its first node (fc2's): every saved tensor of the layer is
     # still alive, with the gradient coming in (n×d) and the one fc2 makes for its input (n×ffn).
