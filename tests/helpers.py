@@ -48,7 +48,7 @@ def _updates(cfg, env, n_updates, with_gnorm):
     itr = task.batch_iterator(cfg.dataset.train_subset, training=True)
     losses, gnorms = [], []
     for samples in grouped(itr.next_epoch_itr(), cfg.optimization.update_freq):
-        stats = trainer.train_step(samples)
+        stats = trainer.train_step(samples).values()  # a host read per update: the test's, not train's
         losses.append(stats["loss_sum"] / stats["ntokens"])
         gnorms.append(stats["gnorm"])
         if len(losses) == n_updates:
@@ -129,10 +129,11 @@ def _recording_rank(index, argv, world, port, out):
     step, updates = Trainer.train_step, []
 
     def recording(self, samples):
-        stats = step(self, samples)
-        if stats is not None:
+        update = step(self, samples)
+        stats = update.values()  # a host read per update: the test's, not train's
+        if not stats["bad"]:
             updates.append([self.num_updates, stats["loss_sum"] / stats["ntokens"], stats["gnorm"]])
-        return stats
+        return update
 
     Trainer.train_step = recording
     rdv = Rendezvous(f"tcp://127.0.0.1:{port}" if world > 1 else "", world, rank=index,

@@ -286,3 +286,59 @@ def test_shard_local_adamw_and_grad_norm_match_torch_on_fsdp_shards(tmp_path):
     split = ranks[0]["first"]
     assert split["params"] == torch_path["params"] and split["exp_avg_sq"] == torch_path["exp_avg_sq"]
     assert split["moved_at_callback"] == [[True, True, False, False, False, False]] * 3
+
+
+CLIP = 0.05  # far below the tiny model's first gradient norm: the step is scaled
+
+
+def _clipping_rank(index, world, port, out):
+    """One update of SGD (no momentum) from the same weights and batch, without and with
+    --clip-norm CLIP: each rank's shard of every parameter moved by -lr*g, and by -lr*g
+    scaled by CLIP / (|g| + 1e-6), |g| the norm of the whole gradient over all ranks."""
+    import torch
+    from helpers import DUMMY
+    from trainer.parallel import ranks
+    from trainer.rendezvous import Rendezvous
+    from trainer.train.loop import grouped
+    from trainer.train.main import build
+
+    fsdp = ["--ddp-backend", "fully_sharded", "--distributed-world-size", str(world)] if world > 1 else []
+    rdv = Rendezvous(f"tcp://127.0.0.1:{port}" if world > 1 else "", world, rank=index, local_rank=index,
+                     local_world_size=world)
+    moves, gnorms = [], []
+    for clip in ("0", str(CLIP)):
+        cfg = compose(DUMMY + fsdp + ["--optimizer", "sgd", "--lr", "0.5", "--batch-size", "4",
+                                      "--clip-norm", clip])
+        env = ranks.init_rank(cfg, rdv, needs_process_group=world > 1)
+        try:
+            task, trainer, _ = build(cfg, env)
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in trainer.model.parameters()]
+            before = [t.detach().clone() for t in local]
+            samples = next(grouped(task.batch_iterator(cfg.dataset.train_subset, training=True).next_epoch_itr(), 1))
+            gnorms.append(trainer.train_step(samples).values()["gnorm"])
+            trainer.finish()
+            moves.append(torch.cat([(t.detach() - b).flatten() for t, b in zip(local, before)]))
+        finally:
+            ranks.teardown()
+    Path(f"{out}.{index}").write_text(json.dumps({"gnorms": gnorms, "free": moves[0].tolist(),
+                                                  "clipped": moves[1].tolist()}))
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["1_process", "fsdp_2_ranks"])
+def test_clip_norm_scales_the_step_by_clip_over_the_norm(world, tmp_path):
+    import torch
+    from helpers import run_ranks
+    from trainer.rendezvous import free_port
+
+    out = tmp_path / "moves"
+    run_ranks(_clipping_rank, (world, free_port(), str(out)), world)
+    for rank in range(world):
+        r = json.loads(Path(f"{out}.{rank}").read_text())
+        norm, clipped_norm = r["gnorms"]
+        assert clipped_norm == pytest.approx(norm, rel=1e-6)  # gnorm is logged before clipping
+        assert norm > 10 * CLIP
+        free, clipped = torch.tensor(r["free"]), torch.tensor(r["clipped"])
+        expected = free * (CLIP / (norm + 1e-6))
+        assert expected.abs().max() > 1e-4
+        # A move is read off fp32 weights: within their rounding (|w| < 1), of 6e-8.
+        torch.testing.assert_close(clipped, expected, rtol=1e-4, atol=1.2e-7)

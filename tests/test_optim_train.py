@@ -66,9 +66,10 @@ def _lr_recording_rank(index, argv, out):
     step, updates = Trainer.train_step, []
 
     def recording(self, samples):
-        stats = step(self, samples)
+        update = step(self, samples)
+        stats = update.values()
         updates.append([self.num_updates, self.lr, stats["loss_sum"] / stats["ntokens"]])
-        return stats
+        return update
 
     Trainer.train_step = recording
     main.run(compose(argv), Rendezvous("", 1))

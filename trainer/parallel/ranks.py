@@ -71,9 +71,71 @@ def teardown():
 
 
 def all_reduce_sum(values, env):
-    """Sum a list of numbers over ranks (one collective); the identity on one rank."""
+    """Sum a list of numbers over ranks (one collective) and read the sums on the host: the
+    caller waits for the device. Not for what an update does every time (see on_device_sum)."""
     if env.world_size == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=env.device)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def on_device(values, env):
+    """Host numbers as a float64 tensor on the rank's device, copied without waiting for it
+    (a plain copy would wait for the device's queue to drain)."""
+    return torch.tensor(values, dtype=torch.float64).to(env.device, non_blocking=True)
+
+
+def on_device_sum(tensor, env):
+    """`tensor` summed over ranks, in place, left on the device: the host goes on at once
+    (NCCL queues the sum behind the work that computes it; gloo's is done on return)."""
+    if env.world_size > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+class HostCopy:
+    """A small device tensor brought to the host without stopping the device: the copy is
+    queued behind the work that computes it (pinned memory, an event), and `read()` is called
+    later, once the host has queued more work behind it, so the device never runs dry
+    waiting for the host. On a CPU the tensor already is on the host."""
+
+    def __init__(self, tensor):
+        self.event = None
+        if tensor.device.type == "cuda":
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensor.detach()
+
+    def read(self):
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+class AsyncHostSum:
+    """Sums of host numbers over ranks that the caller never waits for: `post()` starts one
+    on a gloo group of its own (host values never touch the GPU, nor queue behind its
+    collectives), `result()` returns the one posted before, finished by then. Every rank
+    must post and read at the same points."""
+
+    def __init__(self, env, timeout):
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if env.world_size > 1 else None
+        self.posted = self.work = None
+
+    def post(self, values):
+        self.posted = torch.tensor(values, dtype=torch.float64)
+        if self.group is not None:
+            self.work = dist.all_reduce(self.posted, group=self.group, async_op=True)
+
+    def result(self):
+        """The sums last posted (None if nothing is), waiting for them if they are not in yet."""
+        if self.posted is None:
+            return None
+        if self.work is not None:
+            self.work.wait()
+        sums, self.posted, self.work = self.posted.tolist(), None, None
+        return sums

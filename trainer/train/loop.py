@@ -30,7 +30,7 @@ class TrainLoop:
         self.best_valid_loss = math.inf
         self.valid_subsets = [s for s in cfg.dataset.valid_subset.split(",") if s]
         self.itr = task.batch_iterator(cfg.dataset.train_subset, training=True)
-        self.epoch_meters = TrainMeters()  # restored with the data position on resume
+        self.epoch_meters = TrainMeters(env.device)  # restored with the data position on resume
 
     def reached_max_update(self):
         o = self.cfg.optimization
@@ -61,16 +61,20 @@ class TrainLoop:
             updates_per_epoch = math.ceil(len(self.itr) / o.update_freq)  # each shard of DATA has its own
             if not resumed:
                 self.epoch_meters.reset()
-            interval = TrainMeters()
+            interval = TrainMeters(self.env.device)
             first_step = self.itr.iterations_in_epoch // o.update_freq + 1
             peak_memory_gb(self.env.device)  # start this epoch's first interval from now
             for step, samples in enumerate(self.progress.epoch_bar(grouped(batches, o.update_freq), epoch,
                                                                     updates_per_epoch), start=first_step):
-                stats = self.trainer.train_step(samples)
-                if stats is None:  # fp16 overflow: skipped, not counted
+                update = self.trainer.train_step(samples)
+                interval.add(update)  # on the device; an update found bad later adds nothing
+                self.epoch_meters.add(update)
+                # The host reads the update's flags only where the count must be exact (a
+                # record, a save, validation, the last update); elsewhere they are read one
+                # update later, inside the next train_step. An fp16 overflow found here was
+                # not an update: nothing more to do for it.
+                if self.needs_exact_count(self.trainer.num_updates) and not self.trainer.settle():
                     continue
-                interval.add_update(**stats)
-                self.epoch_meters.add_update(**stats)
                 n = self.trainer.num_updates
                 if n % c.common.log_interval == 0:
                     self.log_train("train_inner", interval, epoch, step / updates_per_epoch, step)
@@ -79,6 +83,7 @@ class TrainLoop:
                 if self.checkpointer is not None:
                     self.checkpointer.poll()
                 if self.preemption is not None and not stop and self.preemption.agreed():
+                    self.trainer.settle()
                     self.stop_for_preemption(epoch)
                     return self.best_valid_loss
                 if stop or self.itr.end_of_epoch():
@@ -89,6 +94,8 @@ class TrainLoop:
             self.validate_and_save(epoch, end_of_epoch=self.itr.end_of_epoch(), stop=stop)
         if self.checkpointer is not None:
             self.checkpointer.finish_pending()
+        if self.preemption is not None:
+            self.preemption.finish()
         self.progress.close()
         floor = getattr(self.task, "valid_loss_floor", None)
         if floor is not None and self.best_valid_loss < math.inf:
@@ -96,6 +103,14 @@ class TrainLoop:
                      f"token above the embedded corpus's floor {floor:.3f}")
         log.info(f"done training in {time.perf_counter() - self.start:.1f} seconds")
         return self.best_valid_loss
+
+    def needs_exact_count(self, n):
+        """After update n: does anything happen that needs to know it counted?"""
+        c, ck, o = self.cfg, self.cfg.checkpoint, self.cfg.optimization
+        return (n % c.common.log_interval == 0 or bool(o.max_update and n >= o.max_update)
+                or (ck.save_interval_updates > 0 and n % ck.save_interval_updates == 0)
+                or (c.dataset.validate_interval_updates > 0 and n % c.dataset.validate_interval_updates == 0)
+                or self.itr.end_of_epoch())
 
     def stop_for_preemption(self, epoch):
         """Every rank has finished this update: save checkpoint_last, requeue under SLURM, stop."""
@@ -136,6 +151,7 @@ class TrainLoop:
             self.checkpointer.save(epoch, end_of_epoch, metric, self)
 
     def log_train(self, tag, meters, epoch, position=None, step=None):
+        self.trainer.settle()
         peak = self.cfg.common.peak_tflops  # per rank; tflops counts the whole job's tokens
         rec = meters.record(self.trainer.num_updates, self.trainer.lr, self.cfg.optimization.clip_norm,
                             self.trainer.loss_scale, self.flops_per_token,
@@ -155,14 +171,14 @@ class TrainLoop:
                 continue
             start = time.perf_counter()
             itr = self.task.batch_iterator(subset, training=False)
-            loss_sum = ntokens = nsentences = nbatches = 0.0
+            loss_sum, ntokens, nsentences, nbatches = 0.0, 0, 0, 0
             for batch in itr.next_epoch_itr():
                 if self.cfg.dataset.max_valid_steps and nbatches >= self.cfg.dataset.max_valid_steps:
                     break
-                l, t, s = self.trainer.valid_step(batch)
+                l, t, s = self.trainer.valid_step(batch)  # l stays on the device: read once below
                 loss_sum, ntokens, nsentences, nbatches = loss_sum + l, ntokens + t, nsentences + s, nbatches + 1
             # Token and sentence counts over all ranks; batches are steps (the same on every rank).
-            loss_sum, ntokens, nsentences = all_reduce_sum([loss_sum, ntokens, nsentences], self.env)
+            loss_sum, ntokens, nsentences = all_reduce_sum([float(loss_sum), ntokens, nsentences], self.env)
             loss = loss_sum / max(ntokens, 1) / LN2
             if subset == self.valid_subsets[0]:
                 self.best_valid_loss = min(self.best_valid_loss, loss)

@@ -17,7 +17,7 @@ from trainer.config.schema import model_positions, uses_fsdp
 from trainer.errors import RankStopped, UsageError
 from trainer.parallel.lost_peer import peer_lost
 from trainer.parallel.parallelize import parallelize, sharded_bytes
-from trainer.parallel.ranks import all_reduce_sum, init_rank, teardown
+from trainer.parallel.ranks import all_reduce_sum, collective_timeout, init_rank, teardown
 from trainer.train.loop import TrainLoop
 from trainer.train.meters import flops_per_token
 from trainer.train.preemption import Preemption
@@ -92,7 +92,7 @@ def train(cfg, env):
         log.info(f"training on {env.world_size} rank(s), device {env.device}, backend "
                  f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank")
         checkpointer = Checkpointer(cfg, env, trainer, task)
-        preemption = Preemption(env)
+        preemption = Preemption(env, collective_timeout(cfg))
         loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer, preemption)
         checkpointer.restore(loop)
         # Only now, with every input checked, does the save directory change.

@@ -9,52 +9,93 @@ from models.config import head_dim, num_layers
 LN2 = math.log(2)
 
 
+# An update's numbers, one float64 vector on the device (update_status): summed over ranks
+# where they are per rank, read on the host only when a record or a check needs them.
+STATUS = ("loss_sum", "ntokens", "nsentences", "gnorm", "clipped", "bad")
+BAD = STATUS.index("bad")
+
+
+def update_status(loss_sum, counts, gnorm, clip_norm):
+    """[loss_sum, ntokens, nsentences, gnorm, clipped, bad] of an update, on the device:
+    `bad` is 1 where the loss or the gradient norm is not finite."""
+    gnorm = gnorm.double()
+    bad = ~(torch.isfinite(loss_sum) & torch.isfinite(gnorm))
+    clipped = gnorm > clip_norm if clip_norm > 0 else torch.zeros_like(bad)
+    return torch.stack([loss_sum, counts[0], counts[1], gnorm, clipped.double(), bad.double()])
+
+
+class UpdateStats:
+    """What train_step returns: the update's status vector (on the device), its number, its
+    host seconds, and, once queued, the copy the host reads it from one update later."""
+
+    def __init__(self, status, number):
+        self.status, self.number = status, number
+        self.seconds = 0.0
+        self.copy = None
+
+    def read(self):
+        """The status as floats (waits for the device unless the copy was queued long ago)."""
+        return self.copy.read() if self.copy is not None else self.status.tolist()
+
+    def values(self):
+        """{name: float} of STATUS: a host read, for tests and benchmarks, not the loop."""
+        return dict(zip(STATUS, self.read()))
+
+
 class TrainMeters:
     """Sums over an interval (train_inner) or an epoch (train); `record()` turns them into
-    fairseq's fields: loss in base 2 per token, ppl = 2**loss, wps, ups, wpb, bsz, …"""
+    fairseq's fields: loss in base 2 per token, ppl = 2**loss, wps, ups, wpb, bsz, … The
+    sums live on the device and are read once per record: adding an update reads nothing.
+    An update whose flags say bad (fp16's skipped overflow) adds nothing, not even itself."""
 
-    def __init__(self):
+    FIELDS = ("loss_sum", "ntokens", "nsentences", "updates", "gnorm_sum", "clipped", "train_wall")
+
+    def __init__(self, device=None):
+        self.device = device or torch.device("cpu")
         self.reset()
 
     def reset(self):
         self.start = time.perf_counter()
-        self.loss_sum = self.ntokens = self.nsentences = 0.0
-        self.updates = self.gnorm_sum = self.clipped = self.train_wall = 0.0
+        self.sums = torch.zeros(len(self.FIELDS) - 1, dtype=torch.float64, device=self.device)
+        self.train_wall = 0.0
 
-    def add_update(self, loss_sum, ntokens, nsentences, gnorm, clipped, seconds):
-        self.loss_sum += loss_sum
-        self.ntokens += ntokens
-        self.nsentences += nsentences
-        self.updates += 1
-        self.gnorm_sum += gnorm
-        self.clipped += clipped
-        self.train_wall += seconds
+    def add(self, update):
+        s = update.status
+        counted = 1.0 - s[BAD]
+        # [loss_sum, ntokens, nsentences, updates, gnorm, clipped]; a bad update's values may be nan
+        values = torch.stack([s[0], s[1], s[2], counted, s[3], s[4]])
+        self.sums += torch.where(s[BAD] > 0, torch.zeros_like(values), values)
+        self.train_wall += update.seconds
 
-    FIELDS = ("loss_sum", "ntokens", "nsentences", "updates", "gnorm_sum", "clipped", "train_wall")
+    def values(self):
+        """{field: float}: one host read of the sums."""
+        return dict(zip(self.FIELDS, self.sums.tolist() + [self.train_wall]))
 
     def state_dict(self):
-        return {k: getattr(self, k) for k in self.FIELDS}
+        return self.values()
 
     def load_state_dict(self, state):
-        for k in self.FIELDS:
-            setattr(self, k, float(state[k]))
+        self.sums = torch.tensor([float(state[k]) for k in self.FIELDS[:-1]], dtype=torch.float64,
+                                 device=self.device)
+        self.train_wall = float(state["train_wall"])
 
     def record(self, num_updates, lr, clip_norm, loss_scale=None, flops_per_token=0.0, peak_tflops=None):
         """`peak_tflops` is the whole job's (per-rank peak x ranks): with it, `mfu` follows `tflops`."""
+        v = self.values()
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        n = max(self.updates, 1)
-        loss = self.loss_sum / max(self.ntokens, 1) / LN2
-        rec = {"loss": round(loss, 3), "ppl": perplexity(loss), "wps": round(self.ntokens / elapsed),
-               "ups": round(self.updates / elapsed, 2), "wpb": round(self.ntokens / n, 1),
-               "bsz": round(self.nsentences / n, 1), "num_updates": num_updates, "lr": float(f"{lr:.6g}"),
-               "gnorm": round(self.gnorm_sum / n, 3)}
+        n = max(v["updates"], 1)
+        loss = v["loss_sum"] / max(v["ntokens"], 1) / LN2
+        rec = {"loss": round(loss, 3), "ppl": perplexity(loss), "wps": round(v["ntokens"] / elapsed),
+               "ups": round(v["updates"] / elapsed, 2), "wpb": round(v["ntokens"] / n, 1),
+               "bsz": round(v["nsentences"] / n, 1), "num_updates": num_updates, "lr": float(f"{lr:.6g}"),
+               "gnorm": round(v["gnorm_sum"] / n, 3)}
         if clip_norm > 0:
-            rec["clip"] = round(100.0 * self.clipped / n, 1)
+            rec["clip"] = round(100.0 * v["clipped"] / n, 1)
         if loss_scale is not None:
             rec["loss_scale"] = round(loss_scale, 4)
-        rec["train_wall"] = round(self.train_wall, 3)
+        rec["train_wall"] = round(v["train_wall"], 3)
         if flops_per_token:
-            tflops = flops_per_token * self.ntokens / elapsed / 1e12
+            tflops = flops_per_token * v["ntokens"] / elapsed / 1e12
             rec["tflops"] = round(tflops, 4)
             if peak_tflops:
                 rec["mfu"] = round(tflops / peak_tflops, 4)

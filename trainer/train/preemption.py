@@ -5,6 +5,8 @@ Ctrl-C (SIGINT) with exit status 130, as an interrupted command does.
 
 A signal reaches the ranks at different moments (or only some of them), so the flag is
 summed over all ranks after every update: all stop after the same update, or none does.
+The sum is posted after one update and read after the next (AsyncHostSum): no rank ever
+waits for it, and a job stops one update after the signal's, with every rank at that update.
 A second signal, later, means "now": a second SIGTERM kills the rank the default way, a
 second Ctrl-C raises InterruptedAgain, which ends the job with one line.
 """
@@ -17,7 +19,7 @@ import threading
 import time
 
 from trainer.errors import INTERRUPTED, STOP_SIGNALS, InterruptedAgain, end_child_processes
-from trainer.parallel.ranks import all_reduce_sum
+from trainer.parallel.ranks import AsyncHostSum
 
 log = logging.getLogger("shardlm")
 
@@ -29,8 +31,9 @@ SAME_SIGNAL_S = 1.0
 
 
 class Preemption:
-    def __init__(self, env):
+    def __init__(self, env, timeout):
         self.env = env
+        self.flags = AsyncHostSum(env, timeout)  # every rank makes it here, at once
         self.received = None
         self.first_at = None
         self.interrupted = False  # a Ctrl-C reached this rank, or (once agreed) another one
@@ -56,12 +59,21 @@ class Preemption:
         self.interrupted = self.interrupted or signum == signal.SIGINT
 
     def agreed(self):
-        """True on every rank once any rank has received a signal (one tiny all-reduce,
-        which also tells every rank whether it was a Ctrl-C)."""
-        flag, interrupts = all_reduce_sum([1.0 if self.received else 0.0, 1.0 if self.interrupted else 0.0],
-                                          self.env)
-        self.interrupted = interrupts > 0
-        return flag > 0
+        """Called after every update, on every rank: True on all of them, after the same
+        update, once any has received a signal. It reads the sum posted after the update
+        before (which also tells every rank whether it was a Ctrl-C) and posts this one's."""
+        if self.env.world_size == 1:
+            return self.received is not None
+        sums = self.flags.result()
+        if sums is not None and sums[0] > 0:
+            self.interrupted = sums[1] > 0
+            return True
+        self.flags.post([1.0 if self.received else 0.0, 1.0 if self.interrupted else 0.0])
+        return False
+
+    def finish(self):
+        """After the last update: take in the sum still in flight (every rank posted it)."""
+        self.flags.result()
 
     def exit_code(self):
         """0, or 130 for a run that a Ctrl-C stopped (the shell's code for an interrupted command)."""
