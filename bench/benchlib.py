@@ -60,6 +60,38 @@ def matmul_peak_tflops(dtype, threads=0):
     return float(out[0]), int(out[1])
 
 
+# The GPU's counterpart: products of two 8192² matrices (a 2048² one is over too soon to
+# keep a GPU busy), 10 warm-up and 50 timed, between synchronizations, on GPU 0 in a fresh
+# process; it also names the device and its memory. "none" when torch there sees no GPU.
+_CUDA_MATMUL = """
+import sys, time, torch
+if not torch.cuda.is_available():
+    print("none"); sys.exit()
+dtype, size = sys.argv[1], int(sys.argv[2])
+dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+A, B = (torch.randn(size, size, dtype=dt, device="cuda") for _ in range(2))
+for _ in range(10): A @ B
+torch.cuda.synchronize()
+t = time.perf_counter()
+for _ in range(50): A @ B
+torch.cuda.synchronize()
+props = torch.cuda.get_device_properties(0)
+print(2 * size ** 3 * 50 / (time.perf_counter() - t) / 1e12, props.total_memory / 2 ** 30, props.name)
+"""
+
+
+def cuda_matmul_peak_tflops(dtype="bf16", size=8192):
+    """(TFLOP/s, device memory in GiB, device name) of size² matmuls in `dtype` on GPU 0,
+    or None when torch sees no GPU. Run in a process of its own, so the caller holds no
+    CUDA context and the `train` runs after it have the whole device."""
+    out = subprocess.run([sys.executable, "-c", _CUDA_MATMUL, dtype, str(size)], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    if out == "none":
+        return None
+    tflops, memory, name = out.split(maxsplit=2)
+    return float(tflops), float(memory), name
+
+
 _BF16_PROBE = """
 import time, torch
 def rate(dt):

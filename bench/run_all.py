@@ -12,7 +12,8 @@ docs/benchmarks.md (`--page`), headed by the date, the host (name, CPU model, co
 the git commit measured (short hash, "+dirty" when tracked files differ from it); a run
 with `--quick`, `--reps` or `--only` says so in that heading.
 
-Usage: python bench/run_all.py [--quick] [--reps N] [--only startup loop mfu dataload preprocess fsdp plan]
+Usage: python bench/run_all.py [--quick] [--reps N] [--only startup loop mfu gpu dataload preprocess fsdp plan
+                                                         scale]
                                [--page docs/benchmarks.md | --no-page]
 """
 import argparse
@@ -40,10 +41,12 @@ SCRIPTS = {
     "startup": ("bench_startup.py", []),
     "loop": ("bench_loop.py", ["--steps", "2"]),
     "mfu": ("bench_mfu.py", ["--steps", "2"]),
+    "gpu": ("bench_gpu.py", ["--quick"]),
     "dataload": ("bench_dataload.py", ["--steps", "3"]),
     "preprocess": ("bench_preprocess.py", ["--mb", "5"]),
     "fsdp": ("bench_fsdp.py", ["--steps", "1", "--only", "ddp", "fsdp", "fsdp + jemalloc"]),
     "plan": ("bench_plan.py", ["--only", "ddp 1 rank 23M", "fsdp 2 ranks 109M", "llama fsdp 2 ranks 76M"]),
+    "scale": ("bench_scale.py", ["--budget-gb", "3", "--trials", "2"]),
 }
 
 
