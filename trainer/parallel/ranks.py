@@ -81,9 +81,12 @@ def all_reduce_sum(values, env):
 
 
 def on_device(values, env):
-    """Host numbers as a float64 tensor on the rank's device, copied without waiting for it
-    (a plain copy would wait for the device's queue to drain)."""
-    return torch.tensor(values, dtype=torch.float64).to(env.device, non_blocking=True)
+    """Host numbers as a float64 tensor on the rank's device, copied without waiting for it:
+    from pinned memory, queued (a plain copy, or one from pageable memory, may wait for the
+    device's queue to drain first)."""
+    if env.device.type != "cuda":
+        return torch.tensor(values, dtype=torch.float64, device=env.device)
+    return torch.tensor(values, dtype=torch.float64, pin_memory=True).to(env.device, non_blocking=True)
 
 
 def on_device_sum(tensor, env):
