@@ -25,7 +25,7 @@ __all__ = ["HFWeights", "is_hf_dir", "load_hf_weights", "read_hf_config"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
 class HFWeights:
@@ -111,7 +111,7 @@ class HFWeights:
                 if found != tuple(expected):
                     raise UsageError(f"{where}: tensor {hf_name} is {list(found)}, config.json implies "
                                      f"{list(expected)}; the weights and config.json are of different models")
-                if dtype not in _FLOAT_DTYPES:
+                if dtype not in FLOAT_DTYPES:
                     raise UsageError(f"{where}: tensor {hf_name} is {dtype}, not a float type (F32, F16, BF16); "
                                      "quantized weights are not supported: pass the unquantized model")
 

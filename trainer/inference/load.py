@@ -23,7 +23,7 @@ from models.hf_llama import hf_parts
 from models.transformer_lm import build_model
 from trainer.checkpoint import files
 from trainer.checkpoint.checkpointer import NoBytesLoadPlanner, renumber_layers, saved_layer_ids
-from trainer.checkpoint.hf_dir import _FLOAT_DTYPES, HFWeights, is_hf_dir, read_hf_config
+from trainer.checkpoint.hf_dir import FLOAT_DTYPES, HFWeights, is_hf_dir, read_hf_config
 from trainer.config.checks import _check_model_features
 from trainer.config.schema import TaskConfig, model_positions
 from trainer.errors import UsageError
@@ -87,7 +87,7 @@ class CheckpointTensors:
                   build_model(self.cfg.model, vocab_size, max_positions, device="meta").named_parameters()}
         self._hf = HFWeights(self.path)
         self._hf.check(shapes, self._hf_model)
-        self.specs = {name: (shape, _FLOAT_DTYPES[self._hf.specs[hf_parts(name, self._hf_model)[0][0]][1]])
+        self.specs = {name: (shape, FLOAT_DTYPES[self._hf.specs[hf_parts(name, self._hf_model)[0][0]][1]])
                       for name, shape in shapes.items()}
 
     def close(self):
