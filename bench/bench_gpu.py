@@ -29,7 +29,9 @@ ref_loop's max_memory_allocated; beside it `plan --format json` with the same fl
 GPU's memory, and the error of that prediction.
 Goals: train ≥ 1.00× the plain loop's tokens/s; FSDP ≥ 0.95× train without it; bf16 MFU of
 the FSDP row ≥ 0.45; plan within ±5 % of every measured train peak; --cpu-offload's step
-time for information.
+time for information. On a GPU one more FSDP run counts the host synchronisations inside
+its updates (from the first forward to the optimizer step, the loop's meters aside), as
+torch.cuda.set_sync_debug_mode("warn") reports them: the goal is none.
 
 --quick: a tiny Llama (2 layers of width 64, 64 tokens, one timed step, one repetition) on
 the GPU if there is one, else on the CPU: a check that every row runs and the whole table
@@ -113,6 +115,46 @@ def run_ours(s, flags, peak, env=None):
         raise RuntimeError(f"train's json records have no {', '.join(missing)}")
     return {"tps": median(r["wps"] for r in timed), "tflops": median(r["tflops"] for r in timed),
             "mfu": median(r["mfu"] for r in timed), "mem": max(r["mem_gb"] for r in records)}
+
+
+# `train` in this process with torch's CUDA sync debug mode on inside each update: every op
+# that makes the host wait for the device (.item(), a copy to pageable host memory, ...)
+# warns, and the warnings of the updates after the first two are counted.
+_SYNC_COUNT = """
+import sys, warnings
+import torch
+import cli
+from trainer.train.step import Trainer
+seen, updates, step = [], [0], Trainer.train_step
+def counted(self, samples):
+    updates[0] += 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return step(self, samples)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            if updates[0] > 2:
+                seen.extend(str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message))
+Trainer.train_step = counted
+code = cli.COMMANDS["train"](sys.argv[1:])
+print(f"host_syncs={len(seen)} updates={max(updates[0] - 2, 0)}", *sorted(set(seen))[:5], sep="\\n")
+sys.exit(code)
+"""
+
+
+def count_syncs(s, flags):
+    """(host synchronisations inside the timed updates of `train` with `flags`, updates):
+    torch.cuda.set_sync_debug_mode("warn") during each train_step; one rank, in-process."""
+    out = subprocess.run([sys.executable, "-c", _SYNC_COUNT] + model_args(s) + flags + [
+        "--max-update", str(WARMUP + s["steps"]), "--no-save", "--disable-validation", "--log-format", "none"],
+        check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    counts = dict(kv.split("=", 1) for kv in out.split() if kv.startswith(("host_syncs=", "updates=")))
+    for line in out.splitlines():
+        if "synchroniz" in line:
+            note(f"host synchronisation in an update: {line.strip()}")
+    return int(counts["host_syncs"]), int(counts["updates"])
 
 
 def predictions(s, keys, device_memory_gb):
@@ -201,8 +243,9 @@ def summarize(results, s):
     return rows
 
 
-def goals(rows, plans, prefix):
-    """The goal rows for the contenders that were asked for; a failed one fails its goals."""
+def goals(rows, plans, prefix, syncs=None):
+    """The goal rows for the contenders that were asked for; a failed one fails its goals.
+    syncs: count_syncs' (synchronisations, updates) for the FSDP row, or None (no GPU)."""
     out = []
 
     def pair(a, b, text, target):
@@ -228,6 +271,10 @@ def goals(rows, plans, prefix):
                         f"worst {errors[worst]:+.1%} ({row_name(worst)})" if worst else "not measured (runs failed)",
                         f"within ±{GOAL_PLAN:.0%}", bool(worst) and abs(errors[worst]) <= GOAL_PLAN
                         and len(errors) == len(plans)))
+    if syncs is not None:
+        count, updates = syncs
+        out.append(goal(f"{prefix}: host synchronisations inside an update of train --ddp-backend fully_sharded "
+                        "(torch.cuda sync debug mode)", f"{count} in {updates} updates", "0", count == 0))
     if "offload" in rows:
         r, base = rows["offload"], rows.get("fsdp")
         measured = "not measured (the run failed)" if not r else f"{r['step_ms']:.0f} ms per step" + (
@@ -284,7 +331,8 @@ def main():
           f"TFLOP/s; {s['steps']} timed step(s) per run, {a.reps} interleaved repetition(s), medians"
           + ("; --compile rows on dynamo's eager backend" if a.quick else "") + "\n")
     print_table(rows, plans)
-    report(goals(rows, plans, "gpu --quick" if a.quick else "gpu"), a.results)
+    syncs = attempt("counting host synchronisations", count_syncs, s, FSDP) if gpu and "fsdp" in keys else None
+    report(goals(rows, plans, "gpu --quick" if a.quick else "gpu", syncs), a.results)
     if any(r is None for r in rows.values()) or any(v is None for v in plans.values()):
         sys.exit(1)
 
