@@ -291,7 +291,7 @@ def test_shard_local_adamw_and_grad_norm_match_torch_on_fsdp_shards(tmp_path):
 CLIP = 0.05  # far below the tiny model's first gradient norm: the step is scaled
 
 
-def _clipping_rank(index, world, port, out):
+def _clipping_rank(index, world, ports, out):
     """One update of SGD (no momentum) from the same weights and batch, without and with
     --clip-norm CLIP: each rank's shard of every parameter moved by -lr*g, and by -lr*g
     scaled by CLIP / (|g| + 1e-6), |g| the norm of the whole gradient over all ranks."""
@@ -303,10 +303,11 @@ def _clipping_rank(index, world, port, out):
     from trainer.train.main import build
 
     fsdp = ["--ddp-backend", "fully_sharded", "--distributed-world-size", str(world)] if world > 1 else []
-    rdv = Rendezvous(f"tcp://127.0.0.1:{port}" if world > 1 else "", world, rank=index, local_rank=index,
-                     local_world_size=world)
     moves, gnorms = [], []
-    for clip in ("0", str(CLIP)):
+    # A port per run: the first run's store may still be closing when the second one meets.
+    for clip, port in zip(("0", str(CLIP)), ports):
+        rdv = Rendezvous(f"tcp://127.0.0.1:{port}" if world > 1 else "", world, rank=index, local_rank=index,
+                         local_world_size=world)
         cfg = compose(DUMMY + fsdp + ["--optimizer", "sgd", "--lr", "0.5", "--batch-size", "4",
                                       "--clip-norm", clip])
         env = ranks.init_rank(cfg, rdv, needs_process_group=world > 1)
@@ -331,7 +332,9 @@ def test_clip_norm_scales_the_step_by_clip_over_the_norm(world, tmp_path):
     from trainer.rendezvous import free_port
 
     out = tmp_path / "moves"
-    run_ranks(_clipping_rank, (world, free_port(), str(out)), world)
+    first = free_port()
+    second = next(port for port in iter(free_port, None) if port != first)
+    run_ranks(_clipping_rank, (world, [first, second], str(out)), world)
     for rank in range(world):
         r = json.loads(Path(f"{out}.{rank}").read_text())
         norm, clipped_norm = r["gnorms"]
