@@ -42,7 +42,7 @@ GOAL = 0.02
 def timed_training(waits, steps):
     """Record each next() on the training batch iterator and each train_step, in seconds."""
     from data.iterator import EpochBatchIterator
-    from trainer.train.step import Trainer
+    from trainer.train.trainer import Trainer
     next_epoch_itr, train_step = EpochBatchIterator.next_epoch_itr, Trainer.train_step
 
     def timed_batches(itr):

@@ -124,7 +124,7 @@ _SYNC_COUNT = """
 import sys, warnings
 import torch
 import cli
-from trainer.train.step import Trainer
+from trainer.train.trainer import Trainer
 seen, updates, step = [], [0], Trainer.train_step
 def counted(self, samples):
     updates[0] += 1

@@ -124,7 +124,7 @@ def _recording_rank(index, argv, world, port, out):
     all), recording each update's exact loss: the log rounds it to 3 decimals."""
     from trainer.train import main
     from trainer.rendezvous import Rendezvous
-    from trainer.train.step import Trainer
+    from trainer.train.trainer import Trainer
 
     step, updates = Trainer.train_step, []
 

@@ -110,7 +110,7 @@ def test_names_and_retention(tmp_path):
     names = sorted(p.name for p in save.iterdir() if p.is_dir())
     assert names == ["checkpoint2", "checkpoint_2_6", "checkpoint_3_9", "checkpoint_best", "checkpoint_last"]
     state = json.loads((save / "checkpoint_last" / "trainer_state.json").read_text())
-    assert state["num_updates"] == 10 and state["iterator"]["epoch"] == 3
+    assert state["num_updates"] == 10 and state["epoch"] == state["state"]["loop"]["iterator"]["epoch"] == 3
     # checkpoint_last is a second name of the same files when both are written at once
     run_train(SAVE + ["--batch-size", "32", "--dataset-size", "128", "--max-update", "12", "--save-dir", str(save),
                       "--save-interval-updates", "3", "--log-format", "json"])
@@ -266,3 +266,30 @@ def test_a_damaged_shard_is_reported_in_one_line(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines() == [
         line for line in r.stderr.strip().splitlines() if "could not be read" in line], r.stderr
+
+
+# A checkpoint written by shardlm at ebbae74 (trainer_state.json format 1): 10 updates of this
+# run on 2 FSDP ranks with fp16 and dropout, stopped mid-epoch after its validation.
+FORMAT_1 = Path(__file__).parent / "fixtures" / "checkpoint_ebbae74"
+FORMAT_1_ARGV = [a for a in DUMMY if a != "--no-save"] + [
+    "--decoder-layers", "1", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--dropout", "0.1",
+    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4", "--required-batch-size-multiple", "1",
+    "--batch-size", "4", "--ddp-backend", "fully_sharded", "--fp16", "--fp16-init-scale", "4", "--clip-norm", "0.5"]
+
+
+def test_a_checkpoint_of_the_previous_format_resumes_exactly(tmp_path):
+    """The data position, lr schedule, loss scale, meters, best loss and every rank's random
+    stream of a format-1 checkpoint continue the run it was cut from, update for update."""
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    shutil.copytree(FORMAT_1, save / "checkpoint_last")
+    assert json.loads((FORMAT_1 / "trainer_state.json").read_text())["format"] == 1
+    resumed = train_updates(FORMAT_1_ARGV + ["--max-update", "13", "--save-dir", str(save)], 2, tmp_path)
+    whole = train_updates(FORMAT_1_ARGV + ["--max-update", "13", "--no-save"], 2, tmp_path)
+    assert sorted(resumed) == [11, 12, 13]
+    for n in resumed:
+        assert resumed[n] == pytest.approx(whole[n], rel=1e-6, abs=1e-9), f"update {n}"
+    state = json.loads((save / "checkpoint_last" / "trainer_state.json").read_text())
+    assert state["format"] == 2 and state["num_updates"] == 13
+    assert state["state"]["loop"]["best_valid_loss"] <= json.loads(
+        (FORMAT_1 / "trainer_state.json").read_text())["best_valid_loss"]

@@ -42,7 +42,7 @@ def _site():
 def _counting_rank(index, argv, world, port, out):
     from trainer.rendezvous import Rendezvous
     from trainer.train import main
-    from trainer.train.step import Trainer
+    from trainer.train.trainer import Trainer
 
     where = {"update": 0, "phase": "start"}
     reads = []

@@ -103,17 +103,14 @@ def _sharded_logits(index, argv, port, out):
     from trainer.parallel import ranks as distributed
     from trainer.rendezvous import Rendezvous
     from trainer.checkpoint.checkpointer import Checkpointer
-    from trainer.train.loop import TrainLoop
     from trainer.train.main import build
-    from trainer.train.progress import Progress
 
     cfg = compose(argv)
     rdv = Rendezvous(f"tcp://127.0.0.1:{port}", 2, rank=index, local_rank=index, local_world_size=2)
     env = distributed.init_rank(cfg, rdv, needs_process_group=True)
     try:
         task, trainer, _ = build(cfg, env)
-        loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env)
-        Checkpointer(cfg, env, trainer, task).restore(loop)
+        Checkpointer(cfg, env, trainer.model, trainer.optimizer).restore()
         trainer.model.eval()
         with torch.no_grad():
             logits = trainer.model(torch.arange(3, 40).view(1, -1))

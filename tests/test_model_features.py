@@ -156,7 +156,7 @@ def test_fsdp_gathers_only_the_layers_that_run(tmp_path):
 def _runs_of_each_layer(layerdrop_args, updates):
     """How many of the first `updates` updates run each layer (one micro-batch each)."""
     from models.transformer_lm import build_model
-    from trainer.train.step import layerdrop_seed
+    from trainer.train.trainer import layerdrop_seed
 
     cfg = compose(BASE + layerdrop_args + ["--batch-size", "4"])
     model = build_model(cfg.model, 256, 32, device="meta")
@@ -184,7 +184,7 @@ def test_all_features_resume_exactly(tmp_path):
 
 def test_layerdrop_skips_layers_in_training_only():
     from models.transformer_lm import build_model
-    from trainer.train.step import layerdrop_seed
+    from trainer.train.trainer import layerdrop_seed
 
     cfg = compose(BASE + FEATURES["layerdrop"] + ["--batch-size", "4"])
     model = build_model(cfg.model, 256, 32, seed=1)
@@ -242,7 +242,7 @@ def test_a_pruned_model_is_the_layers_it_keeps(tmp_path):
     env = ranks.init_rank(ft, Rendezvous("", 1), needs_process_group=False)
     try:
         task, trainer, _ = build(ft, env)
-        Checkpointer(ft, env, trainer, task).restore(None)
+        Checkpointer(ft, env, trainer.model, trainer.optimizer).restore()
         for name, p in trainer.model.named_parameters():
             assert torch.equal(p.detach(), weights[name]), name
     finally:

@@ -219,7 +219,7 @@ def _shard_local_rank(index, world, port, out):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from trainer.train.optim import ShardLocalAdamW
-    from trainer.train.step import global_grad_norm
+    from trainer.train.trainer import global_grad_norm
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=world)
     try:

@@ -61,7 +61,7 @@ def _lr_recording_rank(index, argv, out):
     each update's lr and exact loss."""
     from trainer.rendezvous import Rendezvous
     from trainer.train import main
-    from trainer.train.step import Trainer
+    from trainer.train.trainer import Trainer
 
     step, updates = Trainer.train_step, []
 

@@ -96,6 +96,7 @@ def test_a_second_sigterm_a_second_later_kills_at_once(tmp_path):
         proc.kill()
     assert proc.returncode == -signal.SIGTERM, out[-2000:]
     assert "received SIGTERM: stopping after update" not in out
+    assert f"second SIGTERM: stopping at once, not waiting for a save; nothing was saved in {tmp_path / 'ckpt'}" in out
     assert not (tmp_path / "ckpt" / "checkpoint_last").exists()
 
 
@@ -163,11 +164,13 @@ def test_ctrl_c_saves_stops_with_130_and_the_same_command_resumes(extra, tmp_pat
     assert [x["num_updates"] for x in records["train_inner"]] == [stopped + 1, stopped + 2]
 
 
-def _stopped_at_once(job, start):
+def _stopped_at_once(job, start, save_dir):
     rc, out, err, left = job.finish(timeout=60)
     assert time.monotonic() - start < 20, "the second Ctrl-C did not stop the job at once"
     assert rc == 130, out[-2000:] + err
-    assert err.strip() == "train: interrupted again: stopped at once, not waiting for a save; rerun the same command"
+    # One line, which says what --save-dir holds.
+    assert err.strip() == (f"train: interrupted again: stopped at once, not waiting for a save; nothing was saved in "
+                           f"{save_dir}; rerun the same command")
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
     assert not left, f"processes {left} outlived train"
 
@@ -185,7 +188,7 @@ def test_a_second_ctrl_c_stops_one_rank_at_once_in_one_line(tmp_path):
     time.sleep(SAME_SIGNAL_S + 0.5)
     assert job.proc.poll() is None, "the first Ctrl-C alone must not stop the update"
     job.ctrl_c()
-    _stopped_at_once(job, time.monotonic())
+    _stopped_at_once(job, time.monotonic(), tmp_path / "ckpt")
     assert not (tmp_path / "ckpt" / "checkpoint_last").exists()
 
 
@@ -203,5 +206,41 @@ def test_a_second_ctrl_c_kills_the_ranks_at_once_in_one_line(tmp_path):
     job.ctrl_c()
     time.sleep(0.3)
     job.ctrl_c()
-    _stopped_at_once(job, time.monotonic())
+    _stopped_at_once(job, time.monotonic(), tmp_path / "ckpt")
     assert not (tmp_path / "ckpt" / "checkpoint_last").exists()
+
+
+@pytest.mark.parametrize("extra,whole_group", [([], False), (FSDP_2_RANKS, True)], ids=["1_rank", "fsdp_2_ranks"])
+def test_a_signal_during_validation_ends_it_saves_and_exits(extra, whole_group, tmp_path):
+    """dummy_lm validates on --dataset-size samples (fairseq's 100k): a run that reached
+    --max-update and began validating stops at the next batch when signalled (no partial
+    valid record), saves checkpoint_last at its last update and exits 0, in seconds."""
+    cut = DUMMY.index("--max-valid-steps")
+    argv = [a for a in DUMMY[:cut] + DUMMY[cut + 2:] if a != "--no-save"] + extra + [
+        "--batch-size", "4", "--dataset-size", "100000", "--max-update", "3", "--log-format", "json",
+        "--log-interval", "1", "--save-dir", str(tmp_path / "ckpt")]
+    cmd = [str(Path(sys.executable).with_name("train"))] + argv
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "Stopping training due to num_updates: 3" in line:
+                break
+        time.sleep(1.0)  # into the 25,000 batches of validation
+        assert proc.poll() is None, "".join(lines)
+        os.killpg(proc.pid, signal.SIGTERM) if whole_group else proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(lines) + out
+    assert time.monotonic() - signalled < 20, "the signal waited for the validation to finish"
+    assert proc.returncode == 0, out[-2000:] + err
+    assert "stopped validating 'valid' after" in out and "received SIGTERM: stopping after update 3" in out
+    assert "valid" not in parse_records(out), "a partial validation was logged as a result"
+    state = json.loads((tmp_path / "ckpt" / "checkpoint_last" / "trainer_state.json").read_text())
+    assert state["num_updates"] == 3
+    assert "stopped at update" not in out  # the run was finished: nothing to resume

@@ -119,7 +119,7 @@ def _recording_train(index, argv, out):
     from trainer.rendezvous import Rendezvous
     from trainer.train import main
     from trainer.train.loop import TrainLoop
-    from trainer.train.step import Trainer
+    from trainer.train.trainer import Trainer
 
     step, valid_step, validate = Trainer.train_step, Trainer.valid_step, TrainLoop.validate
     rec = {"updates": [], "first": [], "valid_tokens": [], "valid_loss": []}

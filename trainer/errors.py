@@ -4,6 +4,7 @@ classes every room raises, the hint that follows them, and `--debug`'s traceback
 A torch-free leaf: every room imports it, the torch-free entry points (`train --help`,
 a bad flag, the launcher) included.
 """
+import json
 import multiprocessing
 import os
 import signal
@@ -65,8 +66,23 @@ def interrupted_line(prog, error, cfg=None):
     if save_dir is not None and not os.path.isdir(os.path.join(save_dir, "checkpoint_last")):
         hint = resume_hint(None, prog)  # interrupted before its first save: there is nothing to resume
     if isinstance(error, InterruptedAgain):
-        return f"{prog}: interrupted again: stopped at once, not waiting for a save; {hint}"
+        saved = f"; {last_saved(cfg.checkpoint)}" if prog == "train" and save_dir is not None else ""
+        return f"{prog}: interrupted again: stopped at once, not waiting for a save{saved}; {hint}"
     return f"{prog}: interrupted; {hint}"
+
+
+def last_saved(checkpoint_cfg):
+    """What --save-dir keeps of a run stopped at once, in words (read from the disk: what the
+    user has, whichever process asks)."""
+    if checkpoint_cfg.no_save:
+        return "nothing was saved (--no-save)"
+    state = os.path.join(checkpoint_cfg.save_dir, "checkpoint_last", "trainer_state.json")
+    try:
+        with open(state) as f:
+            num_updates = json.load(f)["num_updates"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"nothing was saved in {checkpoint_cfg.save_dir}"
+    return f"{os.path.join(checkpoint_cfg.save_dir, 'checkpoint_last')} holds update {num_updates}"
 
 
 def debugging():

@@ -5,13 +5,15 @@ every rank writes its own shards in parallel and nobody gathers the model, and a
 checkpoint loads into any number of ranks and any backend, because DCP records each
 tensor's global shape and every rank reads just the slices it holds. Only tensors are
 saved there (the optimizer's hyper-parameters come from the config), so loading never
-unpickles anything; the rest is JSON: `trainer_state.json` (updates, data position,
-loss scale, meters, best metric) and one `rng/rank{r}.json` per rank.
+unpickles anything; the rest is JSON: `trainer_state.json` and one `rng/rank{r}.json` per
+rank. trainer_state.json holds the state of each piece of training registered with the
+checkpointer (the trainer's update count and lr schedule, the loop's data position, meters
+and best loss, the loss scaler, the checkpointer's own best metric), each under its name,
+as the piece's `state_dict()` gives it: the checkpointer knows none of their fields.
 fairseq's semantics: `trainer/checkpoint/files.py` names, publishes and prunes.
 """
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -34,7 +36,8 @@ from trainer.errors import RankStopped, UsageError
 from trainer.parallel.ranks import all_reduce_sum
 
 log = logging.getLogger("shardlm")
-FORMAT_VERSION = 1
+# 1: shardlm up to ebbae74, every piece's fields side by side; 2: one entry per named piece.
+FORMAT_VERSION = 2
 # One process without a process group is a normal way to save and load here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -204,33 +207,70 @@ def write_json(path, obj):
 
 
 def read_trainer_state(path):
+    """trainer_state.json of checkpoint `path`, with its pieces' states under "state"
+    whatever the format it was written in."""
     state = json.loads((Path(path) / files.STATE_FILE).read_text())
-    if state.get("format") != FORMAT_VERSION:
+    reader = STATE_READERS.get(state.get("format"))
+    if reader is None:
         raise UsageError(f"checkpoint {path} has format {state.get('format')}, this shardlm reads "
-                         f"{FORMAT_VERSION}; use the shardlm version that wrote it")
-    return state
+                         f"{', '.join(map(str, STATE_READERS))}; use the shardlm version that wrote it")
+    return reader(state)
+
+
+def _pieces_of_format_1(saved):
+    """Format 1 kept the fields of every piece side by side: each goes to its piece."""
+    return {**saved, "epoch": saved["iterator"]["epoch"], "state": {
+        "trainer": {"num_updates": saved["num_updates"], "lr_updates_offset": saved.get("lr_updates_offset", 0),
+                    "lr_scheduler": saved.get("lr_scheduler"), "lr": saved.get("lr")},
+        "loop": {"iterator": saved["iterator"], "meters": saved["meters"],
+                 "best_valid_loss": saved.get("best_valid_loss")},
+        "checkpointer": {"best": saved.get("best")},
+        "loss_scaler": saved.get("scaler")}}
+
+
+STATE_READERS = {1: _pieces_of_format_1, 2: lambda saved: saved}
 
 
 class Checkpointer:
     """When to save, under which names, and how a run restores itself (fairseq's
-    checkpoint_utils.save_checkpoint / load_checkpoint)."""
+    checkpoint_utils.save_checkpoint / load_checkpoint). The model's and optimizer's
+    tensors go through DCP; every other piece of training state is registered (register)
+    and saved and restored through its state_dict / load_state_dict."""
 
-    def __init__(self, cfg, env, trainer, task):
-        self.cfg, self.c, self.env, self.trainer, self.task = cfg, cfg.checkpoint, env, trainer, task
-        self.save_dir = Path(self.c.save_dir)
+    def __init__(self, cfg, env, model, optimizer, data_dir=None):
+        """data_dir: the data directory whose tokenizer and metadata each checkpoint copies."""
+        self.cfg, self.checkpoint_cfg, self.env = cfg, cfg.checkpoint, env
+        self.model, self.optimizer, self.data_dir = model, optimizer, data_dir
+        self.save_dir = Path(self.checkpoint_cfg.save_dir)
+        self.pieces = {"checkpointer": self}  # name -> an object with state_dict / load_state_dict
+        self.optimizer_pieces = set()  # saved and restored only with the optimizer's state
         self.best = None  # best value of --best-checkpoint-metric so far
         self.pending = None  # an asynchronous save in flight: (future, tmp, names, num_updates)
         self.group = None
-        if self.c.save_async and dist.is_initialized() and not self.c.no_save:
+        if self.checkpoint_cfg.save_async and dist.is_initialized() and not self.checkpoint_cfg.no_save:
             # The background write runs its own collectives: a separate group keeps them
             # from interleaving with training's.
             self.group = dist.new_group(backend="gloo")
 
+    def register(self, name, piece, with_optimizer=False):
+        """Save and restore `piece` (state_dict / load_state_dict, JSON-able) under `name`;
+        with_optimizer: only along with the optimizer's state (--no-save-optimizer-state,
+        --reset-optimizer leave it out)."""
+        self.pieces[name] = piece
+        if with_optimizer:
+            self.optimizer_pieces.add(name)
+
+    def state_dict(self):
+        return {"best": self.best}
+
+    def load_state_dict(self, state):
+        self.best = state.get("best")
+
     # ---------------------------------------------------------------- save
-    def names(self, epoch, end_of_epoch, valid_metric):
-        """Which checkpoints this save writes, fairseq's conditions; the first is written,
-        the others are hard links to it."""
-        c, n = self.c, self.trainer.num_updates
+    def names(self, epoch, end_of_epoch, valid_metric, n):
+        """Which checkpoints a save after update n writes, fairseq's conditions; the first is
+        written, the others are hard links to it."""
+        c = self.checkpoint_cfg
         names = []
         if end_of_epoch and not c.no_epoch_checkpoints and epoch % c.save_interval == 0:
             names.append(f"checkpoint{epoch}")
@@ -248,9 +288,11 @@ class Checkpointer:
             names.append("checkpoint_last")
         return names
 
-    def save(self, epoch, end_of_epoch, valid_metric, loop):
-        names = self.names(epoch, end_of_epoch, valid_metric)
-        if self.c.no_save or not names:
+    def save(self, epoch, end_of_epoch, valid_metric, num_updates):
+        """Save every registered piece after update `num_updates` of `epoch`, under the
+        names fairseq would give it (names)."""
+        names = self.names(epoch, end_of_epoch, valid_metric, num_updates)
+        if self.checkpoint_cfg.no_save or not names:
             return
         self.finish_pending()
         import torch.distributed.checkpoint as dcp
@@ -261,25 +303,25 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving
             failed = files.write_failure(lambda: (tmp / "rng").mkdir(parents=True), self.save_dir)
         self.agree_saved(failed, tmp, names[0])
-        with_optim = not self.c.no_save_optimizer_state
-        state = tensor_state(self.trainer.model, self.trainer.optimizer, with_optim)
+        with_optim = not self.checkpoint_cfg.no_save_optimizer_state
+        state = tensor_state(self.model, self.optimizer, with_optim)
         rng_file = tmp / "rng" / f"rank{self.env.rank}.json"
         failed = files.write_failure(lambda: write_json(rng_file, rng_state()), self.save_dir)
         if self.env.is_master and failed is None:
             def small_files():
-                self.write_small_files(tmp, epoch, end_of_epoch, loop, with_optim)
+                self.write_small_files(tmp, epoch, num_updates, with_optim)
             failed = files.write_failure(small_files, self.save_dir)
         self.agree_saved(failed, tmp, names[0])
         writer = dcp.FileSystemWriter(os.fspath(tmp))
-        if self.c.save_async:
+        if self.checkpoint_cfg.save_async:
             future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
-            self.pending = (future, tmp, names, self.trainer.num_updates)
+            self.pending = (future, tmp, names, num_updates)
             return
         failed = files.write_failure(lambda: dcp.save(state, storage_writer=writer), self.save_dir)
         self.agree_saved(failed, tmp, names[0], agreed=True)
         # DCP's coordinator (rank 0) writes .metadata only after every rank has written
         # its shards, so rank 0 may publish as soon as save returns.
-        self.publish(tmp, names, self.trainer.num_updates)
+        self.publish(tmp, names, num_updates)
 
     def agree_saved(self, failed, tmp, name, agreed=False):
         """Stop every rank together when a write failed on any (a full disk, a read-only
@@ -300,31 +342,23 @@ class Checkpointer:
         raise UsageError(f"could not save {name} in {self.save_dir}: {failed}; {kept}; free space or point "
                          "--save-dir elsewhere")
 
-    def write_small_files(self, tmp, epoch, end_of_epoch, loop, with_optim):
-        itr, d = loop.itr, self.cfg.dataset
-        scaler = self.trainer.scaler
+    def write_small_files(self, tmp, epoch, num_updates, with_optim):
+        pieces = {name: piece.state_dict() for name, piece in self.pieces.items()
+                  if with_optim or name not in self.optimizer_pieces}
         write_json(tmp / files.STATE_FILE, {
-            "format": FORMAT_VERSION, "num_updates": self.trainer.num_updates,
-            "lr_updates_offset": self.trainer.lr_updates_offset, "lr_scheduler": self.trainer.schedule.state_dict(),
-            "iterator": {**itr.state_dict(), "world_size": self.env.world_size, "batch_size": d.batch_size,
-                         "max_tokens": d.max_tokens},
-            "best": self.best, "best_valid_loss": _finite_or_none(loop.best_valid_loss),
-            "meters": loop.epoch_meters.state_dict(), "has_optimizer": with_optim,
-            "scaler": scaler.state_dict() if scaler is not None and with_optim else None,
-            "ddp_backend": self.cfg.distributed_training.ddp_backend, "lr": self.trainer.lr,
-            "torch": torch.__version__})
+            "format": FORMAT_VERSION, "num_updates": num_updates, "epoch": epoch, "has_optimizer": with_optim,
+            "ddp_backend": self.cfg.distributed_training.ddp_backend, "torch": torch.__version__, "state": pieces})
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
-        data_dir = getattr(self.task, "data_dir", None)
         for name in (*TOKENIZER_FILES, "metadata.json"):
-            if data_dir is not None and (Path(data_dir) / name).is_file():
-                shutil.copyfile(Path(data_dir) / name, tmp / name)
+            if self.data_dir is not None and (Path(self.data_dir) / name).is_file():
+                shutil.copyfile(Path(self.data_dir) / name, tmp / name)
 
     def publish(self, tmp, names, num_updates):
         if self.env.is_master:
             files.publish(tmp, self.save_dir / names[0])
             for name in names[1:]:
                 files.link_copy(self.save_dir / names[0], self.save_dir / name)
-            removed = files.prune(self.save_dir, self.c)
+            removed = files.prune(self.save_dir, self.checkpoint_cfg)
             log.info(f"Saved checkpoint {self.save_dir / names[0]} ({num_updates} updates"
                      + (f", also as {', '.join(names[1:])}" if names[1:] else "")
                      + (f"; removed {', '.join(removed)}" if removed else "") + ")")
@@ -343,35 +377,48 @@ class Checkpointer:
         self.agree_saved(files.write_failure(future.result, self.save_dir), tmp, names[0], agreed=True)
         self.publish(tmp, names, num_updates)
 
-    def barrier(self):
-        if self.env.world_size > 1:
-            dist.barrier()
-
     # ------------------------------------------------------------- restore
     def restore_path(self):
         """What to resume from: --restore-file (default checkpoint_last in --save-dir), else
         --finetune-from-model, else nothing (trainer/checkpoint/files.py decides). Returns
         (path, finetune)."""
-        path, finetune, looked_for = files.restore_choice(self.c)
+        path, finetune, looked_for = files.restore_choice(self.checkpoint_cfg)
         if path is None:
             log.info(f"No existing checkpoint found {looked_for}")  # fairseq's words: scripts look for them
         return path, finetune
 
-    def restore(self, loop):
-        """Load the checkpoint to resume from, if any; returns its path or None."""
+    def restore(self):
+        """Load the checkpoint to resume from, if any, into the model, the optimizer and
+        every registered piece; returns its path or None."""
         path, finetune = self.restore_path()
         if path is None:
             return None
-        c, trainer = self.c, self.trainer
         if finetune and is_hf_dir(path):
             # Into the sharded, materialized model: each rank reads its own rows only.
-            n = load_hf_weights(trainer.model, self.cfg.model, path)
+            n = load_hf_weights(self.model, self.cfg.model, path)
             log.info(f"fine-tuning from {path} (Hugging Face {hf_model_type(self.cfg.model)}, {n:,} parameters): "
                      "optimizer, lr schedule, data position and meters start fresh")
             return path
         saved = read_trainer_state(path)
-        with_optim = not (finetune or c.reset_optimizer) and saved.get("has_optimizer")
-        state = tensor_state(trainer.model, trainer.optimizer, with_optim)
+        with_optim = not (finetune or self.checkpoint_cfg.reset_optimizer) and saved.get("has_optimizer")
+        self.load_model_and_optimizer(path, with_optim)
+        if finetune:
+            log.info(f"fine-tuning from {path}: weights only; optimizer, lr schedule, data position and meters start fresh")
+            return path
+        for name, piece in self.pieces.items():
+            piece_state = saved["state"].get(name)
+            if piece_state is not None and (with_optim or name not in self.optimizer_pieces):
+                piece.load_state_dict(piece_state)
+        rng = path / "rng" / f"rank{self.env.rank}.json"
+        if rng.is_file():
+            set_rng_state(json.loads(rng.read_text()))
+        log.info(f"loaded checkpoint {path} (epoch {saved['epoch']} @ {saved['num_updates']} updates"
+                 + ("" if with_optim else ", optimizer reset") + ")")
+        return path
+
+    def load_model_and_optimizer(self, path, with_optim):
+        """The tensors of checkpoint `path` into the model (and the optimizer's state)."""
+        state = tensor_state(self.model, self.optimizer, with_optim)
         # Under the checkpoint's names: a pruned model (--decoder-layers-to-keep) loads the
         # layers it keeps from a checkpoint of all of them.
         ids = saved_layer_ids(self.cfg.model, files.tensor_specs(path))
@@ -383,55 +430,13 @@ class Checkpointer:
         load_tensors(path, state)
         back = None if ids is None else {saved_id: i for i, saved_id in enumerate(ids)}
         state = {part: renumber_layers(tensors, back) for part, tensors in state.items()}
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                             set_model_state_dict, set_optimizer_state_dict)
 
-        set_model_state_dict(trainer.model, state["model"])
+        set_model_state_dict(self.model, state["model"])
         if with_optim:
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-            groups = get_optimizer_state_dict(trainer.model, trainer.optimizer)["param_groups"]
+            groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
             # Not strict about the never-stepped: the load replaces the whole optimizer state,
             # so they are left stateless, as when saved, and their first step creates it.
-            set_optimizer_state_dict(trainer.model, trainer.optimizer, {"state": state["optim"], "param_groups": groups},
+            set_optimizer_state_dict(self.model, self.optimizer, {"state": state["optim"], "param_groups": groups},
                                      options=StateDictOptions(strict=not never_stepped))
-            if trainer.scaler is not None and saved.get("scaler"):
-                trainer.scaler.load_state_dict(saved["scaler"])
-        if finetune:
-            log.info(f"fine-tuning from {path}: weights only; optimizer, lr schedule, data position and meters start fresh")
-            return path
-        trainer.num_updates = saved["num_updates"]
-        trainer.lr_updates_offset = saved["num_updates"] if c.reset_lr_scheduler else saved.get("lr_updates_offset", 0)
-        if not c.reset_lr_scheduler:  # reduce_lr_on_plateau's lr, best metric and bad epochs
-            trainer.schedule.load_state_dict(saved.get("lr_scheduler"))
-        trainer.lr = trainer.schedule.apply(trainer.optimizer, trainer.num_updates - trainer.lr_updates_offset)
-        self.best = saved.get("best")
-        if saved.get("best_valid_loss") is not None:
-            loop.best_valid_loss = saved["best_valid_loss"]
-        if not c.reset_dataloader:
-            loop.itr.load_state_dict(self.convert_position(saved["iterator"]))
-        if not c.reset_meters and not c.reset_dataloader:
-            loop.epoch_meters.load_state_dict(saved["meters"])
-        rng = path / "rng" / f"rank{self.env.rank}.json"
-        if rng.is_file():
-            set_rng_state(json.loads(rng.read_text()))
-        log.info(f"loaded checkpoint {path} (epoch {loop.itr.epoch} @ {trainer.num_updates} updates"
-                 + ("" if with_optim else ", optimizer reset") + ")")
-        return path
-
-    def convert_position(self, it):
-        """The saved data position in this run's batches: the same sequences consumed
-        when the world size or per-rank batch changes but the global batch does not."""
-        d = self.cfg.dataset
-        old = it["world_size"] * (it.get("batch_size") or 0)
-        new = self.env.world_size * (d.batch_size or 0)
-        if old == new or it["iterations_in_epoch"] == 0:
-            return it
-        consumed = it["iterations_in_epoch"] * old
-        if not old or not new or consumed % new:
-            log.warning(f"the checkpoint's data position ({it['iterations_in_epoch']} batches of {old} sequences) "
-                        f"is not a whole number of this run's batches of {new}: resuming at the nearest earlier one")
-        return {**it, "iterations_in_epoch": consumed // new if new else 0}
-
-
-def _finite_or_none(x):
-    return x if x is not None and math.isfinite(x) else None

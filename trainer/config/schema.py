@@ -30,7 +30,7 @@ def _f(default, help, **meta):
 @dataclass
 class CommonConfig:
     """Logging (trainer/train/progress.py), seed (train/main.py), device and precision
-    (parallel/ranks.py, parallel/parallelize.py, train/step.py), --host-allocator
+    (parallel/ranks.py, parallel/parallelize.py, train/trainer.py), --host-allocator
     (cpu/rank.py), --compile (parallel/parallelize.py)."""
     log_interval: int = _f(100, "log a train_inner record every N updates")
     log_format: Optional[str] = _f(None, "log format (default: tqdm on a terminal, else simple)",
@@ -124,7 +124,7 @@ class DatasetConfig:
 
 @dataclass
 class OptimizationConfig:
-    """When to stop (trainer/train/loop.py), --update-freq and --clip-norm (train/step.py),
+    """When to stop (trainer/train/loop.py), --update-freq and --clip-norm (train/trainer.py),
     --lr (train/optim.py)."""
     max_epoch: int = _f(0, "stop after N epochs (0: no limit)")
     max_update: int = _f(0, "stop after N updates (0: no limit)")

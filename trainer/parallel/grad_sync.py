@@ -4,7 +4,6 @@ import contextlib
 
 import torch.distributed as dist
 
-from trainer.config.schema import ddp_backend, uses_fsdp
 from trainer.cpu.gloo_comms import chain_forward_prefetch
 
 
@@ -16,17 +15,18 @@ class GradSync:
     DDP: all-reduce only on the last micro-batch (no_sync). legacy_ddp: one plain
     all-reduce per parameter after the last backward."""
 
-    def __init__(self, model, cfg, env, background_reduce=None, early_gather=None, prefetch_units=None):
+    def __init__(self, model, env, backend, sharded, defer, background_reduce=None, early_gather=None,
+                 prefetch_units=None):
+        """backend: --ddp-backend by its first name; sharded: an FSDP backend; defer:
+        --defer-grad-sync."""
         self.model, self.env, self.background = model, env, background_reduce
         self.early_gather = early_gather  # EarlyGather, for the optimizer step
         # {layer id: its FSDP unit} of the layers chained for forward prefetch (CPU ranks), or None.
         self.prefetch_units = prefetch_units
-        self.backend = ddp_backend(cfg)
-        self.defer = cfg.distributed_training.defer_grad_sync
+        self.backend, self.sharded, self.defer = backend, sharded, defer
         self.world = env.world_size
         # FSDP sums gradients across ranks; the DDP backends average them.
-        self.sharded = uses_fsdp(cfg)
-        self.averages = not self.sharded
+        self.averages = not sharded
 
     def micro_batch(self, is_first, is_last, layers=None):
         """layers: the ids of the decoder layers this micro-batch runs (LayerDrop), None: all."""

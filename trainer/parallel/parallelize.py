@@ -8,6 +8,8 @@ only its shards, to exactly the values one process with the same --seed would ha
 """
 import functools
 import logging
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -20,12 +22,40 @@ from trainer.parallel.grad_sync import EarlyGather, GradSync
 log = logging.getLogger("shardlm")
 
 
-def mixed_precision_dtype(cfg):
-    if cfg.common.bf16:
+def mixed_precision_dtype(common):
+    """The compute dtype of --bf16 / --fp16 (the `common` config group), None for fp32."""
+    if common.bf16:
         return torch.bfloat16
-    if cfg.common.fp16:
+    if common.fp16:
         return torch.float16
     return None
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How shard_model wraps a model: plain values parallelize() reads from the config."""
+    hybrid: bool  # --ddp-backend hybrid_shard: a (replicate, shard) mesh
+    shard_group_size: Optional[int]  # ranks per shard group (hybrid; None: the ranks of a node)
+    reshard_after_forward: bool
+    param_dtype: Optional[torch.dtype]  # FSDP2's MixedPrecisionPolicy; None: fp32, no policy
+    reduce_dtype: Optional[torch.dtype]
+    cpu_offload: bool
+    min_params_to_wrap: int
+    # An adaptive input or softmax multiplies by its projections in backward: the root,
+    # which holds them, stays gathered for backward.
+    root_read_in_backward: bool
+
+
+def sharding_of(cfg):
+    """The Sharding a composed config asks for."""
+    dist_cfg = cfg.distributed_training
+    param_dtype = mixed_precision_dtype(cfg.common)
+    reduce_dtype = None if param_dtype is None else (torch.float32 if dist_cfg.fp32_reduce_scatter else param_dtype)
+    return Sharding(hybrid=dist_cfg.ddp_backend == "hybrid_shard", shard_group_size=dist_cfg.shard_group_size,
+                    reshard_after_forward=not dist_cfg.no_reshard_after_forward, param_dtype=param_dtype,
+                    reduce_dtype=reduce_dtype, cpu_offload=dist_cfg.cpu_offload,
+                    min_params_to_wrap=cfg.model.min_params_to_wrap,
+                    root_read_in_backward=cfg.model.adaptive_input or cfg.model.adaptive_softmax_cutoff is not None)
 
 
 def apply_activation_checkpointing(model, offload, env):
@@ -60,42 +90,39 @@ def compile_layers(model):
         layer.compile()
 
 
-def device_mesh(cfg, env):
+def device_mesh(hybrid, shard_group_size, env):
     """1-D mesh for fully_sharded; (replicate, shard) for hybrid_shard."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    d = cfg.distributed_training
-    if d.ddp_backend != "hybrid_shard":
+    if not hybrid:
         return init_device_mesh(env.device.type, (env.world_size,))
-    shard = d.shard_group_size or env.local_world_size
+    shard = shard_group_size or env.local_world_size
     if env.world_size % shard:
         raise UsageError(f"--shard-group-size {shard} does not divide the world size {env.world_size}")
     return init_device_mesh(env.device.type, (env.world_size // shard, shard),
                             mesh_dim_names=("replicate", "shard"))
 
 
-def shard_model(model, cfg, env):
+def shard_model(model, sharding, env):
     """FSDP2: one unit per decoder layer (above --min-params-to-wrap), then the root.
     Returns the model, on CPU ranks the reduce-scatter to wait for (else None), the
     EarlyGather of the first units (None on one rank: nothing is gathered), and on CPU
     ranks {layer id: unit} of the layers chained for forward prefetch (else None)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    d = cfg.distributed_training
-    kwargs = dict(mesh=device_mesh(cfg, env), reshard_after_forward=not d.no_reshard_after_forward)
-    param_dtype = mixed_precision_dtype(cfg)
-    reduce_dtype = None
-    if param_dtype is not None:
-        reduce_dtype = torch.float32 if d.fp32_reduce_scatter else param_dtype
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    if d.cpu_offload:
+    kwargs = dict(mesh=device_mesh(sharding.hybrid, sharding.shard_group_size, env),
+                  reshard_after_forward=sharding.reshard_after_forward)
+    if sharding.param_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=sharding.param_dtype,
+                                                   reduce_dtype=sharding.reduce_dtype)
+    if sharding.cpu_offload:
         # Pinned memory needs an accelerator; without one the policy must not pin.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
         if env.device.type == "cpu" and env.is_master:
             log.warning("--cpu-offload: parameters already live in host memory on a CPU-only host; "
                         "it runs, with no memory effect here")
     units = [layer for layer in model.layers
-             if sum(p.numel() for p in layer.parameters()) >= cfg.model.min_params_to_wrap]
+             if sum(p.numel() for p in layer.parameters()) >= sharding.min_params_to_wrap]
     for i, unit in enumerate(units):
         # The last layer's backward starts right after its forward: resharding it in
         # between would only all-gather the same parameters again (torchtitan does the same).
@@ -113,9 +140,8 @@ def shard_model(model, cfg, env):
     # An adaptive input or softmax (tied or not: its tables and projections stay in the
     # root, one group, as any tied pair must) multiplies by its projections in backward:
     # the root stays gathered for it.
-    adaptive = cfg.model.adaptive_input or cfg.model.adaptive_softmax_cutoff is not None
     norms = []
-    root_free_in_backward = len(units) == len(model.layers) and not adaptive
+    root_free_in_backward = len(units) == len(model.layers) and not sharding.root_read_in_backward
     if root_free_in_backward:
         norms = [m for m in (model.layernorm_embedding, model.layer_norm, model.project_in_dim,
                              model.project_out_dim) if m is not None]
@@ -132,7 +158,7 @@ def shard_model(model, cfg, env):
         unit.set_force_sum_reduction_for_comms(True)
     background = prefetch = None
     if env.device.type == "cpu" and env.world_size > 1:
-        can_defer = d.ddp_backend != "hybrid_shard" and reduce_dtype in (None, torch.float32)
+        can_defer = not sharding.hybrid and sharding.reduce_dtype in (None, torch.float32)
         background = use_gloo_fast_comms(model, units + norms, can_defer)
         prefetch_in_background(model, units)
         prefetch = {i: layer for i, layer in enumerate(model.layers) if any(layer is u for u in units)}
@@ -144,42 +170,48 @@ def shard_model(model, cfg, env):
 
 
 @torch.no_grad()
-def materialize_shards(model, cfg, env):
-    """Allocate this rank's shards and give them their single-process initial values:
-    each parameter is built whole, one at a time, and only the local shard is kept."""
+def materialize_shards(model, shard_device, compute_device, seed):
+    """Allocate this rank's shards on `shard_device` and give them their single-process
+    initial values for `seed`: each parameter is built whole on `compute_device`, one at a
+    time, and only the local shard is kept."""
     from torch.distributed.tensor import distribute_tensor
 
-    model.to_empty(device="cpu" if cfg.distributed_training.cpu_offload else env.device)
+    model.to_empty(device=shard_device)
     for name, p in model.named_parameters():
-        full = torch.empty(p.shape, dtype=p.dtype, device=env.device)
-        model.init_parameter(name, full, cfg.common.seed)
+        full = torch.empty(p.shape, dtype=p.dtype, device=compute_device)
+        model.init_parameter(name, full, seed)
         p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
 
 
 def parallelize(model, cfg, env):
     """Wrap `model` (built on the meta device when sharded) for the configured backend;
-    returns the model to train and its GradSync."""
-    m = cfg.model
-    if m.checkpoint_activations or m.offload_activations:
-        apply_activation_checkpointing(model, m.offload_activations, env)
+    returns the model to train and its GradSync. The one function here that reads the
+    config: the others take plain values."""
+    model_cfg, dist_cfg = cfg.model, cfg.distributed_training
+    # --offload-activations implies --checkpoint-activations (set when the config is composed).
+    if model_cfg.checkpoint_activations:
+        apply_activation_checkpointing(model, model_cfg.offload_activations, env)
     if cfg.common.compile:
         compile_layers(model)
         if env.is_master:
             log.info(f"--compile: {len(model.layers)} decoder layers compiled with torch.compile (inductor); "
                      "the first updates, and the first validation, include compiling")
-    backend = ddp_backend(cfg)
+    backend, sharded = ddp_backend(cfg), uses_fsdp(cfg)
     background_reduce = early_gather = prefetch = None
-    if uses_fsdp(cfg):
-        model, background_reduce, early_gather, prefetch = shard_model(model, cfg, env)
-        materialize_shards(model, cfg, env)
+    if sharded:
+        sharding = sharding_of(cfg)
+        model, background_reduce, early_gather, prefetch = shard_model(model, sharding, env)
+        materialize_shards(model, "cpu" if sharding.cpu_offload else env.device, env.device, cfg.common.seed)
     elif env.world_size > 1 and backend == "pytorch_ddp":
         from torch.nn.parallel import DistributedDataParallel
         # LayerDrop leaves the skipped layers without gradients, which DDP refuses unless it
-        # looks for unused parameters; every rank skips the same ones (step.layerdrop_seed),
+        # looks for unused parameters; every rank skips the same ones (trainer.layerdrop_seed),
         # so their gradients stay None everywhere, as in one process.
         model = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                                        find_unused_parameters=m.decoder_layerdrop > 0)
-    return model, GradSync(model, cfg, env, background_reduce, early_gather, prefetch)
+                                        find_unused_parameters=model_cfg.decoder_layerdrop > 0)
+    grad_sync = GradSync(model, env, backend, sharded, dist_cfg.defer_grad_sync, background_reduce, early_gather,
+                         prefetch)
+    return model, grad_sync
 
 
 def local_rows(p):

@@ -7,6 +7,7 @@ from trainer.parallel.ranks import all_reduce_sum
 from trainer.train.meters import LN2, TrainMeters, peak_memory_gb, perplexity
 
 log = logging.getLogger("shardlm")
+STOPPED = "stopped"  # validate_and_save's answer when a stop signal ended its validation
 
 
 def grouped(iterable, n):
@@ -21,8 +22,15 @@ def grouped(iterable, n):
         yield group
 
 
+class ValidationStopped(Exception):
+    """A stop signal came during validation: its partial figures are no result."""
+
+
 class TrainLoop:
-    def __init__(self, cfg, trainer, task, progress, env, flops_per_token=0.0, checkpointer=None, preemption=None):
+    """Its checkpointed state (state_dict): the data position, the epoch's meters and the
+    best validation loss."""
+
+    def __init__(self, cfg, trainer, task, progress, env, flops_per_token, checkpointer, preemption):
         self.cfg, self.trainer, self.task, self.progress, self.env = cfg, trainer, task, progress, env
         self.flops_per_token = flops_per_token
         self.checkpointer, self.preemption = checkpointer, preemption
@@ -32,10 +40,40 @@ class TrainLoop:
         self.itr = task.batch_iterator(cfg.dataset.train_subset, training=True)
         self.epoch_meters = TrainMeters(env.device)  # restored with the data position on resume
 
+    def state_dict(self):
+        dataset = self.cfg.dataset
+        return {"iterator": {**self.itr.state_dict(), "world_size": self.env.world_size,
+                             "batch_size": dataset.batch_size, "max_tokens": dataset.max_tokens},
+                "meters": self.epoch_meters.state_dict(), "best_valid_loss": _finite_or_none(self.best_valid_loss)}
+
+    def load_state_dict(self, state):
+        """A resumed run's position; --reset-dataloader starts the data (and the meters) over,
+        --reset-meters the meters."""
+        checkpoint_cfg = self.cfg.checkpoint
+        if state.get("best_valid_loss") is not None:
+            self.best_valid_loss = state["best_valid_loss"]
+        if not checkpoint_cfg.reset_dataloader:
+            self.itr.load_state_dict(self.convert_position(state["iterator"]))
+        if not checkpoint_cfg.reset_meters and not checkpoint_cfg.reset_dataloader:
+            self.epoch_meters.load_state_dict(state["meters"])
+
+    def convert_position(self, it):
+        """The saved data position in this run's batches: the same sequences consumed
+        when the world size or per-rank batch changes but the global batch does not."""
+        old = it["world_size"] * (it.get("batch_size") or 0)
+        new = self.env.world_size * (self.cfg.dataset.batch_size or 0)
+        if old == new or it["iterations_in_epoch"] == 0:
+            return it
+        consumed = it["iterations_in_epoch"] * old
+        if not old or not new or consumed % new:
+            log.warning(f"the checkpoint's data position ({it['iterations_in_epoch']} batches of {old} sequences) "
+                        f"is not a whole number of this run's batches of {new}: resuming at the nearest earlier one")
+        return {**it, "iterations_in_epoch": consumed // new if new else 0}
+
     def reached_max_update(self):
-        o = self.cfg.optimization
-        if o.max_update and self.trainer.num_updates >= o.max_update:
-            log.info(f"Stopping training due to num_updates: {self.trainer.num_updates} >= max_update: {o.max_update}")
+        max_update = self.cfg.optimization.max_update
+        if max_update and self.trainer.num_updates >= max_update:
+            log.info(f"Stopping training due to num_updates: {self.trainer.num_updates} >= max_update: {max_update}")
             return True
         return False
 
@@ -50,7 +88,7 @@ class TrainLoop:
         return False
 
     def run(self):
-        c, o = self.cfg, self.cfg.optimization
+        optimization = self.cfg.optimization
         stop = self.reached_max_update()  # a resumed run may have nothing left to do
         while not stop:
             if self.reached_stop_min_lr():
@@ -58,44 +96,41 @@ class TrainLoop:
             resumed = self.itr.iterations_in_epoch > 0 and not self.itr.end_of_epoch()
             batches = self.itr.next_epoch_itr()
             epoch = self.itr.epoch
-            updates_per_epoch = math.ceil(len(self.itr) / o.update_freq)  # each shard of DATA has its own
+            updates_per_epoch = math.ceil(len(self.itr) / optimization.update_freq)  # each shard of DATA has its own
             if not resumed:
                 self.epoch_meters.reset()
             interval = TrainMeters(self.env.device)
-            first_step = self.itr.iterations_in_epoch // o.update_freq + 1
+            first_step = self.itr.iterations_in_epoch // optimization.update_freq + 1
             peak_memory_gb(self.env.device)  # start this epoch's first interval from now
-            for step, samples in enumerate(self.progress.epoch_bar(grouped(batches, o.update_freq), epoch,
+            for step, samples in enumerate(self.progress.epoch_bar(grouped(batches, optimization.update_freq), epoch,
                                                                     updates_per_epoch), start=first_step):
                 update = self.trainer.train_step(samples)
                 interval.add(update)  # on the device; an update found bad later adds nothing
                 self.epoch_meters.add(update)
-                # The host reads the update's flags only where the count must be exact (a
-                # record, a save, validation, the last update); elsewhere they are read one
-                # update later, inside the next train_step. An fp16 overflow found here was
-                # not an update: nothing more to do for it.
-                if self.needs_exact_count(self.trainer.num_updates) and not self.trainer.settle():
+                # The host reads the update's flags only at a boundary that needs the count
+                # exact; elsewhere the run's DeferredRead reads them later. An fp16 overflow
+                # found here was not an update: nothing more to do for it.
+                if self.boundary_after(self.trainer.num_updates) and not self.trainer.settle():
                     continue
                 n = self.trainer.num_updates
-                if n % c.common.log_interval == 0:
+                if n % self.cfg.common.log_interval == 0:
                     self.log_train("train_inner", interval, epoch, step / updates_per_epoch, step)
                     interval.reset()
                 stop = self.reached_max_update()
-                if self.checkpointer is not None:
-                    self.checkpointer.poll()
-                if self.preemption is not None and not stop and self.preemption.agreed():
-                    self.trainer.settle()
-                    self.stop_for_preemption(epoch)
-                    return self.best_valid_loss
+                self.checkpointer.poll()
+                if not stop and self.preemption.agreed():
+                    self.trainer.settle()  # the stop boundary
+                    return self.stop_for_preemption(epoch)
                 if stop or self.itr.end_of_epoch():
                     break
-                self.validate_and_save(epoch, end_of_epoch=False, stop=False)
+                if self.validate_and_save(epoch, end_of_epoch=False, stop=False) is STOPPED:
+                    return self.stop_for_preemption(epoch)
             self.log_train("train", self.epoch_meters, epoch)
-            stop = stop or bool(o.max_epoch and epoch >= o.max_epoch)
-            self.validate_and_save(epoch, end_of_epoch=self.itr.end_of_epoch(), stop=stop)
-        if self.checkpointer is not None:
-            self.checkpointer.finish_pending()
-        if self.preemption is not None:
-            self.preemption.finish()
+            stop = stop or bool(optimization.max_epoch and epoch >= optimization.max_epoch)
+            if self.validate_and_save(epoch, end_of_epoch=self.itr.end_of_epoch(), stop=stop) is STOPPED:
+                return self.stop_for_preemption(epoch, finished=stop)
+        self.checkpointer.finish_pending()
+        self.preemption.finish()
         self.progress.close()
         floor = getattr(self.task, "valid_loss_floor", None)
         if floor is not None and self.best_valid_loss < math.inf:
@@ -104,54 +139,71 @@ class TrainLoop:
         log.info(f"done training in {time.perf_counter() - self.start:.1f} seconds")
         return self.best_valid_loss
 
-    def needs_exact_count(self, n):
-        """After update n: does anything happen that needs to know it counted?"""
-        c, ck, o = self.cfg, self.cfg.checkpoint, self.cfg.optimization
-        return (n % c.common.log_interval == 0 or bool(o.max_update and n >= o.max_update)
-                or (ck.save_interval_updates > 0 and n % ck.save_interval_updates == 0)
-                or (c.dataset.validate_interval_updates > 0 and n % c.dataset.validate_interval_updates == 0)
-                or self.itr.end_of_epoch())
+    def boundary_after(self, n):
+        """What happens after update n that needs to know it counted: "record", "stop",
+        "save", "validation", "epoch end", or None (the flags are then read later)."""
+        common, checkpoint_cfg, dataset = self.cfg.common, self.cfg.checkpoint, self.cfg.dataset
+        max_update = self.cfg.optimization.max_update
+        if n % common.log_interval == 0:
+            return "record"
+        if max_update and n >= max_update:
+            return "stop"
+        if checkpoint_cfg.save_interval_updates > 0 and n % checkpoint_cfg.save_interval_updates == 0:
+            return "save"
+        if dataset.validate_interval_updates > 0 and n % dataset.validate_interval_updates == 0:
+            return "validation"
+        if self.itr.end_of_epoch():
+            return "epoch end"
+        return None
 
-    def stop_for_preemption(self, epoch):
-        """Every rank has finished this update: save checkpoint_last, requeue under SLURM, stop."""
+    def stop_for_preemption(self, epoch, finished=False):
+        """Every rank has finished this update (or stopped validating at the same batch):
+        save checkpoint_last, requeue under SLURM unless the run is finished, stop."""
         why = self.preemption.received or "a signal on another rank"
         n = self.trainer.num_updates
         log.info(f"received {why}: stopping after update {n}, saving checkpoint_last")
-        if self.cfg.checkpoint.no_save or self.checkpointer is None:
+        if self.cfg.checkpoint.no_save:
             # Requeued, the job would start again from update 0.
             log.warning(f"--no-save: nothing saved at update {n}, and the job is not requeued")
             self.progress.close()
-            return
+            return self.best_valid_loss
         self.trainer.check_parameters_finite()
-        self.checkpointer.save(epoch, self.itr.end_of_epoch(), None, self)
+        self.checkpointer.save(epoch, self.itr.end_of_epoch(), None, n)
         self.checkpointer.finish_pending()
-        if not self.preemption.requeue() and self.env.is_master:
+        if not finished and not self.preemption.requeue() and self.env.is_master:
             log.info(f"stopped at update {n}; run the same command again to resume from checkpoint_last")
         self.progress.close()
+        return self.best_valid_loss
 
     def validate_and_save(self, epoch, end_of_epoch, stop):
-        """fairseq's validate_and_save: validate and/or save after an update or an epoch."""
-        c, ck, n = self.cfg, self.cfg.checkpoint, self.trainer.num_updates
-        interval_save = ck.save_interval_updates > 0 and n % ck.save_interval_updates == 0
-        do_save = (end_of_epoch and epoch % ck.save_interval == 0) or stop or interval_save
+        """fairseq's validate_and_save: validate and/or save after an update or an epoch.
+        Returns STOPPED when a stop signal ended the validation (nothing is saved then: the
+        caller saves checkpoint_last as at any stop)."""
+        checkpoint_cfg, dataset, n = self.cfg.checkpoint, self.cfg.dataset, self.trainer.num_updates
+        interval_save = checkpoint_cfg.save_interval_updates > 0 and n % checkpoint_cfg.save_interval_updates == 0
+        do_save = (end_of_epoch and epoch % checkpoint_cfg.save_interval == 0) or stop or interval_save
         do_validate = ((not end_of_epoch and do_save)
-                       or (end_of_epoch and epoch % c.dataset.validate_interval == 0) or stop
-                       or (c.dataset.validate_interval_updates > 0 and n % c.dataset.validate_interval_updates == 0))
-        if do_save and self.checkpointer is not None and not ck.no_save:
+                       or (end_of_epoch and epoch % dataset.validate_interval == 0) or stop
+                       or (dataset.validate_interval_updates > 0 and n % dataset.validate_interval_updates == 0))
+        if do_save and not checkpoint_cfg.no_save:
             # Nan/Inf weights raise here, before they are validated or saved; the way out of
             # the loop publishes nothing (an asynchronous save in flight stays under its .tmp-
             # name), so a numerical fault never replaces a good checkpoint.
             self.trainer.check_parameters_finite()
-        metric = self.validate(epoch) if do_validate else None
+        try:
+            metric = self.validate(epoch) if do_validate else None
+        except ValidationStopped:
+            return STOPPED
         if end_of_epoch:
             # fairseq steps the schedule after the epoch's save; before it, the checkpoint
             # holds the stepped schedule, so a run resumed from it continues as this one does.
             self.trainer.lr_step(metric)
-        if do_save and self.checkpointer is not None:
-            self.checkpointer.save(epoch, end_of_epoch, metric, self)
+        if do_save:
+            self.checkpointer.save(epoch, end_of_epoch, metric, n)
+        return None
 
     def log_train(self, tag, meters, epoch, position=None, step=None):
-        self.trainer.settle()
+        self.trainer.settle()  # the record boundary
         peak = self.cfg.common.peak_tflops  # per rank; tflops counts the whole job's tokens
         rec = meters.record(self.trainer.num_updates, self.trainer.lr, self.cfg.optimization.clip_norm,
                             self.trainer.loss_scale, self.flops_per_token,
@@ -175,6 +227,11 @@ class TrainLoop:
             for batch in itr.next_epoch_itr():
                 if self.cfg.dataset.max_valid_steps and nbatches >= self.cfg.dataset.max_valid_steps:
                     break
+                # A stop signal ends validation at the next batch every rank reaches alike
+                # (its sharded forwards are collective); an agreement per batch, as per update.
+                if self.preemption.agreed():
+                    log.info(f"stopped validating {subset!r} after {nbatches} batches: its figures are not a result")
+                    raise ValidationStopped
                 l, t, s = self.trainer.valid_step(batch)  # l stays on the device: read once below
                 loss_sum, ntokens, nsentences, nbatches = loss_sum + l, ntokens + t, nsentences + s, nbatches + 1
             # Token and sentence counts over all ranks; batches are steps (the same on every rank).
@@ -189,3 +246,7 @@ class TrainLoop:
                    "num_updates": self.trainer.num_updates, "best_loss": round(self.best_valid_loss, 3)}
             self.progress.log("valid" if subset == "valid" else subset, rec, None, self.trainer.num_updates, epoch)
         return metric
+
+
+def _finite_or_none(x):
+    return x if x is not None and math.isfinite(x) else None

@@ -22,7 +22,7 @@ from trainer.train.loop import TrainLoop
 from trainer.train.meters import flops_per_token
 from trainer.train.preemption import Preemption
 from trainer.train.progress import Progress, setup_logging
-from trainer.train.step import Trainer
+from trainer.train.trainer import Trainer
 from trainer.train.task import LMTask
 
 log = logging.getLogger("shardlm")
@@ -91,10 +91,15 @@ def train(cfg, env):
         task, trainer, fpt = build(cfg, env)
         log.info(f"training on {env.world_size} rank(s), device {env.device}, backend "
                  f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank")
-        checkpointer = Checkpointer(cfg, env, trainer, task)
-        preemption = Preemption(env, collective_timeout(cfg))
+        checkpointer = Checkpointer(cfg, env, trainer.model, trainer.optimizer, getattr(task, "data_dir", None))
+        preemption = Preemption(env, collective_timeout(cfg), cfg.checkpoint)
         loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer, preemption)
-        checkpointer.restore(loop)
+        # The training state besides the tensors, each piece saved under its name.
+        checkpointer.register("trainer", trainer)
+        checkpointer.register("loop", loop)
+        if trainer.scaler is not None:
+            checkpointer.register("loss_scaler", trainer.scaler, with_optimizer=True)
+        checkpointer.restore()
         # Only now, with every input checked, does the save directory change.
         if lock is not None:
             save_config(cfg)

@@ -8,7 +8,8 @@ summed over all ranks after every update: all stop after the same update, or non
 The sum is posted after one update and read after the next (AsyncHostSum): no rank ever
 waits for it, and a job stops one update after the signal's, with every rank at that update.
 A second signal, later, means "now": a second SIGTERM kills the rank the default way, a
-second Ctrl-C raises InterruptedAgain, which ends the job with one line.
+second Ctrl-C raises InterruptedAgain, which ends the job with one line; either first says
+what --save-dir holds.
 """
 import ctypes
 import logging
@@ -18,7 +19,7 @@ import subprocess
 import threading
 import time
 
-from trainer.errors import INTERRUPTED, STOP_SIGNALS, InterruptedAgain, end_child_processes
+from trainer.errors import INTERRUPTED, STOP_SIGNALS, InterruptedAgain, end_child_processes, last_saved
 from trainer.parallel.ranks import AsyncHostSum
 
 log = logging.getLogger("shardlm")
@@ -31,8 +32,9 @@ SAME_SIGNAL_S = 1.0
 
 
 class Preemption:
-    def __init__(self, env, timeout):
-        self.env = env
+    def __init__(self, env, timeout, checkpoint_cfg):
+        """checkpoint_cfg: where a run stopped at once has its last save (said before it stops)."""
+        self.env, self.checkpoint_cfg = env, checkpoint_cfg
         self.flags = AsyncHostSum(env, timeout)  # every rank makes it here, at once
         self.received = None
         self.first_at = None
@@ -46,6 +48,11 @@ class Preemption:
         if again and signum in (signal.SIGTERM, signal.SIGINT):
             end_child_processes()  # the data loader workers go first, quietly
         if again and signum == signal.SIGTERM:
+            if self.env.is_master:  # (a second Ctrl-C's line says it: trainer.errors.interrupted_line)
+                # Straight to the file descriptor: a signal handler must not wait on a lock
+                # the interrupted code may hold (logging's, a stream's).
+                os.write(2, f"second SIGTERM: stopping at once, not waiting for a save; "
+                            f"{last_saved(self.checkpoint_cfg)}\n".encode())
             # A second TERM: the cluster is out of patience; die the default way.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)

@@ -8,24 +8,26 @@ backward: no extra pass over the gradients.
 import contextlib
 import hashlib
 import logging
-import math
 import time
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from trainer.config.schema import uses_fsdp
-from trainer.errors import RankStopped
 from trainer.parallel.parallelize import mixed_precision_dtype
-from trainer.parallel.ranks import HostCopy, all_reduce_sum, on_device, on_device_sum
-from trainer.train.meters import BAD, LN2, UpdateStats, update_status
+from trainer.parallel.ranks import all_reduce_sum, on_device, on_device_sum
+from trainer.train.deferred_read import BACKOFF, DeferredRead, numerical_fault
+from trainer.train.meters import BAD, UpdateStats, update_status
 from trainer.train.optim import CPU_ADAM, NAG, LRSchedule, ShardLocalAdamW, build_optimizer, local_shards
 
 log = logging.getLogger("shardlm")
-BACKOFF = 0.5  # fp16's loss scale is halved on an overflow (fairseq's, and GradScaler's default)
 
 
 class Trainer:
+    """The model, its optimizer and lr schedule, and one update at a time. Its checkpointed
+    state (state_dict) is the update count, the lr schedule's position and state; the loss
+    scaler is saved with the optimizer's state (trainer/train/main.py registers both)."""
+
     def __init__(self, cfg, model, env, pad, grad_sync):
         self.cfg, self.model, self.env, self.pad, self.grad_sync = cfg, model, env, pad, grad_sync
         self.optimizer = build_optimizer(model, cfg)
@@ -38,28 +40,30 @@ class Trainer:
         if early is not None and isinstance(self.optimizer, (ShardLocalAdamW, NAG)):
             self.step_kwargs = dict(first=early.param_ids(), then=early.start)
         self.schedule = LRSchedule(cfg)
-        # Fused Adam skips a step on the device when told found_inf (GradScaler's contract);
-        # SGD and NAG cannot, and read each update's flags before stepping instead.
-        self.skips_on_device = getattr(self.optimizer, "_step_supports_amp_scaling", False)
-        self.pending = None  # the last UpdateStats whose flags the host has not read (settle)
-        self.fault = None  # 1 on the device from a non-finite update on (fp32/bf16): no step after it
         self.num_updates = 0
         # --reset-lr-scheduler on resume: the schedule counts updates from this one.
         self.lr_updates_offset = 0
         self.lr = self.schedule.apply(self.optimizer, 0)
-        dtype = mixed_precision_dtype(cfg)
+        dtype = mixed_precision_dtype(cfg.common)
         # FSDP2 casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does.
         self.autocast = (torch.autocast(env.device.type, dtype=dtype) if dtype is not None and not uses_fsdp(cfg)
                          else contextlib.nullcontext())
-        self.scaler = None
-        if cfg.common.fp16:
-            c = cfg.common
-            window = c.fp16_scale_window or max(int(2 ** 14 / env.world_size / cfg.optimization.update_freq), 1)
-            self.scaler = torch.amp.GradScaler(env.device.type, init_scale=c.fp16_init_scale,
-                                               growth_factor=2.0, backoff_factor=BACKOFF, growth_interval=window)
-            if env.device.type == "cpu" and env.is_master:
-                log.warning("--fp16 on a CPU: there are no fast fp16 kernels here, so it runs but slowly; "
-                            "--bf16 is the fast mixed precision on CPUs")
+        self.scaler = loss_scaler(cfg, env) if cfg.common.fp16 else None
+        self.deferred = DeferredRead(self.optimizer, self.scaler, cfg.common.min_loss_scale, env.is_master)
+
+    def state_dict(self):
+        return {"num_updates": self.num_updates, "lr_updates_offset": self.lr_updates_offset,
+                "lr_scheduler": self.schedule.state_dict(), "lr": self.lr}
+
+    def load_state_dict(self, state):
+        """A resumed run's count and schedule; --reset-lr-scheduler starts the schedule over
+        from the saved update (reduce_lr_on_plateau's lr, best metric and bad epochs too)."""
+        self.num_updates = state["num_updates"]
+        reset = self.cfg.checkpoint.reset_lr_scheduler
+        self.lr_updates_offset = self.num_updates if reset else state.get("lr_updates_offset", 0)
+        if not reset:
+            self.schedule.load_state_dict(state.get("lr_scheduler"))
+        self.lr = self.schedule.apply(self.optimizer, self.num_updates - self.lr_updates_offset)
 
     def next_lr(self):
         """The lr of the next update (fairseq's get_lr once lr_step_update has run)."""
@@ -87,7 +91,7 @@ class Trainer:
         read a number (token counts, loss and gradient norm are summed over ranks there).
         A non-finite loss or gradient norm is found on the device too, and the optimizer's
         fused kernel skips the step there (found_inf, as GradScaler does for fp16); the host
-        acts on it one update later (settle())."""
+        acts on it when the run's DeferredRead reads it (settle())."""
         start = time.perf_counter()
         self.model.train()
         counts = on_device_sum(on_device([sum(s["ntokens"] for s in samples),
@@ -113,105 +117,48 @@ class Trainer:
         # Summed over ranks, so that every rank skips or stops at the same update.
         loss_total = on_device_sum(loss_total, self.env)
         status = update_status(loss_total, counts, gnorm.to(loss_total.device), self.cfg.optimization.clip_norm)
-        if self.scaler is not None:
-            # A skipped update is not counted: whether the last one was decides this one's
-            # number and lr (fairseq's), so it is read before this step (its value is long
-            # computed: this update's forward and backward are queued behind it).
+        if self.deferred.settles_before_step:
             self.settle()
         update = UpdateStats(status, self.num_updates + 1)
-        if not self.skips_on_device and self.scaler is None:
-            # SGD and NAG have no fused step to skip on the device: this update's flags are
-            # read before it steps (the one read per update these optimizers cost; under
-            # fp16, GradScaler reads its own flag to skip their step).
-            self.pending = update
-            self.settle()
+        self.deferred.before_step(update)
         self.lr = self.schedule.apply(self.optimizer, self.num_updates - self.lr_updates_offset)
         self.step(status[BAD])
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is None:
-            self.settle()  # the last update's flags; this step was skipped on the device if they were bad
+        self.deferred.after_step(update)
         self.num_updates += 1
-        if self.skips_on_device or self.scaler is not None:
-            update.copy = HostCopy(status)
-            self.pending = update
         update.seconds = time.perf_counter() - start
         return update
 
     def step(self, bad):
-        """The optimizer step, skipped on the device where `bad` (a 0-d tensor) is 1: fp16's
-        GradScaler takes it as its found_inf, fused Adam as found_inf too. Without fp16 a bad
-        update stops the run, so from then on every step is skipped (self.fault) until the
-        host has read the flag and stopped. Only an update's own step gathers for the next
-        forward: torch's checkpoint API also steps the optimizer (with zero gradients, to
-        create its state before a load), and parameters gathered then would be stale once
-        the load has replaced them."""
+        """The optimizer step as the run's DeferredRead takes it (skipped on the device where
+        `bad`, a 0-d tensor, is 1). Only an update's own step gathers for the next forward:
+        torch's checkpoint API also steps the optimizer (with zero gradients, to create its
+        state before a load), and parameters gathered then would be stale once the load has
+        replaced them."""
         try:
-            if self.scaler is not None:
-                # GradScaler's own flag is per rank (its shards only): every rank takes the
-                # one summed over all of them, so all skip or none does.
-                state = self.scaler._per_optimizer_states[id(self.optimizer)]
-                for found_inf in state["found_inf_per_device"].values():
-                    found_inf.copy_(bad)
-                self.scaler.step(self.optimizer, **self.step_kwargs)
-                self.scaler.update()
-            elif self.skips_on_device:
-                self.fault = torch.maximum(self.fault, bad.float()) if self.fault is not None else bad.float()
-                self.optimizer.found_inf = self.fault
-                try:
-                    self.optimizer.step(**self.step_kwargs)
-                finally:
-                    del self.optimizer.found_inf
-            else:
-                self.optimizer.step(**self.step_kwargs)
+            self.deferred.step(bad, **self.step_kwargs)
         except RuntimeError as e:  # torch refuses a step size beyond float32's range (--lr ~1e38 and up)
             if "without overflow" not in str(e):
                 raise
-            raise self.numerical_fault(f"the optimizer step of update {self.num_updates + 1} overflows float32 "
-                                       f"(--lr {self.lr:g}); lower --lr") from None
+            raise numerical_fault(f"the optimizer step of update {self.num_updates + 1} overflows float32 "
+                                  f"(--lr {self.lr:g}); lower --lr", self.env.is_master) from None
 
     def settle(self):
-        """Read the flags of the last update not yet read and act on them: a non-finite loss
-        or gradient norm stops fp32/bf16 at once (fairseq's messages, with that update; the
-        device skipped its step, so the weights are those of the update before); under fp16
-        the update was skipped and its scale halved on the device, and here it is uncounted,
-        until --min-loss-scale. The loop calls it before anything that needs the update
-        count exact (a log record, validation, a save, the last update). Returns whether
-        that update counted."""
-        update, self.pending = self.pending, None
-        if update is None:
-            return True
-        loss_sum, ntokens, _, gnorm, _, bad = update.read()
-        if not bad:
-            return True
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_sum / max(ntokens, 1) / LN2
-        if self.scaler is None:
-            what = "gradients are" if not math.isfinite(gnorm) else "loss is"
-            raise self.numerical_fault(
-                f"{what} Nan/Inf at update {update.number} (loss {loss:.4g}, gnorm {gnorm:.4g}); nothing was saved "
-                "from it: lower --lr or set --clip-norm, and resume from the last checkpoint")
-        self.num_updates -= 1  # counted when it was stepped: under fp16 it is read one update later
-        scale = self.scaler.get_scale()
-        min_scale = self.cfg.common.min_loss_scale
-        if scale <= min_scale:  # fairseq's test and message
-            raise self.numerical_fault(
-                f"Minimum loss scale reached ({min_scale}) at update {update.number}, where the loss overflowed at "
-                f"scale {scale / BACKOFF}. Your loss is probably exploding. Try lowering the learning rate, using "
-                "gradient clipping or increasing the batch size.")
-        log.info(f"NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: {scale}")
-        return False
+        """Read the flags of the last update not yet read (trainer/train/deferred_read.py):
+        a bad update stops the run there, except under fp16, where it was skipped and is
+        uncounted here, the one place the count goes down. The loop calls it at the
+        boundaries that need the count exact: a log record, validation, a save, a stop.
+        Returns whether that update counted."""
+        counted = self.deferred.settle()
+        if not counted:
+            self.num_updates -= 1
+        return counted
 
     def finish(self):
         """After the last update, before the process group goes: wait for the collectives
         an update leaves in flight for the next one (parallelize.EarlyGather)."""
         if self.grad_sync.early_gather is not None:
             self.grad_sync.early_gather.wait()
-
-    def numerical_fault(self, message):
-        """The error to stop with. Every rank decides on the same summed values and stops
-        at the same update; rank 0 says why, the others stop quietly under local spawn, so
-        the job prints one line (each prints it when started on its own, as by torchrun)."""
-        return FloatingPointError(message) if self.env.is_master else RankStopped(message)
 
     def check_parameters_finite(self):
         """Before a save: refuse to write weights that are Nan/Inf (an update with a finite
@@ -220,9 +167,9 @@ class Trainer:
         bad = sum(float(not torch.isfinite(t).all()) for t in local if t.numel())
         (bad,) = all_reduce_sum([bad], self.env)
         if bad:
-            raise self.numerical_fault(
+            raise numerical_fault(
                 f"parameters are Nan/Inf after update {self.num_updates}; nothing was saved from them: "
-                "lower --lr or set --clip-norm, and resume from the last checkpoint")
+                "lower --lr or set --clip-norm, and resume from the last checkpoint", self.env.is_master)
 
     def clip_grad_norm(self):
         """Global gradient norm over every shard, before clipping (what fairseq logs as gnorm),
@@ -243,6 +190,17 @@ class Trainer:
         self.model.eval()
         loss = self.loss_sum(batch)  # a dummy batch runs too: sharded forwards are collective
         return (torch.zeros_like(loss) if batch.get("dummy") else loss), batch["ntokens"], batch["nsentences"]
+
+
+def loss_scaler(cfg, env):
+    """fp16's dynamic loss scale (fairseq's flags, on torch's GradScaler)."""
+    common = cfg.common
+    window = common.fp16_scale_window or max(int(2 ** 14 / env.world_size / cfg.optimization.update_freq), 1)
+    if env.device.type == "cpu" and env.is_master:
+        log.warning("--fp16 on a CPU: there are no fast fp16 kernels here, so it runs but slowly; "
+                    "--bf16 is the fast mixed precision on CPUs")
+    return torch.amp.GradScaler(env.device.type, init_scale=common.fp16_init_scale, growth_factor=2.0,
+                                backoff_factor=BACKOFF, growth_interval=window)
 
 
 def layerdrop_seed(seed, num_updates, micro_batch):
