@@ -76,11 +76,14 @@ def add_debug_flag(parser):
                         "SHARDLM_DEBUG=1) (default: False)")
 
 
+TRAIN_DESCRIPTION = "Train a transformer language model (fairseq-train flags, Hydra config)."
+
+
 def build_parser(prog="train", description=None):
     """train's parser (plan's too, which adds its own options): a flag for every config field."""
     parser = _Parser(prog=prog, allow_abbrev=False, usage=f"{prog} [DATA] [--flags] [group.key=value ...]",
                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
-                     description=description or "Train a transformer language model (fairseq-train flags, Hydra config).")
+                     description=description or TRAIN_DESCRIPTION)
     parser.add_argument("--config-dir", help="directory holding an experiment YAML file")
     parser.add_argument("--config-name", help="experiment YAML file (without .yaml) in --config-dir")
     add_debug_flag(parser)
