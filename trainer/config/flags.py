@@ -6,6 +6,7 @@ trainer/config/compose.py can layer them between the config file and the dotted 
 """
 import argparse
 import difflib
+import re
 import typing
 from dataclasses import MISSING, fields
 
@@ -59,53 +60,95 @@ def _default_of(f):
     return f.default_factory() if f.default is MISSING else f.default
 
 
-def build_parser(prog="train"):
-    parser = _Parser(prog=prog, allow_abbrev=False, usage=f"{prog} [DATA] [--flags] [group.key=value ...]", formatter_class=argparse.RawDescriptionHelpFormatter,
-                     description="Train a transformer language model (fairseq-train flags, Hydra config).",
-                     epilog=EPILOG)
+# A help that already says what its default is, `(default: the training run's)` or
+# `…; default: 5GB`, is not followed by a second, generated `(default: None)`.
+STATES_ITS_DEFAULT = re.compile(r"(?:^|\(|; )default\b")
+
+
+def help_text(f):
+    """A field's help with its default, said once."""
+    text = f.metadata.get("help", "")
+    return text if STATES_ITS_DEFAULT.search(text) else f"{text} (default: {_default_of(f)})"
+
+
+def add_debug_flag(parser):
+    parser.add_argument("--debug", action="store_true", help="on an error, also print its traceback (or set "
+                        "SHARDLM_DEBUG=1) (default: False)")
+
+
+TRAIN_DESCRIPTION = "Train a transformer language model (fairseq-train flags, Hydra config)."
+
+
+def build_parser(prog="train", description=None):
+    """train's parser (plan's too, which adds its own options): a flag for every config field."""
+    parser = _Parser(prog=prog, allow_abbrev=False, usage=f"{prog} [DATA] [--flags] [group.key=value ...]",
+                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+                     description=description or TRAIN_DESCRIPTION)
     parser.add_argument("--config-dir", help="directory holding an experiment YAML file")
     parser.add_argument("--config-name", help="experiment YAML file (without .yaml) in --config-dir")
-    parser.add_argument("--debug", action="store_true",
-                        help="on an error, also print its traceback (or set SHARDLM_DEBUG=1)")
-    seen = {}
-    for group, f in iter_fields():
-        arg_group = _arg_groups(parser).setdefault(group, parser.add_argument_group(group))
-        name = flag_name(f)
-        key = f"{group}.{f.name}"
-        if name in seen:
-            raise RuntimeError(f"flag {name} is defined by both {seen[name]} and {key}")
-        seen[name] = key
-        default = _default_of(f)
-        help_text = f"{f.metadata.get('help', '')} (default: {default})"
-        kw = dict(dest=key, default=argparse.SUPPRESS, help=help_text, metavar=f.name.strip("_").upper())
-        if name == "data":  # the positional DATA directory
-            kw.pop("dest"), kw.pop("metavar")
-            arg_group.add_argument(key, nargs="?", metavar="DATA", **kw)
-            continue
-        names = [name] + [n for n in (f.metadata.get("alias"), f.metadata.get("short")) if n]
-        tp, optional = _base_type(f.type)
-        if tp is bool:
-            kw.pop("metavar")
-            arg_group.add_argument(*names, action="store_true", **kw)
-            if default is True:  # a way to turn it off from the command line
-                kw["help"] = f"turn off {name}"
-                arg_group.add_argument("--no-" + name[2:], action="store_false", **kw)
-            continue
-        if typing.get_origin(tp) in (list, typing.List):
-            kw["type"] = parse_float_list
-        else:
-            kw["type"] = _typed(tp, optional, tp.__name__, f.metadata.get("choices", ()))
-        if "choices" in f.metadata:
-            kw["choices"] = list(f.metadata["choices"]) + ([None] if optional else [])
-            kw["metavar"] = "{" + ",".join(f.metadata["choices"]) + "}"
-        arg_group.add_argument(*names, **kw)
+    add_debug_flag(parser)
+    for group, cls in GROUPS.items():
+        add_field_flags(parser, group, cls)
     return parser
 
 
-def _arg_groups(parser):
-    if not hasattr(parser, "_shardlm_groups"):
-        parser._shardlm_groups = {}
-    return parser._shardlm_groups
+def add_field_flags(parser, group, cls):
+    """A flag for each field of the dataclass `cls`, under the heading `group`; each flag
+    stores its typed value at `group.field` (parse_flags' settings)."""
+    arg_group = parser.add_argument_group(group)
+    for f in fields(cls):
+        _add_field_flag(parser, arg_group, group, f)
+
+
+def _add_field_flag(parser, arg_group, group, f):
+    name, key = flag_name(f), f"{group}.{f.name}"
+    seen = parser.__dict__.setdefault("_shardlm_flags", {})
+    if name in seen:
+        raise RuntimeError(f"flag {name} is defined by both {seen[name]} and {key}")
+    seen[name] = key
+    kw = dict(dest=key, default=argparse.SUPPRESS, help=help_text(f),
+              metavar=f.metadata.get("metavar", f.name.strip("_").upper()))
+    if name == "data":  # the positional DATA directory
+        kw.pop("dest"), kw.pop("metavar")
+        arg_group.add_argument(key, nargs="?", metavar="DATA", **kw)
+        return
+    names = [name] + [n for n in (f.metadata.get("alias"), f.metadata.get("short")) if n]
+    if f.metadata.get("required"):
+        kw["required"] = True
+    tp, _ = _base_type(f.type)
+    if tp is bool:
+        kw.pop("metavar")
+        arg_group.add_argument(*names, action="store_true", **kw)
+        if _default_of(f) is True:  # a way to turn it off from the command line
+            kw["help"] = f"turn off {name}"
+            arg_group.add_argument("--no-" + name[2:], action="store_false", **kw)
+        return
+    if f.metadata.get("repeatable"):
+        kw["action"] = "append"
+    kw["type"] = value_parser(f)
+    if "choices" in f.metadata:
+        kw["choices"] = list(f.metadata["choices"]) + ([None] if _takes_null(f) else [])
+        kw["metavar"] = "{" + ",".join(f.metadata["choices"]) + "}"
+    arg_group.add_argument(*names, **kw)
+
+
+def _takes_null(f):
+    """`none`/`null` sets an Optional field to None, except where the flag must be given."""
+    return _base_type(f.type)[1] and not f.metadata.get("required")
+
+
+def value_parser(f):
+    """The function that turns a flag's text into its field's value: the field's `type`
+    (a checked type such as command_checks.positive_int), else its annotation's."""
+    tp, _ = _base_type(f.type)
+    repeatable = f.metadata.get("repeatable")
+    if repeatable:
+        tp = typing.get_args(tp)[0]  # one element per use of the flag: `--prompt none` is a prompt
+    elif typing.get_origin(tp) in (list, typing.List):
+        return parse_float_list
+    convert = f.metadata.get("type", tp)
+    return _typed(convert, _takes_null(f) and not repeatable, getattr(convert, "__name__", "value"),
+                  f.metadata.get("choices", ()))
 
 
 def parse_flags(parser, argv):
@@ -115,9 +158,12 @@ def parse_flags(parser, argv):
     for the flags the user typed, in schema order; overrides are `key=value` strings.
     """
     overrides, rest = [], []
-    for tok in argv:
-        # A dotted override is `key=value` (or `+key=…`/`~key`) not starting with a dash.
-        if not tok.startswith("-") and ("=" in tok or tok.startswith("~")):
+    takes_value = {o for a in parser._actions if a.nargs != 0 for o in a.option_strings}
+    for i, tok in enumerate(argv):
+        # A dotted override is `key=value` (or `+key=…`/`~key`) not starting with a dash,
+        # and not a flag's value: `generate --prompt "x = 1"` is a prompt.
+        is_value = i > 0 and argv[i - 1] in takes_value
+        if not is_value and not tok.startswith("-") and ("=" in tok or tok.startswith("~")):
             overrides.append(tok)
         else:
             rest.append(tok)
@@ -130,12 +176,90 @@ def parse_flags(parser, argv):
 
 def unknown_flag_message(parser, token):
     if not token.startswith("-"):
-        return f"unexpected argument {token!r}: only one DATA directory is accepted; options are --flags or key=value"
+        if any(not a.option_strings for a in parser._actions):
+            return (f"unexpected argument {token!r}: only one DATA directory is accepted; options are --flags "
+                    "or key=value")
+        return f"unexpected argument {token!r}: options are --flags or key=value"
     name = token.split("=", 1)[0]
     options = [o for a in parser._actions for o in a.option_strings]
     near = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
-    hint = f" (did you mean {near[0]}?)" if near else "; see `train --help`"
+    hint = f" (did you mean {near[0]}?)" if near else f"; see `{parser.prog} --help`"
     return f"unrecognized flag {name}{hint}"
+
+
+def build_command_parser(prog, group, cls, description):
+    """The parser of a command beside train (eval-lm, generate, export-model): a flag for
+    each field of its dataclass (trainer/config/commands.py), stored at `group.field`."""
+    parser = _Parser(prog=prog, description=description, allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=override_epilog(group, cls))
+    add_debug_flag(parser)
+    add_field_flags(parser, group, cls)
+    return parser
+
+
+def override_epilog(group, cls):
+    example = next(f for f in fields(cls) if flag_name(f).startswith("--") and _base_type(f.type)[0] is not bool
+                   and not f.metadata.get("required") and not f.metadata.get("repeatable"))
+    return (f"Every flag is also a key=value override: `{flag_name(example)} X` = `{group}.{example.name}=X` "
+            "(an override wins over its flag).")
+
+
+def parse_command(parser, group, cls, argv):
+    """The dataclass `cls` from a command line of its flags and `group.key=value` overrides."""
+    _, settings, overrides = parse_flags(parser, argv)
+    options, other_settings, other_overrides = command_options(group, cls, settings, overrides)
+    if other_overrides:  # flags of other groups cannot reach here: the parser has none
+        key = other_overrides[0].lstrip("+~").partition("=")[0]
+        raise UsageError(unknown_key_message(group, cls, key))
+    return options
+
+
+def command_options(group, cls, settings, overrides):
+    """(the dataclass `cls` from `group`'s flags and overrides, the other settings, the other
+    overrides). An override's text is read as its flag's is, by the same checked type, so
+    `--batch-size 0` and `eval_lm.batch_size=0` are refused alike; it wins over the flag."""
+    by_name = {f.name: f for f in fields(cls)}
+    values = {key.partition(".")[2]: value for key, value in settings if key.partition(".")[0] == group}
+    other_overrides = []
+    for text in overrides:
+        key, sep, raw = text.partition("=")
+        if key.partition(".")[0] != group:
+            other_overrides.append(text)
+            continue
+        if not sep or key.partition(".")[2] not in by_name:
+            raise UsageError(unknown_key_message(group, cls, key.lstrip("+~")))
+        f = by_name[key.partition(".")[2]]
+        value = override_value(f, key, raw)
+        values[f.name] = values.get(f.name, []) + [value] if f.metadata.get("repeatable") else value
+    other_settings = [(k, v) for k, v in settings if k.partition(".")[0] != group]
+    return cls(**values), other_settings, other_overrides
+
+
+def override_value(f, key, raw):
+    """`key=raw`'s value for field f: true/false for a switch, else what its flag's type makes of raw."""
+    try:
+        if _base_type(f.type)[0] is bool:
+            if raw.lower() not in ("true", "false"):
+                raise argparse.ArgumentTypeError("expected true or false")
+            return raw.lower() == "true"
+        value = value_parser(f)(raw)
+    except (argparse.ArgumentTypeError, ValueError) as e:
+        reason = str(e) if isinstance(e, argparse.ArgumentTypeError) else f"expected {value_parser(f).__name__}"
+        raise UsageError(f"cannot set {key}={raw!r}: {reason}") from None
+    choices = f.metadata.get("choices")
+    if choices and value not in choices and not (value is None and _takes_null(f)):
+        raise UsageError(f"cannot set {key}={raw!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def unknown_key_message(group, cls, key):
+    keys = [f"{group}.{f.name}" for f in fields(cls)]
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    if not near:  # `context_window=4` without its group still deserves a hint
+        near = [f"{group}.{leaf}" for leaf in difflib.get_close_matches(
+            key.split(".")[-1], [k.partition(".")[2] for k in keys], n=1, cutoff=0.6)]
+    hint = f" (did you mean {near[0]}?)" if near else f"; the keys are {group}.KEY, one per flag"
+    return f"unknown config key {key}{hint}"
 
 
 def _wrapped(words, indent="  ", width=100):

@@ -21,13 +21,16 @@ from trainer.inference.safetensors_file import write_safetensors
 
 # Files whose presence in --out means it already holds a model: ours, or a Hugging Face one.
 _MODEL_FILES = (EXPORT_FILE, INDEX_FILE, "config.json")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype's names
 
 
 def export_model(path, out, fmt="safetensors", dtype=None, max_shard_size=None):
     """Write `out/model.safetensors` (or a Hugging Face directory) from a checkpoint, one
     tensor at a time. Refuses to write into a directory that already holds a model, or over
     any file there. Everything is written in a temporary directory first, so a checkpoint
-    that cannot be read leaves `out` as it was."""
+    that cannot be read leaves `out` as it was. dtype: a torch dtype or one of DTYPES' names;
+    None keeps the saved one."""
+    dtype = DTYPES.get(dtype, dtype)
     if max_shard_size is not None and fmt != "hf":
         raise UsageError("--max-shard-size splits a --format hf export; --format safetensors writes one file")
     max_bytes = parse_shard_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE)

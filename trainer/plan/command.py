@@ -1,0 +1,45 @@
+"""`plan`'s policy: the machine to plan for, from plan's own options (PlanConfig in
+trainer/config/commands.py) and this host, then the report of the plan."""
+from trainer.config.checks import check_config
+from trainer.errors import UsageError
+from trainer.host import host_memory_gb, runs_on_gpu
+from trainer.plan import report
+from trainer.plan.search import apply_hf_config, published_vocab
+
+
+def plan_report(cfg, opts):
+    """The plan of the composed train config `cfg` on the machine `opts` describes, as
+    text or (--format json) one JSON object."""
+    # The vocabulary, when it is not DATA's: the HF model's, or a Llama-family preset's published one.
+    vocab = apply_hf_config(cfg, opts.path) if opts.path else published_vocab(cfg)
+    d = cfg.distributed_training
+    if d.auto_tune or d.memory_budget_gb is not None:
+        # Checked before check_config, whose message for a lone budget would send the user to `plan`.
+        raise UsageError("plan always picks the flags that fit; --auto-tune and --memory-budget-gb are "
+                         "train's, so drop them here and give --device-memory-gb / --host-memory-gb")
+    check_config(cfg)
+    device, device_gb, host_gb, ranks_per_host = planned_machine(cfg, opts)
+    plan = report.make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab, opts.path)
+    return report.as_json(plan) if opts.format == "json" else report.as_text(cfg, plan)
+
+
+def planned_machine(cfg, opts):
+    """(device, one device's memory, one host's memory or None, ranks per host): GPUs when
+    --device-memory-gb is given without --cpu, else this host's CPU."""
+    world = cfg.distributed_training.distributed_world_size
+    device = "cuda" if opts.device_memory_gb and not cfg.common.cpu else "cpu"
+    if device == "cpu" and runs_on_gpu(cfg):
+        raise UsageError("this host has a GPU: give its memory with --device-memory-gb, or --cpu to plan "
+                         "for the CPU")
+    if opts.ranks_per_host and opts.ranks_per_host > world:
+        raise UsageError(f"--ranks-per-host {opts.ranks_per_host} exceeds the job's {world} rank(s); "
+                         "lower it or raise --distributed-world-size")
+    ranks_per_host = opts.ranks_per_host or (world if device == "cpu" else min(world, 8))
+    # --device-memory-gb plans a machine this command cannot see: its host memory is not
+    # this machine's RAM, so without --host-memory-gb it goes unchecked (host_gb None).
+    host_gb = opts.host_memory_gb or (None if opts.device_memory_gb else host_memory_gb())
+    if host_gb is None and not opts.device_memory_gb:
+        raise UsageError("cannot read this host's memory: give --host-memory-gb")
+    # A CPU rank's memory is its share of the host's, unless --device-memory-gb says otherwise.
+    device_gb = opts.device_memory_gb if device == "cuda" else (opts.device_memory_gb or host_gb / ranks_per_host)
+    return device, device_gb, host_gb, ranks_per_host
