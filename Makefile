@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install demo test bench soak clean
+.PHONY: install demo test lint bench soak clean
 
 install: $(STAMP)
 
@@ -33,6 +33,12 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -rs --durations=15 tests
+
+# ruff's checks and its formatter's check (the rules: [tool.ruff] in pyproject.toml); `.ci/run`
+# runs it before the tests. `$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .` fixes most.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Every benchmark script in turn (each prints its tables), then one table of goals met or
 # not, all written to docs/benchmarks.md with the date, host and commit. Run on a quiet
