@@ -30,21 +30,21 @@ class Rendezvous:
 
 def infer_rendezvous(cfg, environ=None):
     env = os.environ if environ is None else environ
-    d = cfg.distributed_training
-    if d.distributed_init_method:
-        local = 1 if d.distributed_no_spawn else d.distributed_world_size
-        return Rendezvous(d.distributed_init_method, d.distributed_world_size, rank=d.distributed_rank,
-                          local_world_size=local, spawn=0 if d.distributed_no_spawn else local)
+    dist_cfg = cfg.distributed_training
+    if dist_cfg.distributed_init_method:
+        local = 1 if dist_cfg.distributed_no_spawn else dist_cfg.distributed_world_size
+        return Rendezvous(dist_cfg.distributed_init_method, dist_cfg.distributed_world_size, rank=dist_cfg.distributed_rank,
+                          local_world_size=local, spawn=0 if dist_cfg.distributed_no_spawn else local)
     if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return Rendezvous(f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}", int(env["WORLD_SIZE"]),
                           rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)),
                           local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        return slurm_rendezvous(d, env)
-    if d.distributed_world_size > 1:
-        port = d.distributed_port if d.distributed_port > 0 else free_port()
-        return Rendezvous(f"tcp://127.0.0.1:{port}", d.distributed_world_size,
-                          local_world_size=d.distributed_world_size, spawn=d.distributed_world_size)
+        return slurm_rendezvous(dist_cfg, env)
+    if dist_cfg.distributed_world_size > 1:
+        port = dist_cfg.distributed_port if dist_cfg.distributed_port > 0 else free_port()
+        return Rendezvous(f"tcp://127.0.0.1:{port}", dist_cfg.distributed_world_size,
+                          local_world_size=dist_cfg.distributed_world_size, spawn=dist_cfg.distributed_world_size)
     return Rendezvous("", 1)
 
 

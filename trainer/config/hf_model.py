@@ -95,32 +95,32 @@ def apply_hf_model(cfg, given):
     fixed, defaults = hf_model_settings(path)
     flags = {f.name: flag_name(f) for group, f in iter_fields() if group == "model"}
     where = path / CONFIG
-    m = cfg.model
-    if "model._name" in given and not _same_path(m._name, path):
-        preset = PRESETS.get(m._name)
+    model_cfg = cfg.model
+    if "model._name" in given and not _same_path(model_cfg._name, path):
+        preset = PRESETS.get(model_cfg._name)
         differs = None if preset is None else next((k for k, v in preset.items() if k in fixed and fixed[k] != v), None)
         if preset is None or differs is not None:
             why = "" if differs is None else f" (it sets {flags[differs]} {_shown(preset[differs])}, config.json " \
                                             f"{_shown(fixed[differs])})"
-            raise UsageError(f"--arch {m._name} contradicts {where}{why}: the model is the one config.json "
+            raise UsageError(f"--arch {model_cfg._name} contradicts {where}{why}: the model is the one config.json "
                              "describes; drop --arch")
     for key, value in fixed.items():
-        if f"model.{key}" in given and m[key] != value:
+        if f"model.{key}" in given and model_cfg[key] != value:
             hf_key = HF_KEYS.get(key)
             source = f"{where}'s {hf_key} {json.dumps(config.get(hf_key))}" if hf_key in config else \
                 f"{where} (model_type {config['model_type']!r} has {flags[key]} {_shown(value)})"
-            raise UsageError(f"{flags[key]} {_shown(m[key])} contradicts {source}; drop the flag")
+            raise UsageError(f"{flags[key]} {_shown(model_cfg[key])} contradicts {source}; drop the flag")
     for key, value in fixed.items():
-        m[key] = value
+        model_cfg[key] = value
     for key, value in defaults.items():
         if f"model.{key}" not in given:
-            m[key] = value
-    m._name = str(path)  # where the model came from; composes again from a saved config.yaml
-    why = llama_incompatibility(m)
+            model_cfg[key] = value
+    model_cfg._name = str(path)  # where the model came from; composes again from a saved config.yaml
+    why = llama_incompatibility(model_cfg)
     if why:
         raise UsageError(f"--finetune-from-model {path}: with these flags the model is not the one config.json "
                          f"describes ({why}); drop the flag that changes it")
-    if m.decoder_layers_to_keep:
+    if model_cfg.decoder_layers_to_keep:
         raise UsageError(f"--decoder-layers-to-keep prunes layers of a checkpoint of ours; {path}'s layers load "
                          "as they are: drop it (or fine-tune first, then prune the checkpoint)")
 

@@ -260,8 +260,8 @@ def model_positions(cfg):
     """The positions a model is built with: --max-target-positions, else its longest input,
     --tokens-per-sample plus the <s> of --add-bos-token. Also reads a saved run's
     config.yaml, which may predate --add-bos-token."""
-    t = cfg.task
-    return cfg.model.max_target_positions or t.tokens_per_sample + int(bool(t.get("add_bos_token", False)))
+    task_cfg = cfg.task
+    return cfg.model.max_target_positions or task_cfg.tokens_per_sample + int(bool(task_cfg.get("add_bos_token", False)))
 
 
 def uses_fsdp(cfg):

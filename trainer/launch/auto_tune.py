@@ -24,12 +24,12 @@ def apply_choice(cfg, s: Setup):
 def auto_tune(cfg):
     """Plan, apply the choice, and say which flags it set. Every rank of a job started on
     its own (torchrun, SLURM) computes the same choice from the same inputs."""
-    d = cfg.distributed_training
+    dist_cfg = cfg.distributed_training
     device = "cuda" if runs_on_gpu(cfg) else "cpu"
     ranks_per_host = infer_rendezvous(cfg).local_world_size
     host_gb = host_memory_gb() or float("inf")
-    if d.memory_budget_gb:
-        budget = d.memory_budget_gb
+    if dist_cfg.memory_budget_gb:
+        budget = dist_cfg.memory_budget_gb
     elif device == "cuda":
         budget = gpu_memory_gb()
         if budget is None:

@@ -136,26 +136,26 @@ def _check_batches_per_rank(cfg, prefix, tokenizer, world_size):
     if world_size < 2:
         return
 
-    t, d = cfg.task, cfg.dataset
+    task_cfg, dataset_cfg = cfg.task, cfg.dataset
     tokens = IndexedDataset(prefix)
     # Blocks hold at most tokens_per_sample targets and a batch at most this many blocks:
     # when even that leaves a batch for every rank, skip the exact count (big corpora).
-    most_per_batch = min(x for x in (d.batch_size, d.max_tokens) if x is not None)
-    if tokens.num_tokens // t.tokens_per_sample >= most_per_batch * world_size:
+    most_per_batch = min(x for x in (dataset_cfg.batch_size, dataset_cfg.max_tokens) if x is not None)
+    if tokens.num_tokens // task_cfg.tokens_per_sample >= most_per_batch * world_size:
         return
-    blocks = TokenBlockDataset(tokens, t.tokens_per_sample, t.sample_break_mode, pad=tokenizer.pad,
+    blocks = TokenBlockDataset(tokens, task_cfg.tokens_per_sample, task_cfg.sample_break_mode, pad=tokenizer.pad,
                                eos=tokenizer.eos)
-    batches = EpochBatchIterator(blocks, batch_size=d.batch_size, max_tokens=d.max_tokens, seed=cfg.common.seed,
+    batches = EpochBatchIterator(blocks, batch_size=dataset_cfg.batch_size, max_tokens=dataset_cfg.max_tokens, seed=cfg.common.seed,
                                  num_shards=world_size, shard_id=0, shuffle=True, pad=tokenizer.pad,
-                                 required_batch_size_multiple=d.required_batch_size_multiple)
+                                 required_batch_size_multiple=dataset_cfg.required_batch_size_multiple)
     len(batches)  # raises DataError("only N batches for W ranks; …")
 
 
 def _check_paths(cfg):
-    ck = cfg.checkpoint
-    restore_choice(ck)  # a --restore-file or --finetune-from-model it refuses, refused before torch loads
-    if not ck.no_save:
-        save_dir = Path(ck.save_dir)
+    checkpoint_cfg = cfg.checkpoint
+    restore_choice(checkpoint_cfg)  # a --restore-file or --finetune-from-model it refuses, refused before torch loads
+    if not checkpoint_cfg.no_save:
+        save_dir = Path(checkpoint_cfg.save_dir)
         if save_dir.exists() and not save_dir.is_dir():
             raise UsageError(f"--save-dir {save_dir} is a file; choose a directory")
         _check_creatable(save_dir, "--save-dir")

@@ -12,8 +12,8 @@ def plan_report(cfg, opts):
     text or (--format json) one JSON object."""
     # The vocabulary, when it is not DATA's: the HF model's, or a Llama-family preset's published one.
     vocab = apply_hf_config(cfg, opts.path) if opts.path else published_vocab(cfg)
-    d = cfg.distributed_training
-    if d.auto_tune or d.memory_budget_gb is not None:
+    dist_cfg = cfg.distributed_training
+    if dist_cfg.auto_tune or dist_cfg.memory_budget_gb is not None:
         # Checked before check_config, whose message for a lone budget would send the user to `plan`.
         raise UsageError("plan always picks the flags that fit; --auto-tune and --memory-budget-gb are "
                          "train's, so drop them here and give --device-memory-gb / --host-memory-gb")

@@ -25,10 +25,10 @@ CPU_ADAM = ("--optimizer cpu_adam: Adam with decoupled weight decay (fairseq's c
 
 
 def build_optimizer(model, cfg):
-    o = cfg.optimizer
-    groups = param_groups(model, o.weight_decay)
+    optimizer_cfg = cfg.optimizer
+    groups = param_groups(model, optimizer_cfg.weight_decay)
     lr = cfg.optimization.lr
-    if o._name in ("adam", "adamw", "cpu_adam"):
+    if optimizer_cfg._name in ("adam", "adamw", "cpu_adam"):
         # fairseq's adam decouples weight decay, i.e. it is AdamW. The fused kernel is
         # one pass over all parameters per step, on CPU and GPU alike, and takes FSDP2's
         # DTensor shards too; the default (foreach) path allocates temporaries the size
@@ -39,10 +39,10 @@ def build_optimizer(model, cfg):
         # hooks the gradients (no post-accumulate-grad hook): such a hook would make
         # FSDP2 copy each gradient to the host synchronously instead of overlapping the
         # copy with the rest of backward.
-        return ShardLocalAdamW(groups, lr=lr, betas=tuple(o.adam_betas), eps=o.adam_eps, fused=True)
-    if o._name == "nag":
-        return NAG(groups, lr=lr, momentum=o.momentum)
-    return torch.optim.SGD(groups, lr=lr, momentum=o.momentum)
+        return ShardLocalAdamW(groups, lr=lr, betas=tuple(optimizer_cfg.adam_betas), eps=optimizer_cfg.adam_eps, fused=True)
+    if optimizer_cfg._name == "nag":
+        return NAG(groups, lr=lr, momentum=optimizer_cfg.momentum)
+    return torch.optim.SGD(groups, lr=lr, momentum=optimizer_cfg.momentum)
 
 
 def local_shards(tensors):
@@ -189,22 +189,22 @@ class LRSchedule:
     checkpoints (`state_dict`) and stepped on each epoch's validation metric (`step_epoch`)."""
 
     def __init__(self, cfg):
-        s = cfg.lr_scheduler
-        self.name, self.peak = s._name, cfg.optimization.lr
-        self.warmup = s.warmup_updates
-        self.warmup_init = 0.0 if s.warmup_init_lr < 0 else s.warmup_init_lr
-        self.end_lr, self.power, self.min_lr = s.end_learning_rate, s.power, s.min_lr
+        scheduler_cfg = cfg.lr_scheduler
+        self.name, self.peak = scheduler_cfg._name, cfg.optimization.lr
+        self.warmup = scheduler_cfg.warmup_updates
+        self.warmup_init = 0.0 if scheduler_cfg.warmup_init_lr < 0 else scheduler_cfg.warmup_init_lr
+        self.end_lr, self.power, self.min_lr = scheduler_cfg.end_learning_rate, scheduler_cfg.power, scheduler_cfg.min_lr
         max_update = cfg.optimization.max_update
-        self.total = s.total_num_update or max_update
+        self.total = scheduler_cfg.total_num_update or max_update
         if self.name == "cosine":  # fairseq's cosine_lr_scheduler.py
-            self.min_lr = min(s.min_lr, self.peak)
-            self.warmup_init = self.min_lr if s.warmup_init_lr < 0 else s.warmup_init_lr
+            self.min_lr = min(scheduler_cfg.min_lr, self.peak)
+            self.warmup_init = self.min_lr if scheduler_cfg.warmup_init_lr < 0 else scheduler_cfg.warmup_init_lr
             # Past the last update only (checks.py requires max_update or the period).
-            self.period = s.lr_period_updates if s.lr_period_updates > 0 else max(max_update - self.warmup, 1)
-            self.t_mult, self.shrink = s.t_mult, s.lr_shrink
+            self.period = scheduler_cfg.lr_period_updates if scheduler_cfg.lr_period_updates > 0 else max(max_update - self.warmup, 1)
+            self.t_mult, self.shrink = scheduler_cfg.t_mult, scheduler_cfg.lr_shrink
         if self.name == "reduce_lr_on_plateau":  # fairseq's reduce_lr_on_plateau.py over torch's ReduceLROnPlateau
-            self.warmup_init = s.warmup_init_lr if s.warmup_init_lr >= 0 else 0.0 if self.warmup > 0 else self.peak
-            self.shrink, self.threshold, self.patience = s.lr_shrink, s.lr_threshold, s.lr_patience
+            self.warmup_init = scheduler_cfg.warmup_init_lr if scheduler_cfg.warmup_init_lr >= 0 else 0.0 if self.warmup > 0 else self.peak
+            self.shrink, self.threshold, self.patience = scheduler_cfg.lr_shrink, scheduler_cfg.lr_threshold, scheduler_cfg.lr_patience
             self.maximize = cfg.checkpoint.maximize_best_checkpoint_metric
         self.warmup_step = (self.peak - self.warmup_init) / self.warmup if self.warmup > 0 else 0.0
         if self.name == "reduce_lr_on_plateau":

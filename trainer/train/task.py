@@ -44,15 +44,15 @@ def valid_subsets(cfg):
 class LMTask:
     def __init__(self, cfg, env):
         self.cfg, self.env = cfg, env
-        t = cfg.task
+        task_cfg = cfg.task
         self.pad, self.bos = SPECIAL_IDS["pad"], SPECIAL_IDS["bos"]
         self.valid_loss_floor = None
         self._datasets = {}  # (split, data dir) -> dataset; of the training split, the current shard's only
-        if t._name == "dummy_lm":
-            self.data_dirs, self.data_dir, self.tokenizer, self.vocab_size = [], None, None, t.dict_size
+        if task_cfg._name == "dummy_lm":
+            self.data_dirs, self.data_dir, self.tokenizer, self.vocab_size = [], None, None, task_cfg.dict_size
         else:
-            if t.data:
-                self.data_dirs = data_dirs(t.data)
+            if task_cfg.data:
+                self.data_dirs = data_dirs(task_cfg.data)
             else:
                 self.data_dirs = [prepare_embedded_corpus()]
                 log.info(f"no DATA given: training on the embedded corpus in {self.data_dirs[0]}")
@@ -60,7 +60,7 @@ class LMTask:
             self.tokenizer = load_tokenizer(self.data_dir)
             self.vocab_size = self.tokenizer.vocab_size
             self.pad, self.bos = self.tokenizer.pad, self.tokenizer.bos
-            self.valid_loss_floor = None if t.data else embedded_loss_floor(self.data_dir)
+            self.valid_loss_floor = None if task_cfg.data else embedded_loss_floor(self.data_dir)
             if self.valid_loss_floor is not None:
                 log.info(f"embedded corpus: the true model's valid loss is {self.valid_loss_floor:.3f} "
                          f"(ppl {2 ** self.valid_loss_floor:.2f}); no model can do better")
@@ -95,16 +95,16 @@ class LMTask:
         return self._datasets[key]
 
     def _load(self, split, data_dir, training):
-        t, d = self.cfg.task, self.cfg.dataset
-        if t._name == "dummy_lm":
+        task_cfg, dataset_cfg = self.cfg.task, self.cfg.dataset
+        if task_cfg._name == "dummy_lm":
             stream = 0 if training else zlib.crc32(split.encode()) or 1
-            return DummyLMDataset(t.dict_size, t.tokens_per_sample, t.dataset_size, seed=self.cfg.common.seed,
+            return DummyLMDataset(task_cfg.dict_size, task_cfg.tokens_per_sample, task_cfg.dataset_size, seed=self.cfg.common.seed,
                                   stream=stream)
         if not exists(data_dir / split):
             raise DataError(f"no split {split!r} in {data_dir} (expected {split}.bin and {split}.idx); "
                             "check --train-subset/--valid-subset or re-run preprocess")
         names = [split]
-        if training or d.combine_valid_subsets:  # fairseq's load_indexed_dataset(combine=True)
+        if training or dataset_cfg.combine_valid_subsets:  # fairseq's load_indexed_dataset(combine=True)
             while exists(data_dir / f"{split}{len(names)}"):
                 names.append(f"{split}{len(names)}")
             if len(names) > 1:
@@ -115,15 +115,15 @@ class LMTask:
     def _blocks(self, prefix, training):
         """fairseq drops samples longer than the model's positions from training with a
         warning, and refuses them in validation unless told to skip them."""
-        t = self.cfg.task
-        blocks = TokenBlockDataset(IndexedDataset(str(prefix)), t.tokens_per_sample, t.sample_break_mode,
+        task_cfg = self.cfg.task
+        blocks = TokenBlockDataset(IndexedDataset(str(prefix)), task_cfg.tokens_per_sample, task_cfg.sample_break_mode,
                                    pad=self.pad, eos=self.tokenizer.eos)
         if len(blocks.too_long):
             first = int(blocks.too_long[0])
-            size = f"{int(blocks.indexed.sizes[first])} tokens, more than --tokens-per-sample {t.tokens_per_sample}"
+            size = f"{int(blocks.indexed.sizes[first])} tokens, more than --tokens-per-sample {task_cfg.tokens_per_sample}"
             if not training and not self.cfg.dataset.skip_invalid_size_inputs_valid_test:
                 raise DataError(f"sentence #{first} of {prefix} has an invalid size ({size}; --sample-break-mode "
-                                f"{t.sample_break_mode} cuts no sentence): skip such sentences with "
+                                f"{task_cfg.sample_break_mode} cuts no sentence): skip such sentences with "
                                 "--skip-invalid-size-inputs-valid-test, or raise --tokens-per-sample")
             if self.env.is_master:
                 log.warning(f"{len(blocks.too_long):,} sentences of {prefix} are longer than a sample and are "
@@ -132,8 +132,8 @@ class LMTask:
 
     def _warn_unused_valid_subsets(self):
         """fairseq refuses to start when DATA has valid1, valid2, … that nothing validates on."""
-        d = self.cfg.dataset
-        if d.disable_validation or d.combine_valid_subsets or not self.env.is_master:
+        dataset_cfg = self.cfg.dataset
+        if dataset_cfg.disable_validation or dataset_cfg.combine_valid_subsets or not self.env.is_master:
             return
         unused = sorted({p.stem for p in self.data_dir.glob("valid*.idx")
                          if re.fullmatch(r"valid\d+", p.stem) and exists(p.with_suffix(""))} - set(valid_subsets(self.cfg)))
@@ -142,18 +142,18 @@ class LMTask:
                         "adds them to valid, or name them in --valid-subset")
 
     def batch_iterator(self, split, training):
-        d, t = self.cfg.dataset, self.cfg.task
-        batch_size, max_tokens = d.batch_size, d.max_tokens
+        dataset_cfg, task_cfg = self.cfg.dataset, self.cfg.task
+        batch_size, max_tokens = dataset_cfg.batch_size, dataset_cfg.max_tokens
         if not training:
-            batch_size = d.batch_size_valid or batch_size
-            max_tokens = d.max_tokens_valid or max_tokens
-        bos = self.bos if t.add_bos_token else None
-        width = t.tokens_per_sample + (bos is not None) if t.pad_to_fixed_length else None
+            batch_size = dataset_cfg.batch_size_valid or batch_size
+            max_tokens = dataset_cfg.max_tokens_valid or max_tokens
+        bos = self.bos if task_cfg.add_bos_token else None
+        width = task_cfg.tokens_per_sample + (bos is not None) if task_cfg.pad_to_fixed_length else None
         # Training takes each epoch's dataset as the epoch starts (sharded data).
         dataset = functools.partial(self.dataset, split) if training else self.dataset(split)
         return EpochBatchIterator(dataset, batch_size=batch_size, max_tokens=max_tokens,
                                   seed=self.cfg.common.seed, num_shards=self.env.world_size,
                                   shard_id=self.env.rank, shuffle=training, pad=self.pad,
-                                  every_batch=not training, required_batch_size_multiple=d.required_batch_size_multiple,
-                                  num_workers=d.num_workers, worker_init=leave_stop_signals_to_the_rank,
+                                  every_batch=not training, required_batch_size_multiple=dataset_cfg.required_batch_size_multiple,
+                                  num_workers=dataset_cfg.num_workers, worker_init=leave_stop_signals_to_the_rank,
                                   collater=functools.partial(collate, pad=self.pad, bos=bos, width=width))
