@@ -34,16 +34,8 @@ up, 2·ffn wide), the activation of the gate and their product.
 from dataclasses import dataclass, field
 from typing import Optional
 
+from models import chunks  # the kernels' chunk sizes (torch-free): the model's and the prediction's are one
 from trainer.config.schema import SHARDED_BACKENDS
-
-LOSS_CHUNK_BYTES = 32 * 2 ** 20  # models/linear_cross_entropy.py's CHUNK_BYTES (torch-free here)
-
-
-def loss_chunk_rows(vocab):
-    return max(1, LOSS_CHUNK_BYTES // (4 * vocab))
-
-# models/cpu_attention.py's SCORES_BYTES: one chunk of heads' T×T scores
-ATTENTION_SCORES_BYTES = 8 * 2 ** 20
 
 
 def cpu_attention_backward_bytes(m, s):
@@ -53,8 +45,7 @@ def cpu_attention_backward_bytes(m, s):
     if s.device == "cuda" or s.precision == "fp32" or m.attention_dropout > 0:
         return 0
     per_head = s.seq_len ** 2 * 2
-    heads = max(1, min(s.sequences * m.heads, ATTENTION_SCORES_BYTES // per_head))
-    return 3 * heads * per_head
+    return 3 * chunks.attention_heads_per_chunk(s.sequences * m.heads, s.seq_len, 2) * per_head
 
 
 GB = 2 ** 30
@@ -381,7 +372,7 @@ def simulate(m: ModelShape, s: Setup):
             L.add("mixed_precision_copies", m.vocab * m.dim * c)
         # one chunk's buffers (fp32 logits, their low-precision product and gradient) and
         # W's gradient in low precision, added into the fp32 one a block at a time
-        L.transient("logits_and_loss", min(n, loss_chunk_rows(m.vocab)) * m.vocab * (4 + low) + m.vocab * m.dim * low)
+        L.transient("logits_and_loss", min(n, chunks.loss_chunk_rows(m.vocab)) * m.vocab * (4 + low) + m.vocab * m.dim * low)
         if autocast:
             L.sub("mixed_precision_copies", m.vocab * m.dim * c)
         if s.sharded:  # the root's weights are not read in backward: given back (trainer/parallel/parallelize.py)
