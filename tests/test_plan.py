@@ -119,6 +119,19 @@ def test_the_planner_follows_the_kernels_chunk_sizes(monkeypatch):
     assert simulate(SHAPE, bf16)[0].most["activations"] - before == 3 * (16 - 4) * 1024 ** 2 * 2
 
 
+def test_the_planner_reads_checkpointing_as_composition_resolved_it():
+    """One rule (trainer/config/implied.py) makes --offload-activations imply checkpointing:
+    in the composed config the planner reads, and in every candidate its search builds."""
+    from trainer.plan.search import flag_sets, flags_of, setup_of
+    given = setup_of(cfg_of("--offload-activations", "--ddp-backend", "fully_sharded"), "cuda", 8)
+    assert given.checkpoint_activations and given.offload_activations
+    for label, s in flag_sets(replace(given, offload_activations=False, checkpoint_activations=False)):
+        assert s.checkpoint_activations or not s.offload_activations, label
+        if s.offload_activations:  # the flag the user adds implies the other
+            assert "--checkpoint-activations" not in flags_of(s, SETUP), label
+    assert "--checkpoint-activations" in flags_of(replace(SETUP, checkpoint_activations=True), SETUP)
+
+
 def test_activation_arithmetic():
     n, d, f, h = 4 * 128, 256, 1024, 4
     assert layer_activation_bytes(SHAPE, SETUP) == n * (4 * (8 * d + 2 * f) + 16 + 4 * h)
