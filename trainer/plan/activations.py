@@ -1,6 +1,6 @@
 """What one decoder layer saves for backward, and what its backward holds, in bytes.
 
-The saved-activation counts follow models/transformer_lm.py, as autograd's saved-tensor
+The saved-activation counts follow models/layer.py, as autograd's saved-tensor
 hooks see them (tests/test_plan.py counts them on the real layer): a pre-LN layer saves
 its input x, the attention input, q/k/v (one tensor), the attention output (the fused
 kernels write it token-major, so out_proj's input is a view of it, not a copy), the
@@ -13,7 +13,7 @@ dropout themselves). Dropout keeps its mask: one byte per element on CUDA, an
 element of the input's dtype on a CPU (no fused kernel there).
 
 The Llama family's layer (--norm-type rmsnorm, --rope, --gated-ffn, --decoder-kv-heads,
---qk-norm) saves differently. RMSNorm (models/transformer_lm.py's own, on every device)
+--qk-norm) saves differently. RMSNorm (models/norms.py's own, on every device)
 saves its input and rstd, like LayerNorm. The rotary embedding's muls save
 only the cos/sin tables (one pair per forward, shared by every layer; under autocast each
 layer casts them for q and for k), and its rotated q and k are new tensors that attention
@@ -83,7 +83,7 @@ def layer_activation_bytes(m: ModelShape, s: Setup):
         per_token += 3 * elem * m.inner
     else:  # qkv_proj's output (v is a view of it), the rotated (or normalized) q and k
         per_token += elem * m.qkv_width + (elem * (m.inner + m.kv * m.hd) if m.rope or m.qk_norm else 0)
-    if m.qk_norm:  # rstd per head (models/transformer_lm.py RMSNorm); its input is a view of qkv's output
+    if m.qk_norm:  # rstd per head (models/norms.py RMSNorm); its input is a view of qkv's output
         per_token += 4 * q_and_kv + (elem * m.qkv_width if cpu_matmul else 0)
     per_token += elem * ffn_saved_width(m)
     masks = (m.dropout > 0) * 2 * m.dim * mask + (m.activation_dropout > 0) * m.ffn * mask

@@ -82,7 +82,7 @@ def model_shape(cfg, vocab):
 
 
 def normformer_params(m):
-    """One layer's NormFormer parameters, as models/transformer_lm.DecoderLayer builds them."""
+    """One layer's NormFormer parameters, as models/layer.DecoderLayer builds them."""
     d, f = m.decoder_embed_dim, m.decoder_ffn_embed_dim
     per_width = 2 if m.norm_type == "layernorm" and not m.no_bias else 1  # a norm's weight (and bias)
     return (per_width * d * m.scale_attn + m.decoder_attention_heads * m.scale_heads + per_width * f * m.scale_fc
