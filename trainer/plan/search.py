@@ -83,24 +83,24 @@ def model_shape(cfg, vocab):
 
 def normformer_params(m):
     """One layer's NormFormer parameters, as models/layer.DecoderLayer builds them."""
-    d, f = m.decoder_embed_dim, m.decoder_ffn_embed_dim
+    dim, ffn = m.decoder_embed_dim, m.decoder_ffn_embed_dim
     per_width = 2 if m.norm_type == "layernorm" and not m.no_bias else 1  # a norm's weight (and bias)
-    return (per_width * d * m.scale_attn + m.decoder_attention_heads * m.scale_heads + per_width * f * m.scale_fc
-            + d * m.scale_resids)
+    return (per_width * dim * m.scale_attn + m.decoder_attention_heads * m.scale_heads + per_width * ffn * m.scale_fc
+            + dim * m.scale_resids)
 
 
 def projection_params(m, vocab):
     """project_in_dim and project_out_dim, and, without adaptive bands (counted by
     adaptive_vocab_params), the embedding and output tables' width other than d."""
-    d = m.decoder_embed_dim
-    width_in, width_out = m.decoder_input_dim or d, m.decoder_output_dim or d
+    dim = m.decoder_embed_dim
+    width_in, width_out = m.decoder_input_dim or dim, m.decoder_output_dim or dim
     total = 0
-    if not m.adaptive_input and width_in != d:
-        total += width_in * d
-    if width_out != d and not m.tie_adaptive_weights:
-        total += d * width_out
+    if not m.adaptive_input and width_in != dim:
+        total += width_in * dim
+    if width_out != dim and not m.tie_adaptive_weights:
+        total += dim * width_out
     if not m.adaptive_input and m.adaptive_softmax_cutoff is None:
-        total += vocab * (width_in - d) + (0 if m.share_decoder_input_output_embed else vocab * (width_out - d))
+        total += vocab * (width_in - dim) + (0 if m.share_decoder_input_output_embed else vocab * (width_out - dim))
     return total
 
 
@@ -113,13 +113,13 @@ def adaptive_vocab_params(m, vocab):
     if not vocab:  # not known yet (the launcher's lower bound), as V×d tables of V=0 count nothing
         return 0
     check_adaptive_vocab(m, vocab)
-    d = m.decoder_embed_dim
+    dim = m.decoder_embed_dim
     if m.adaptive_input:  # each band: its table and its projection to d
-        bands = adaptive_bands(m.adaptive_input_cutoff, vocab, m.decoder_input_dim or d, m.adaptive_input_factor)
-        total = sum((end - start) * width + width * d for start, end, width in bands)
+        bands = adaptive_bands(m.adaptive_input_cutoff, vocab, m.decoder_input_dim or dim, m.adaptive_input_factor)
+        total = sum((end - start) * width + width * dim for start, end, width in bands)
     else:
-        total = vocab * (m.decoder_input_dim or d)
-    out = m.decoder_output_dim or d
+        total = vocab * (m.decoder_input_dim or dim)
+    out = m.decoder_output_dim or dim
     if not softmax:
         return total + vocab * out
     bands = adaptive_bands(m.adaptive_softmax_cutoff, vocab, out, m.adaptive_softmax_factor)
