@@ -130,6 +130,12 @@ def test_the_planner_reads_checkpointing_as_composition_resolved_it():
         if s.offload_activations:  # the flag the user adds implies the other
             assert "--checkpoint-activations" not in flags_of(s, SETUP), label
     assert "--checkpoint-activations" in flags_of(replace(SETUP, checkpoint_activations=True), SETUP)
+    # --auto-tune writes its choice into the composed config: as resolved, the implied flag set
+    from trainer.launch.auto_tune import apply_choice
+    cfg = cfg_of("--ddp-backend", "fully_sharded")
+    offload = next(s for label, s in flag_sets(setup_of(cfg, "cuda", 8)) if label == "+ offload activations")
+    model = apply_choice(cfg, offload).model
+    assert model.offload_activations and model.checkpoint_activations
 
 
 def test_activation_arithmetic():

@@ -201,17 +201,17 @@ def fits(p, device_gb, host_gb):
     return p.per_rank_gb <= device_gb and (host_gb is None or p.host_gb <= host_gb)
 
 
-# The on/off flags a Setup stands for: (flag, config key, its value in Setup s). Setup
-# counts what --offload-activations implies as checkpointing too; the flag
-# --checkpoint-activations is only needed where nothing implies it.
+# The on/off flags a Setup stands for: (flag, config key, its value in Setup s), the value
+# a resolved config holds (trainer/launch/auto_tune.py writes them into the config).
 MEMORY_FLAGS = (
     ("--no-reshard-after-forward", "distributed_training.no_reshard_after_forward",
      lambda s: s.sharded and not s.reshard_after_forward),
-    ("--checkpoint-activations", "model.checkpoint_activations",
-     lambda s: s.checkpoint_activations and not implies_activation_checkpointing(s)),
+    ("--checkpoint-activations", "model.checkpoint_activations", lambda s: s.checkpoint_activations),
     ("--offload-activations", "model.offload_activations", lambda s: s.offload_activations),
     ("--cpu-offload", "distributed_training.cpu_offload", lambda s: s.cpu_offload),
 )
+# Flags another flag implies (trainer/config/implied.py): not printed where implied.
+IMPLIED_FLAGS = {"--checkpoint-activations": implies_activation_checkpointing}
 
 
 def flags_of(s: Setup, given: Setup):
@@ -219,7 +219,8 @@ def flags_of(s: Setup, given: Setup):
     behaviour on, `key=false` overrides for one the user gave that is not needed."""
     out = [f"--ddp-backend {s.backend}"] if s.backend != given.backend else []
     for flag, key, value_in in MEMORY_FLAGS:
-        want, have = value_in(s), value_in(given)
+        implied = IMPLIED_FLAGS.get(flag, lambda _: False)
+        want, have = value_in(s) and not implied(s), value_in(given) and not implied(given)
         if want and not have:
             out.append(flag)
         elif have and not want:
