@@ -10,16 +10,13 @@ backward together take less time than the flash kernel's.
 
 Memory stays that of a flash kernel: forward saves only q (pre-scaled), k and v, and
 backward recomputes each head's probabilities before using them. The T×T scores exist
-only for a chunk of heads at a time (SCORES_BYTES of them), so long sequences do not
-allocate batch×heads×T² at once.
+only for a chunk of heads at a time (models/chunks.py's ATTENTION_SCORES_BYTES of them,
+a size trainer/plan/ledger.py reads too), so long sequences do not allocate
+batch×heads×T² at once.
 """
 import torch
 
-SCORES_BYTES = 8 * 2 ** 20  # one chunk's T×T scores; its backward holds three such tensors (trainer/plan/ledger.py)
-
-
-def _heads_per_chunk(heads, seq_len, itemsize):
-    return max(1, min(heads, SCORES_BYTES // (seq_len * seq_len * itemsize)))
+from models import chunks
 
 
 def _joined(chunks):
@@ -39,7 +36,7 @@ class CausalMatmulAttention(torch.autograd.Function):
         q_scaled = (q * D ** -0.5).reshape(B * H, T, D)  # scaling T×D, not T×T
         k, v = k.reshape(B * H, T, D), v.reshape(B * H, T, D)
         above_diagonal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)
-        step = _heads_per_chunk(B * H, T, q.element_size())
+        step = chunks.attention_heads_per_chunk(B * H, T, q.element_size())
         out = [torch.bmm(_causal_probs(q_scaled[i:i + step], k[i:i + step], above_diagonal), v[i:i + step])
                for i in range(0, B * H, step)]
         ctx.save_for_backward(q_scaled, k, v)
@@ -52,7 +49,7 @@ class CausalMatmulAttention(torch.autograd.Function):
         B, H, T, D = ctx.shape
         grad_out = grad_out.reshape(B * H, T, D)
         above_diagonal = torch.ones(T, T, dtype=torch.bool, device=k.device).triu_(1)
-        step = _heads_per_chunk(B * H, T, k.element_size())
+        step = chunks.attention_heads_per_chunk(B * H, T, k.element_size())
         parts = [_chunk_backward(q_scaled[i:i + step], k[i:i + step], v[i:i + step], grad_out[i:i + step],
                                  above_diagonal) for i in range(0, B * H, step)]
         dq, dk, dv = (_joined(p) for p in zip(*parts))

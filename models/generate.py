@@ -7,7 +7,7 @@ whole prefix: slower, kept as the plain reference the cached path must agree wit
 import torch
 import torch.nn.functional as F
 
-from models.transformer_lm import KVCache
+from models.kv_cache import KVCache
 
 
 def next_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):

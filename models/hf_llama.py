@@ -147,7 +147,7 @@ def hf_config(model_cfg, vocab_size, max_positions, bos_token_id=None, eos_token
 
 def hf_parts(name, model_cfg):
     """Our parameter `name` as HF tensors stacked by rows: [(hf name, rows)], in order."""
-    d, ffn = model_cfg.decoder_embed_dim, model_cfg.decoder_ffn_embed_dim
+    dim, ffn = model_cfg.decoder_embed_dim, model_cfg.decoder_ffn_embed_dim
     H, KV, D = model_cfg.decoder_attention_heads, kv_heads(model_cfg), head_dim(model_cfg)
     if name == "embed_tokens.weight":
         return [("model.embed_tokens.weight", None)]
@@ -161,15 +161,15 @@ def hf_parts(name, model_cfg):
         raise KeyError(name)
     hf = f"model.layers.{layer}."
     parts = {
-        "self_attn_layer_norm.weight": [(hf + "input_layernorm.weight", d)],
+        "self_attn_layer_norm.weight": [(hf + "input_layernorm.weight", dim)],
         "qkv_proj.weight": [(hf + "self_attn.q_proj.weight", H * D), (hf + "self_attn.k_proj.weight", KV * D),
                             (hf + "self_attn.v_proj.weight", KV * D)],
         "q_norm.weight": [(hf + "self_attn.q_norm.weight", D)],
         "k_norm.weight": [(hf + "self_attn.k_norm.weight", D)],
-        "out_proj.weight": [(hf + "self_attn.o_proj.weight", d)],
-        "final_layer_norm.weight": [(hf + "post_attention_layernorm.weight", d)],
+        "out_proj.weight": [(hf + "self_attn.o_proj.weight", dim)],
+        "final_layer_norm.weight": [(hf + "post_attention_layernorm.weight", dim)],
         "fc1.weight": [(hf + "mlp.gate_proj.weight", ffn), (hf + "mlp.up_proj.weight", ffn)],
-        "fc2.weight": [(hf + "mlp.down_proj.weight", d)],
+        "fc2.weight": [(hf + "mlp.down_proj.weight", dim)],
     }
     if local not in parts:
         raise KeyError(name)

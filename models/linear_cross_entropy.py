@@ -12,7 +12,7 @@ alive at a time, and fp32 only inside a chunk.
 """
 import torch
 
-CHUNK_BYTES = 32 * 2 ** 20  # fp32 logits of one chunk
+from models import chunks  # the chunk's size, shared with trainer/plan/ledger.py
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -20,7 +20,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, weight, target, ignore_index):
         """x: N×d hidden states, weight: V×d, target: N ids → summed loss (fp32, nats)."""
         n, vocab = x.shape[0], weight.shape[0]
-        chunk = max(1, CHUNK_BYTES // (4 * vocab))
+        chunk = chunks.loss_chunk_rows(vocab)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         needs_x, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = torch.empty_like(x) if needs_x else None

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-import models.cpu_attention as cpu_attention
+import models.chunks as chunks
 from models.cpu_attention import causal_matmul_attention
 from models.transformer_lm import DecoderLayer
 
@@ -55,8 +55,8 @@ def test_bf16_as_accurate_as_sdpa():
 def test_chunks_of_heads_give_the_same_result(monkeypatch):
     whole = forward_backward(causal_matmul_attention, *qkv(torch.bfloat16))
     # 40×40 bf16 scores are 3,200 bytes a head: chunks of 2 heads, 6 chunks for 12 (b, h) pairs
-    monkeypatch.setattr(cpu_attention, "SCORES_BYTES", 2 * 40 * 40 * 2)
-    assert cpu_attention._heads_per_chunk(12, 40, 2) == 2
+    monkeypatch.setattr(chunks, "ATTENTION_SCORES_BYTES", 2 * 40 * 40 * 2)
+    assert chunks.attention_heads_per_chunk(12, 40, 2) == 2
     chunked = forward_backward(causal_matmul_attention, *qkv(torch.bfloat16))
     for a, b in zip(whole, chunked):
         assert torch.equal(a, b)

@@ -155,6 +155,20 @@ def test_the_embedded_corpus_gets_a_batch_size_and_adams_lr_when_none_is_given()
     assert compose(["task.data=data-bin", "--batch-size", "2"]).optimization.lr == 0.25  # fairseq's default
 
 
+def test_offload_activations_implies_checkpointing_once_composed(tmp_path):
+    """--offload-activations is checkpointing with the kept inputs on the host: composition
+    sets --checkpoint-activations for it (trainer/config/implied.py), however it was given,
+    so every reader sees the plain field."""
+    write(tmp_path / "exp.yaml", "model: {offload_activations: true}\n")
+    for argv in (["--offload-activations"], ["model.offload_activations=true"],
+                 ["--config-dir", str(tmp_path), "--config-name", "exp"]):
+        model = compose(argv).model
+        assert model.offload_activations and model.checkpoint_activations, argv
+    model = compose([]).model
+    assert not model.offload_activations and not model.checkpoint_activations
+    assert compose(["--checkpoint-activations"]).model.offload_activations is False
+
+
 def test_bad_yaml_file(tmp_path):
     write(tmp_path / "bad.yaml", "optimization: {max_update: 3\n")
     with pytest.raises(UsageError, match="not valid YAML"):

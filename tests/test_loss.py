@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models import chunks
 from models import linear_cross_entropy as lce
 from trainer.cpu import host_allocator
 
@@ -13,7 +14,7 @@ from trainer.cpu import host_allocator
 @pytest.mark.parametrize("chunk_rows", [7, 10_000])  # several chunks with a ragged last one; one chunk
 def test_loss_and_gradients_equal_the_plain_form(monkeypatch, dtype, tol, chunk_rows):
     V, d = 300, 32
-    monkeypatch.setattr(lce, "CHUNK_BYTES", 4 * V * chunk_rows)
+    monkeypatch.setattr(chunks, "LOSS_CHUNK_BYTES", 4 * V * chunk_rows)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 17, d, generator=g).to(dtype).requires_grad_()
     w = (0.2 * torch.randn(V, d, generator=g)).to(dtype).requires_grad_()
@@ -54,7 +55,7 @@ def _forward_peak_mb(monkeypatch, V, d, rows, dtype):
     under the caching host allocator every CPU rank installs: emptied, it maps only what
     outgrows the most ever live, so the peak above the resident set is what is alive at once."""
     host_allocator.install()
-    monkeypatch.setattr(lce, "CHUNK_BYTES", 4 * V * rows)
+    monkeypatch.setattr(chunks, "LOSS_CHUNK_BYTES", 4 * V * rows)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3 * rows, d, generator=g).to(dtype).requires_grad_()
     w = torch.randn(V, d, generator=g).to(dtype).requires_grad_()

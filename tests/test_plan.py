@@ -12,7 +12,9 @@ import pytest
 import cli
 from trainer.plan.search import model_shape
 from trainer.config.compose import compose_config
-from trainer.plan.ledger import GB, ModelShape, Setup, comm_bytes, layer_activation_bytes, loss_chunk_rows, predict, simulate
+from models import chunks
+from models.chunks import loss_chunk_rows
+from trainer.plan.ledger import GB, ModelShape, Setup, comm_bytes, layer_activation_bytes, predict, simulate
 
 BIN = Path(sys.executable).parent
 SHAPE = ModelShape(layers=4, dim=256, ffn=1024, heads=4, vocab=5000, learned_positions=128, tied=True,
@@ -98,6 +100,42 @@ def test_loss_arithmetic():
     assert fp32 == n * d * 4 + V * d * 4 + rows * V * 4
     bf16 = simulate(SHAPE, replace(SETUP, precision="bf16"))[0].most["logits_and_loss"]
     assert bf16 == n * d * 2 + V * d * 4 + rows * V * (4 + 2) + V * d * 2
+
+
+def test_the_planner_follows_the_kernels_chunk_sizes(monkeypatch):
+    """The loss's and a CPU attention's chunk sizes live in models/chunks.py, which the
+    kernels and the planner both read: change one and the prediction moves with it."""
+    shape = replace(SHAPE, vocab=50_000)  # the loss takes several chunks of rows
+    n, V, rows = SETUP.sequences * SETUP.seq_len, shape.vocab, loss_chunk_rows(shape.vocab)
+    assert rows < n
+    before = simulate(shape, SETUP)[0].most["logits_and_loss"]
+    monkeypatch.setattr(chunks, "LOSS_CHUNK_BYTES", chunks.LOSS_CHUNK_BYTES // 4)
+    assert loss_chunk_rows(V) == rows // 4
+    assert before - simulate(shape, SETUP)[0].most["logits_and_loss"] == (rows - rows // 4) * V * 4
+    # a CPU's bf16 attention, 4 sequences × 4 heads of 1024² scores: 4 heads a chunk, then all 16
+    bf16 = replace(SETUP, precision="bf16", seq_len=1024)
+    before = simulate(SHAPE, bf16)[0].most["activations"]
+    monkeypatch.setattr(chunks, "ATTENTION_SCORES_BYTES", chunks.ATTENTION_SCORES_BYTES * 4)
+    assert simulate(SHAPE, bf16)[0].most["activations"] - before == 3 * (16 - 4) * 1024 ** 2 * 2
+
+
+def test_the_planner_reads_checkpointing_as_composition_resolved_it():
+    """One rule (trainer/config/implied.py) makes --offload-activations imply checkpointing:
+    in the composed config the planner reads, and in every candidate its search builds."""
+    from trainer.plan.search import flag_sets, flags_of, setup_of
+    given = setup_of(cfg_of("--offload-activations", "--ddp-backend", "fully_sharded"), "cuda", 8)
+    assert given.checkpoint_activations and given.offload_activations
+    for label, s in flag_sets(replace(given, offload_activations=False, checkpoint_activations=False)):
+        assert s.checkpoint_activations or not s.offload_activations, label
+        if s.offload_activations:  # the flag the user adds implies the other
+            assert "--checkpoint-activations" not in flags_of(s, SETUP), label
+    assert "--checkpoint-activations" in flags_of(replace(SETUP, checkpoint_activations=True), SETUP)
+    # --auto-tune writes its choice into the composed config: as resolved, the implied flag set
+    from trainer.launch.auto_tune import apply_choice
+    cfg = cfg_of("--ddp-backend", "fully_sharded")
+    offload = next(s for label, s in flag_sets(setup_of(cfg, "cuda", 8)) if label == "+ offload activations")
+    model = apply_choice(cfg, offload).model
+    assert model.offload_activations and model.checkpoint_activations
 
 
 def test_activation_arithmetic():
@@ -352,10 +390,8 @@ def test_cpu_attention_backward_holds_what_plan_counts(monkeypatch, scores_bytes
 
     import models.cpu_attention as cpu_attention
     import trainer.plan.ledger as memory_plan
-    assert memory_plan.ATTENTION_SCORES_BYTES == cpu_attention.SCORES_BYTES
-    if scores_bytes:
-        monkeypatch.setattr(cpu_attention, "SCORES_BYTES", scores_bytes)
-        monkeypatch.setattr(memory_plan, "ATTENTION_SCORES_BYTES", scores_bytes)
+    if scores_bytes:  # one number, read by the kernel and the planner alike
+        monkeypatch.setattr(chunks, "ATTENTION_SCORES_BYTES", scores_bytes)
     B, H, T = SETUP.sequences, SHAPE.heads, SETUP.seq_len
 
     class SquareTensors(TorchDispatchMode):

@@ -21,14 +21,13 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config.hf_model import CONFIG as HF_CONFIG, apply_hf_model, hf_model_settings, is_hf_dir
+from trainer.config.hf_model import CONFIG as HF_CONFIG, hf_model_settings, is_hf_dir
+from trainer.config.implied import resolve_implied
 from trainer.config.schema import GROUP_OPTIONS, GROUPS, register_configs
 from trainer.errors import UsageError
 from trainer.config.flags import iter_fields, parse_float_list
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-EMBEDDED_CORPUS_BATCH_SIZE = 8  # sequences per rank, as fairseq's FSDP examples use
-EMBEDDED_CORPUS_ADAM_LR = 5e-4  # the Adam lr of fairseq's language-model README
 FIELD_TYPES = {f"{g}.{f.name}": f.type for g, f in iter_fields()}
 
 
@@ -52,28 +51,7 @@ def compose_config(flag_settings, overrides, config_dir=None, config_name=None) 
         selections = [s for s in settings if _is_selection(s[0])]
         for key, value in selections + [s for s in settings if not _is_selection(s[0])]:
             apply_setting(cfg, key, value, source, config_dir)
-    return implied_settings(cfg, given)
-
-
-def implied_settings(cfg, given=()):
-    """What some settings imply, set on the config so that a file or an override implies
-    it too: fairseq's parse_args_and_arch rules (--memory-efficient-fp16 implies --fp16,
-    --memory-efficient-bf16 --bf16), the embedded corpus's batch size and Adam lr, and the
-    model of --finetune-from-model HF_DIR (its config.json's). `given`: the keys the user set."""
-    apply_hf_model(cfg, given)
-    c = cfg.common
-    c.fp16 = c.fp16 or c.memory_efficient_fp16
-    c.bf16 = c.bf16 or c.memory_efficient_bf16
-    # fairseq requires a batch size or max tokens, and its default --lr 0.25 (meant for NAG)
-    # makes Adam diverge; for the embedded corpus (no DATA) shardlm picks both, so that `train`
-    # alone, or `train --ddp-backend=fully_sharded --cpu-offload`, trains. Only what was not given.
-    d, t = cfg.dataset, cfg.task
-    if t._name == "language_modeling" and not t.data:
-        if d.batch_size is None and d.max_tokens is None:
-            d.batch_size = EMBEDDED_CORPUS_BATCH_SIZE
-        if "optimization.lr" not in given and cfg.optimizer._name in ("adam", "adamw", "cpu_adam"):
-            cfg.optimization.lr = EMBEDDED_CORPUS_ADAM_LR
-    return cfg
+    return resolve_implied(cfg, given)
 
 
 def base_config() -> DictConfig:

@@ -17,6 +17,7 @@ from data.tokenizer import load_tokenizer
 from models.config import PUBLISHED_VOCABS, adaptive_bands, head_dim, kv_heads, num_layers
 from trainer.config.checks import check_adaptive_vocab
 from trainer.config.hf_model import hf_vocab_size, read_hf_config
+from trainer.config.implied import implies_activation_checkpointing
 from trainer.config.schema import ddp_backend, model_positions
 from trainer.errors import UsageError
 from trainer.plan.ledger import ModelShape, Setup, predict
@@ -27,14 +28,14 @@ OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "cpu_adam": 2, "nag": 1}
 
 
 def vocab_size(cfg):
-    t = cfg.task
+    task = cfg.task
     if hf_vocab_size(cfg) is not None:  # --finetune-from-model HF_DIR: its embedding's rows (Qwen3 pads past the data's)
         return hf_vocab_size(cfg)
-    if t._name == "dummy_lm":
-        return t.dict_size
+    if task._name == "dummy_lm":
+        return task.dict_size
     try:
         # The vocabulary of DATA's first directory (all of a sharded DATA's share it).
-        data_dir = data_dirs(t.data)[0] if t.data else prepare_embedded_corpus()
+        data_dir = data_dirs(task.data)[0] if task.data else prepare_embedded_corpus()
         return load_tokenizer(data_dir).vocab_size
     except DataError as e:
         raise UsageError(str(e)) from None
@@ -81,25 +82,25 @@ def model_shape(cfg, vocab):
 
 
 def normformer_params(m):
-    """One layer's NormFormer parameters, as models/transformer_lm.DecoderLayer builds them."""
-    d, f = m.decoder_embed_dim, m.decoder_ffn_embed_dim
+    """One layer's NormFormer parameters, as models/layer.DecoderLayer builds them."""
+    dim, ffn = m.decoder_embed_dim, m.decoder_ffn_embed_dim
     per_width = 2 if m.norm_type == "layernorm" and not m.no_bias else 1  # a norm's weight (and bias)
-    return (per_width * d * m.scale_attn + m.decoder_attention_heads * m.scale_heads + per_width * f * m.scale_fc
-            + d * m.scale_resids)
+    return (per_width * dim * m.scale_attn + m.decoder_attention_heads * m.scale_heads + per_width * ffn * m.scale_fc
+            + dim * m.scale_resids)
 
 
 def projection_params(m, vocab):
     """project_in_dim and project_out_dim, and, without adaptive bands (counted by
     adaptive_vocab_params), the embedding and output tables' width other than d."""
-    d = m.decoder_embed_dim
-    width_in, width_out = m.decoder_input_dim or d, m.decoder_output_dim or d
+    dim = m.decoder_embed_dim
+    width_in, width_out = m.decoder_input_dim or dim, m.decoder_output_dim or dim
     total = 0
-    if not m.adaptive_input and width_in != d:
-        total += width_in * d
-    if width_out != d and not m.tie_adaptive_weights:
-        total += d * width_out
+    if not m.adaptive_input and width_in != dim:
+        total += width_in * dim
+    if width_out != dim and not m.tie_adaptive_weights:
+        total += dim * width_out
     if not m.adaptive_input and m.adaptive_softmax_cutoff is None:
-        total += vocab * (width_in - d) + (0 if m.share_decoder_input_output_embed else vocab * (width_out - d))
+        total += vocab * (width_in - dim) + (0 if m.share_decoder_input_output_embed else vocab * (width_out - dim))
     return total
 
 
@@ -112,13 +113,13 @@ def adaptive_vocab_params(m, vocab):
     if not vocab:  # not known yet (the launcher's lower bound), as V×d tables of V=0 count nothing
         return 0
     check_adaptive_vocab(m, vocab)
-    d = m.decoder_embed_dim
+    dim = m.decoder_embed_dim
     if m.adaptive_input:  # each band: its table and its projection to d
-        bands = adaptive_bands(m.adaptive_input_cutoff, vocab, m.decoder_input_dim or d, m.adaptive_input_factor)
-        total = sum((end - start) * width + width * d for start, end, width in bands)
+        bands = adaptive_bands(m.adaptive_input_cutoff, vocab, m.decoder_input_dim or dim, m.adaptive_input_factor)
+        total = sum((end - start) * width + width * dim for start, end, width in bands)
     else:
-        total = vocab * (m.decoder_input_dim or d)
-    out = m.decoder_output_dim or d
+        total = vocab * (m.decoder_input_dim or dim)
+    out = m.decoder_output_dim or dim
     if not softmax:
         return total + vocab * out
     bands = adaptive_bands(m.adaptive_softmax_cutoff, vocab, out, m.adaptive_softmax_factor)
@@ -129,31 +130,39 @@ def adaptive_vocab_params(m, vocab):
 
 
 def sequences_per_batch(cfg):
-    d, T = cfg.dataset, cfg.task.tokens_per_sample
-    if d.batch_size:
-        return min(d.batch_size, d.max_tokens // T) if d.max_tokens else d.batch_size
-    return max(d.max_tokens // T, 1)
+    dataset, T = cfg.dataset, cfg.task.tokens_per_sample
+    if dataset.batch_size:
+        return min(dataset.batch_size, dataset.max_tokens // T) if dataset.max_tokens else dataset.batch_size
+    return max(dataset.max_tokens // T, 1)
 
 
 def setup_of(cfg, device, ranks_per_host):
-    d, c = cfg.distributed_training, cfg.common
-    world = d.distributed_world_size
+    """The Setup of a composed config (its implied settings resolved: trainer/config/implied.py)."""
+    distributed, common = cfg.distributed_training, cfg.common
+    world = distributed.distributed_world_size
     shard = 1
-    if d.ddp_backend == "fully_sharded":
+    if distributed.ddp_backend == "fully_sharded":
         shard = world
-    elif d.ddp_backend == "hybrid_shard":
-        shard = d.shard_group_size or min(ranks_per_host, world)
-    o = cfg.optimizer
-    states = OPTIMIZER_STATES.get(o._name, 1 if o.momentum else 0)
+    elif distributed.ddp_backend == "hybrid_shard":
+        shard = distributed.shard_group_size or min(ranks_per_host, world)
+    optimizer = cfg.optimizer
+    states = OPTIMIZER_STATES.get(optimizer._name, 1 if optimizer.momentum else 0)
     return Setup(device=device, world=world, ranks_per_host=ranks_per_host, backend=ddp_backend(cfg), shard=shard,
-                 reshard_after_forward=not d.no_reshard_after_forward,
-                 checkpoint_activations=cfg.model.checkpoint_activations or cfg.model.offload_activations,
-                 offload_activations=cfg.model.offload_activations, cpu_offload=d.cpu_offload,
-                 defer_grad_sync=d.defer_grad_sync, update_freq=cfg.optimization.update_freq,
+                 reshard_after_forward=not distributed.no_reshard_after_forward,
+                 checkpoint_activations=cfg.model.checkpoint_activations,
+                 offload_activations=cfg.model.offload_activations, cpu_offload=distributed.cpu_offload,
+                 defer_grad_sync=distributed.defer_grad_sync, update_freq=cfg.optimization.update_freq,
                  sequences=sequences_per_batch(cfg), seq_len=cfg.task.tokens_per_sample,
-                 precision="bf16" if c.bf16 else "fp16" if c.fp16 else "fp32",
-                 fp32_reduce_scatter=d.fp32_reduce_scatter, optimizer_states=states,
+                 precision="bf16" if common.bf16 else "fp16" if common.fp16 else "fp32",
+                 fp32_reduce_scatter=distributed.fp32_reduce_scatter, optimizer_states=states,
                  spawned=infer_rendezvous(cfg).spawn > 1)
+
+
+def with_flags(s: Setup, **flags):
+    """s with these settings, and what they imply, by the rule composition applies to a
+    config (trainer/config/implied.py)."""
+    s = replace(s, **flags)
+    return replace(s, checkpoint_activations=True) if implies_activation_checkpointing(s) else s
 
 
 def flag_sets(s: Setup):
@@ -161,20 +170,22 @@ def flag_sets(s: Setup):
     off = dict(checkpoint_activations=False, offload_activations=False, cpu_offload=False)
     sets, fsdp = [], s
     if not s.sharded:
-        sets.append((s.backend, replace(s, **off)))
+        sets.append((s.backend, with_flags(s, **off)))
         fsdp = replace(s, backend="fully_sharded", shard=s.world)
         if s.world == 1:  # nothing to shard over: checkpointing is the next step
-            sets.append((s.backend + " + checkpoint", replace(s, **{**off, "checkpoint_activations": True})))
+            sets.append((s.backend + " + checkpoint", with_flags(s, **{**off, "checkpoint_activations": True})))
     if s.world > 1 or s.sharded:
-        sets += [("no reshard", replace(fsdp, reshard_after_forward=False, **off)),
-                 ("reshard", replace(fsdp, reshard_after_forward=True, **off)),
-                 ("reshard + checkpoint", replace(fsdp, reshard_after_forward=True,
-                                                  **{**off, "checkpoint_activations": True}))]
+        sets += [("no reshard", with_flags(fsdp, reshard_after_forward=False, **off)),
+                 ("reshard", with_flags(fsdp, reshard_after_forward=True, **off)),
+                 ("reshard + checkpoint", with_flags(fsdp, reshard_after_forward=True,
+                                                     **{**off, "checkpoint_activations": True}))]
     if s.device == "cuda":  # on a CPU, both offloads keep the same bytes in the same memory
-        ckpt = dict(reshard_after_forward=True, checkpoint_activations=True)
-        sets += [("+ offload activations", replace(fsdp, **ckpt, offload_activations=True, cpu_offload=False)),
-                 ("+ cpu offload", replace(fsdp, **ckpt, offload_activations=False, cpu_offload=True)),
-                 ("+ both offloads", replace(fsdp, **ckpt, offload_activations=True, cpu_offload=True))]
+        sets += [("+ offload activations", with_flags(fsdp, reshard_after_forward=True, offload_activations=True,
+                                                      cpu_offload=False)),
+                 ("+ cpu offload", with_flags(fsdp, reshard_after_forward=True, checkpoint_activations=True,
+                                              offload_activations=False, cpu_offload=True)),
+                 ("+ both offloads", with_flags(fsdp, reshard_after_forward=True, offload_activations=True,
+                                                cpu_offload=True))]
     return sets
 
 
@@ -190,17 +201,17 @@ def fits(p, device_gb, host_gb):
     return p.per_rank_gb <= device_gb and (host_gb is None or p.host_gb <= host_gb)
 
 
-# The on/off flags a Setup stands for: (flag, config key, its value in Setup s). Setup
-# counts --offload-activations as checkpointing too; the flag --checkpoint-activations
-# is only needed without it.
+# The on/off flags a Setup stands for: (flag, config key, its value in Setup s), the value
+# a resolved config holds (trainer/launch/auto_tune.py writes them into the config).
 MEMORY_FLAGS = (
     ("--no-reshard-after-forward", "distributed_training.no_reshard_after_forward",
      lambda s: s.sharded and not s.reshard_after_forward),
-    ("--checkpoint-activations", "model.checkpoint_activations",
-     lambda s: s.checkpoint_activations and not s.offload_activations),
+    ("--checkpoint-activations", "model.checkpoint_activations", lambda s: s.checkpoint_activations),
     ("--offload-activations", "model.offload_activations", lambda s: s.offload_activations),
     ("--cpu-offload", "distributed_training.cpu_offload", lambda s: s.cpu_offload),
 )
+# Flags another flag implies (trainer/config/implied.py): not printed where implied.
+IMPLIED_FLAGS = {"--checkpoint-activations": implies_activation_checkpointing}
 
 
 def flags_of(s: Setup, given: Setup):
@@ -208,7 +219,8 @@ def flags_of(s: Setup, given: Setup):
     behaviour on, `key=false` overrides for one the user gave that is not needed."""
     out = [f"--ddp-backend {s.backend}"] if s.backend != given.backend else []
     for flag, key, value_in in MEMORY_FLAGS:
-        want, have = value_in(s), value_in(given)
+        implied = IMPLIED_FLAGS.get(flag, lambda _: False)
+        want, have = value_in(s) and not implied(s), value_in(given) and not implied(given)
         if want and not have:
             out.append(flag)
         elif have and not want:

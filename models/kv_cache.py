@@ -1,0 +1,27 @@
+"""The keys and values of the positions generated so far (models/generate.py)."""
+import torch
+
+
+class KVCache:
+    """Every layer's keys and values of the positions decoded so far, in buffers allocated
+    once (B×H×max_len×head_dim per layer), so that generating a token runs each layer over
+    that one position instead of re-running the whole prefix."""
+
+    def __init__(self, model, batch_size=1, max_len=None):
+        layer = model.layers[0]
+        p = layer.out_proj.weight  # its device and dtype (an adaptive input has no single table)
+        self.max_len = max_len or model.max_positions
+        shape = (batch_size, layer.num_kv_heads, self.max_len, layer.head_dim)  # grouped-query: the kv heads only
+        self.k = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in model.layers]
+        self.v = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in model.layers]
+        self.length = 0  # positions stored so far = the position of the next token
+
+    def append(self, layer, k, v):
+        """Store layer `layer`'s keys/values of the new positions; return those of all so far.
+        The model advances `length` once every layer has appended."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; {end} were asked for")
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]

@@ -1,0 +1,129 @@
+"""One decoder layer: causal self-attention and a feed-forward, each in a residual branch.
+
+The unit that trainer/parallel/parallelize.py checkpoints, compiles and shards, one at a
+time; models/transformer_lm.py stacks them.
+"""
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.config import head_dim, kv_heads
+from models.cpu_attention import causal_matmul_attention, use_matmul_attention
+from models.norms import RMSNorm, make_norm
+from models.positions import apply_rope
+
+ACTIVATION_FNS = {
+    "relu": F.relu,
+    "relu_squared": lambda x: F.relu(x).pow(2),  # Primer (So et al., 2021), as fairseq
+    "gelu": F.gelu,
+    "gelu_fast": partial(F.gelu, approximate="tanh"),  # fairseq's old name of gelu_accurate
+    "gelu_accurate": partial(F.gelu, approximate="tanh"),
+    "tanh": torch.tanh,
+    "linear": lambda x: x,
+    "swish": F.silu,
+}
+
+
+def dropout(x, p, training):
+    # Skip the op entirely at p=0: it still costs a pass over x in training mode.
+    return F.dropout(x, p, training) if training and p > 0 else x
+
+
+class DecoderLayer(nn.Module):
+    """Causal self-attention + feed-forward, each in a residual branch (pre-LN by default).
+
+    NormFormer (Shleifer et al., 2021), placed as fairseq's TransformerDecoderLayerBase
+    places it: --scale-heads scales each head's slice of the attention block's output and
+    --scale-attn normalizes that output (both after out_proj, where fairseq applies them),
+    --scale-fc normalizes the feed-forward's hidden activations, --scale-resids scales the
+    feed-forward residual per channel.
+
+    The Llama family's pieces keep the same parameter names, so every wrapper that works on
+    a layer works on theirs: qkv_proj holds the query heads' rows, then the key heads', then
+    the value heads' (fewer under grouped-query attention); fc1 holds the gate's rows, then
+    the up projection's (--gated-ffn); q_norm and k_norm (--qk-norm) normalize each head."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        dim, ffn = cfg.decoder_embed_dim, cfg.decoder_ffn_embed_dim
+        self.num_heads = cfg.decoder_attention_heads
+        self.num_kv_heads, self.head_dim = kv_heads(cfg), head_dim(cfg)
+        self.normalize_before = cfg.decoder_normalize_before
+        self.dropout, self.attention_dropout = cfg.dropout, cfg.attention_dropout
+        self.activation_dropout = cfg.activation_dropout
+        self.activation_fn = ACTIVATION_FNS[cfg.activation_fn]
+        self.gated = getattr(cfg, "gated_ffn", False)
+        bias = not getattr(cfg, "no_bias", False)
+        norm = partial(make_norm, cfg)
+        inner = self.num_heads * self.head_dim
+        self.self_attn_layer_norm = norm(dim)
+        self.qkv_proj = nn.Linear(dim, inner + 2 * self.num_kv_heads * self.head_dim, bias=bias)  # one matmul
+        self.out_proj = nn.Linear(inner, dim, bias=bias)
+        qk_norm = getattr(cfg, "qk_norm", False)
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if qk_norm else None
+        # getattr: off in configs without them, as fairseq's safe_getattr reads them
+        self.c_attn = nn.Parameter(torch.ones(self.num_heads)) if getattr(cfg, "scale_heads", False) else None
+        self.attn_ln = norm(dim) if getattr(cfg, "scale_attn", False) else None
+        self.final_layer_norm = norm(dim)
+        self.fc1 = nn.Linear(dim, 2 * ffn if self.gated else ffn, bias=bias)
+        self.ffn_layernorm = norm(ffn) if getattr(cfg, "scale_fc", False) else None
+        self.fc2 = nn.Linear(ffn, dim, bias=bias)
+        self.w_resid = nn.Parameter(torch.ones(dim)) if getattr(cfg, "scale_resids", False) else None
+
+    def attention(self, x, cache=None, rope=None):
+        B, T, _ = x.shape
+        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x).view(B, T, H + 2 * KV, D).split((H, KV, KV), dim=2)
+        if self.q_norm is not None:  # Qwen3: per head, before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        # Right padding only: a causal mask already keeps every real token off the pads.
+        mask, causal = None, True
+        if cache is not None:
+            # Incremental decoding: the new positions attend to every cached one and causally
+            # among themselves. is_causal would align the mask top-left (wrong once the cache
+            # holds anything), so say it explicitly; a single new token sees all: no mask.
+            k, v = cache(k, v)
+            start = k.shape[2] - T
+            mask = None if T == 1 else torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
+            causal = False
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if causal and use_matmul_attention(q, dropout_p):
+            if KV != H:  # each key/value head serves H / KV query heads
+                k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+            y = causal_matmul_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p,
+                                               enable_gqa=KV != H)
+        y = self.out_proj(y.transpose(1, 2).reshape(B, T, H * D))
+        if self.c_attn is not None:
+            C = y.shape[-1]
+            y = (y.view(B, T, H, C // H) * self.c_attn[:, None]).view(B, T, C)
+        return y if self.attn_ln is None else self.attn_ln(y)
+
+    def feed_forward(self, x):
+        if self.gated:
+            gate, up = self.fc1(x).chunk(2, dim=-1)
+            x = dropout(self.activation_fn(gate) * up, self.activation_dropout, self.training)
+        else:
+            x = dropout(self.activation_fn(self.fc1(x)), self.activation_dropout, self.training)
+        if self.ffn_layernorm is not None:
+            x = self.ffn_layernorm(x)
+        return self.fc2(x)
+
+    def forward(self, x, cache=None, rope=None):
+        """cache: this layer's `KVCache.append` (generation only); None in training.
+        rope: the (cos, sin) tables of x's positions (`rope_tables`), with --rope."""
+        attention = partial(self.attention, cache=cache, rope=rope)
+        for norm, sublayer, scale in ((self.self_attn_layer_norm, attention, None),
+                                      (self.final_layer_norm, self.feed_forward, self.w_resid)):
+            h = sublayer(norm(x) if self.normalize_before else x)
+            x = (x if scale is None else scale * x) + dropout(h, self.dropout, self.training)
+            if not self.normalize_before:
+                x = norm(x)
+        return x

@@ -1,0 +1,102 @@
+"""What one decoder layer saves for backward, and what its backward holds, in bytes.
+
+The saved-activation counts follow models/layer.py, as autograd's saved-tensor
+hooks see them (tests/test_plan.py counts them on the real layer): a pre-LN layer saves
+its input x, the attention input, q/k/v (one tensor), the attention output (the fused
+kernels write it token-major, so out_proj's input is a view of it, not a copy), the
+residual x1, the FFN input, fc1's output and (gelu) the activation's output — relu's
+output is the tensor both relu and fc2 keep. SDPA's fused kernels save only a row
+log-sum-exp, and a CPU's bf16/fp16 attention (models/cpu_attention.py) not even that;
+with attention dropout a CPU takes SDPA's math path, which keeps the T×T probabilities,
+the dropout mask and the dropped probabilities, in fp32 (CUDA's fused kernels apply
+dropout themselves). Dropout keeps its mask: one byte per element on CUDA, an
+element of the input's dtype on a CPU (no fused kernel there).
+
+The Llama family's layer (--norm-type rmsnorm, --rope, --gated-ffn, --decoder-kv-heads,
+--qk-norm) saves differently. RMSNorm (models/norms.py's own, on every device)
+saves its input and rstd, like LayerNorm. The rotary embedding's muls save
+only the cos/sin tables (one pair per forward, shared by every layer; under autocast each
+layer casts them for q and for k), and its rotated q and k are new tensors that attention
+saves beside q/k/v (v stays a view of qkv_proj's output). Grouped-query attention saves the
+kv heads only in SDPA (enable_gqa), but a CPU's bf16 attention repeats them to every query
+head first and saves the repeated ones. The gated feed-forward saves fc1's output (gate and
+up, 2·ffn wide), the activation of the gate and their product.
+"""
+from models import chunks  # the kernels' chunk sizes (torch-free): the model's and the prediction's are one
+from trainer.plan.shapes import ModelShape, Setup
+
+
+def cpu_attention_backward_bytes(m, s):
+    """The T×T tensors a CPU's bf16/fp16 attention holds at once in one layer's backward
+    (models/cpu_attention.py): probabilities and two gradients for one chunk of heads.
+    0 where attention is SDPA's (CUDA, fp32, attention dropout)."""
+    if s.device == "cuda" or s.precision == "fp32" or m.attention_dropout > 0:
+        return 0
+    per_head = s.seq_len ** 2 * 2
+    return 3 * chunks.attention_heads_per_chunk(s.sequences * m.heads, s.seq_len, 2) * per_head
+
+
+def norm_saved_bytes(m: ModelShape, s: Setup):
+    """Per token, what one norm before a matmul saves, that matmul's saved input included."""
+    elem = s.compute_bytes  # bytes of one element in the compute dtype
+    stream = 4 if s.precision != "fp32" and not s.sharded else elem  # autocast keeps the residual stream fp32
+    return stream * m.dim + (4 if m.norm == "rmsnorm" else 8) + elem * m.dim  # input, (mean,) rstd, output
+
+
+# Activations whose backward keeps their output, not their input: the tensor fc2 (or the
+# gate's product) keeps anyway, so they add no saved tensor of their own.
+SAVES_OUTPUT = ("relu", "tanh", "linear")
+
+
+def ffn_saved_width(m: ModelShape):
+    """Per token, elements of the feed-forward's saved tensors (its input aside)."""
+    ffn, act = m.ffn, m.activation_fn
+    squared = ffn if act == "relu_squared" else 0  # relu's output, which pow keeps, besides pow's
+    if m.gated:  # fc1's output (up is a view of it), act(gate) unless linear, the product fc2 keeps
+        return 2 * ffn + (0 if act == "linear" else ffn) + squared + ffn
+    return (ffn if act in SAVES_OUTPUT else 2 * ffn) + squared
+
+
+def uses_cpu_matmul_attention(m: ModelShape, s: Setup):
+    """models/cpu_attention.py: low precision on a CPU without attention dropout."""
+    return s.device == "cpu" and s.precision != "fp32" and m.attention_dropout == 0
+
+
+def rope_table_bytes(m: ModelShape, s: Setup):
+    """The (cos, sin) pair of one forward, in the embeddings' dtype, shared by every layer.
+    Under autocast no layer saves the fp32 pair itself, only its casts (layer_activation_bytes)."""
+    if not m.rope or (s.precision != "fp32" and not s.sharded):
+        return 0
+    return 2 * s.seq_len * m.hd * s.compute_bytes
+
+
+def layer_activation_bytes(m: ModelShape, s: Setup):
+    """Bytes one decoder layer's forward saves for backward, for s.tokens tokens."""
+    n, elem = s.tokens, s.compute_bytes  # tokens; bytes of one element in the compute dtype
+    mask = 1 if s.device == "cuda" else elem  # one dropout-mask element
+    autocast = s.precision != "fp32" and not s.sharded
+    cpu_matmul = uses_cpu_matmul_attention(m, s)
+    q_and_kv = m.heads + m.kv  # heads q_norm and k_norm see
+    # the two norms before qkv_proj and fc1, and the attention output out_proj keeps
+    per_token = 2 * norm_saved_bytes(m, s) + elem * m.inner
+    if cpu_matmul:  # q (scaled), k and v, each repeated to every query head
+        per_token += 3 * elem * m.inner
+    else:  # qkv_proj's output (v is a view of it), the rotated (or normalized) q and k
+        per_token += elem * m.qkv_width + (elem * (m.inner + m.kv * m.hd) if m.rope or m.qk_norm else 0)
+    if m.qk_norm:  # rstd per head (models/norms.py RMSNorm); its input is a view of qkv's output
+        per_token += 4 * q_and_kv + (elem * m.qkv_width if cpu_matmul else 0)
+    per_token += elem * ffn_saved_width(m)
+    masks = (m.dropout > 0) * 2 * m.dim * mask + (m.activation_dropout > 0) * m.ffn * mask
+    if m.activation_dropout > 0 and m.activation_fn in ("relu", "tanh") and not m.gated:
+        masks += m.ffn * elem  # fc2 now keeps the dropped output, the activation still its own
+    if m.attention_dropout > 0 and s.device != "cuda":
+        # the math path, in fp32 on a CPU: probabilities, dropout mask and dropped
+        # probabilities (T×T per head), and q/k/v as fp32 copies of low-precision ones
+        masks += m.heads * s.seq_len * 3 * 4
+        per_token += m.qkv_width * (4 - elem)
+    elif not cpu_matmul:
+        per_token += m.heads * 4  # the fused kernel's log-sum-exp
+    # else models/cpu_attention.py: nothing more; backward recomputes
+    # autocast casts the rope tables to q's and k's dtype in every layer: four T×head_dim copies
+    tables = 4 * s.seq_len * m.hd * elem if m.rope and autocast else 0
+    return n * (per_token + masks) + tables

@@ -1,0 +1,127 @@
+"""What the planner knows of a run: the model's shape and the trainer's setup, from the
+config (trainer/plan/search.py builds both). Torch-free: plain numbers and flags."""
+from dataclasses import dataclass
+from typing import Optional
+
+from trainer.config.schema import SHARDED_BACKENDS
+
+
+@dataclass
+class ModelShape:
+    layers: int
+    dim: int
+    ffn: int
+    heads: int
+    vocab: int
+    learned_positions: int  # rows of the learned position table (0: sinusoidal or none)
+    tied: bool
+    norms_outside_layers: int  # final norm and/or embedding norm
+    activation_fn: str
+    dropout: float
+    attention_dropout: float
+    activation_dropout: float
+    # The token embedding's and the output layer's parameters when they are not V×d tables
+    # (an adaptive input or softmax: plan/search.py counts its bands); None: V×d each, or once tied.
+    vocab_params: Optional[int] = None
+    normformer_params: int = 0  # per layer: NormFormer's norms and scales (--scale-attn/fc/heads/resids)
+    # project_in_dim/project_out_dim and the embedding/output tables' width beyond V×d
+    # (--decoder-input-dim/--decoder-output-dim)
+    projection_params: int = 0
+    # The Llama family's pieces (models/config.py); the defaults are the GPT-style layer.
+    kv_heads: int = 0  # --decoder-kv-heads (0: as many as the query heads)
+    head_dim: int = 0  # --decoder-head-dim (0: dim // heads)
+    gated: bool = False  # --gated-ffn: fc1 is gate and up, 2·ffn rows
+    bias: bool = True  # biases in the linear layers (--no-bias: none)
+    norm: str = "layernorm"  # --norm-type
+    norm_bias: bool = True  # a LayerNorm's bias (--no-bias: none; RMSNorm has none)
+    qk_norm: bool = False  # --qk-norm: an RMSNorm of head_dim on queries and keys
+    rope: bool = False  # --rope: cos/sin tables, rotated q and k
+
+    @property
+    def hd(self):
+        return self.head_dim or self.dim // self.heads
+
+    @property
+    def kv(self):
+        return self.kv_heads or self.heads
+
+    @property
+    def inner(self):
+        """The attention's width: query heads × head_dim (d unless --decoder-head-dim says otherwise)."""
+        return self.heads * self.hd
+
+    @property
+    def qkv_width(self):
+        return self.inner + 2 * self.kv * self.hd
+
+    @property
+    def fc1_width(self):
+        return 2 * self.ffn if self.gated else self.ffn
+
+    def norm_params(self, width):
+        return width * (2 if self.norm == "layernorm" and self.norm_bias else 1)
+
+    @property
+    def matmul_params(self):
+        """One layer's weight matrices: qkv_proj, out_proj, fc1, fc2."""
+        dim = self.dim
+        return dim * self.qkv_width + self.inner * dim + dim * self.fc1_width + self.ffn * dim
+
+    @property
+    def layer_params(self):
+        dim = self.dim
+        biases = (self.qkv_width + dim + self.fc1_width + dim) if self.bias else 0
+        qk_norms = 2 * self.hd if self.qk_norm else 0
+        return self.matmul_params + biases + 2 * self.norm_params(dim) + qk_norms + self.normformer_params
+
+    @property
+    def root_params(self):
+        """Parameters outside the decoder layers: FSDP's root unit."""
+        dim = self.dim
+        tables = self.vocab * dim * (1 if self.tied else 2) if self.vocab_params is None else self.vocab_params
+        return (tables + self.learned_positions * dim + self.norms_outside_layers * self.norm_params(dim)
+                + self.projection_params)
+
+    @property
+    def params(self):
+        return self.layers * self.layer_params + self.root_params
+
+
+@dataclass
+class Setup:
+    """What the trainer will do, from the config: precision, sharding, batch."""
+    device: str  # "cpu" or "cuda"
+    world: int
+    ranks_per_host: int
+    backend: str
+    shard: int  # ranks one copy of the model is sharded over (1: not sharded)
+    reshard_after_forward: bool
+    checkpoint_activations: bool
+    offload_activations: bool
+    cpu_offload: bool
+    defer_grad_sync: bool
+    update_freq: int
+    sequences: int  # per micro-batch per rank
+    seq_len: int
+    precision: str  # "fp32", "bf16" or "fp16"
+    fp32_reduce_scatter: bool
+    optimizer_states: int  # fp32 tensors the optimizer keeps per parameter
+    spawned: bool = False  # a local rank the launcher forks (not a process of its own)
+
+    @property
+    def sharded(self):
+        return self.backend in SHARDED_BACKENDS
+
+    @property
+    def ddp_buckets(self):
+        """torch's DDP on several ranks: every gradient is a view into its flat buckets,
+        allocated once and kept."""
+        return not self.sharded and self.world > 1 and self.backend == "pytorch_ddp"
+
+    @property
+    def tokens(self):
+        return self.sequences * self.seq_len
+
+    @property
+    def compute_bytes(self):
+        return 4 if self.precision == "fp32" else 2
