@@ -2,6 +2,7 @@
 
 Nothing here imports torch: `train --help` and a bad flag answer before it loads.
 """
+
 import os
 import sys
 
@@ -27,9 +28,9 @@ def _fail(prog, message, code):
 def train_main(argv=None):
     from data.errors import DataError
     from trainer.config.checks import check_config
-    from trainer.launch.preflight import check_inputs
     from trainer.config.compose import compose_config
     from trainer.config.flags import build_parser, parse_flags
+    from trainer.launch.preflight import check_inputs
 
     argv = _argv(argv)
     multirun = "-m" in argv or "--multirun" in argv
@@ -39,11 +40,14 @@ def train_main(argv=None):
         ns, settings, overrides = parse_flags(parser, argv)
         if multirun:
             if any(k == "distributed_training.auto_tune" for k, _ in settings) or any(
-                    o.startswith("distributed_training.auto_tune") for o in overrides):
+                o.startswith("distributed_training.auto_tune") for o in overrides
+            ):
                 raise UsageError("--auto-tune plans one run; run `plan` for the sweep's settings instead of -m")
             if ns.config_dir or ns.config_name:
-                raise UsageError("train -m takes flags and key=value overrides; --config-dir/--config-name "
-                                 "are not supported with -m yet")
+                raise UsageError(
+                    "train -m takes flags and key=value overrides; --config-dir/--config-name "
+                    "are not supported with -m yet"
+                )
             # Check the first job of the sweep here, so a typo costs seconds, not a queue wait.
             first = [_first_of_sweep(o) for o in overrides if not o.startswith(("hydra.", "hydra/"))]
             first_cfg = compose_config(settings, first, None, None)
@@ -55,6 +59,7 @@ def train_main(argv=None):
             check_inputs(cfg)
             if cfg.distributed_training.auto_tune:
                 from trainer.launch.auto_tune import auto_tune
+
                 print(auto_tune(cfg), file=sys.stderr, flush=True)
     except UsageError as e:
         return _fail("train", e, 2)
@@ -62,8 +67,10 @@ def train_main(argv=None):
         return _fail("train", e, 1)
     if multirun:
         from trainer.launch.sweep import multirun as run_sweep
+
         return run_sweep(settings, overrides)
     from trainer.launch.launcher import launch
+
     return launch(cfg)
 
 
@@ -78,7 +85,6 @@ def _first_of_sweep(override):
 def preprocess_main(argv=None):
     from data.errors import DataError
     from data.preprocess import build_parser, preprocess
-
     from trainer.config.flags import _Parser
 
     argv = _argv(argv)
@@ -108,19 +114,27 @@ def eval_lm_main(argv=None):
     from data.errors import DataError
 
     try:
-        args = _parse_command("eval-lm", "Loss (base 2) and perplexity of a trained model on a split "
-                              "(fairseq-eval-lm).", argv)
+        args = _parse_command(
+            "eval-lm", "Loss (base 2) and perplexity of a trained model on a split (fairseq-eval-lm).", argv
+        )
         from trainer.config.command_checks import check_eval_lm
+
         check_eval_lm(args)
         from trainer.config.compose import compose_config
-        cfg = compose_config([("distributed_training.distributed_world_size", args.distributed_world_size),
-                              ("common.cpu", args.cpu)], [], None, None)
+
+        cfg = compose_config(
+            [("distributed_training.distributed_world_size", args.distributed_world_size), ("common.cpu", args.cpu)],
+            [],
+            None,
+            None,
+        )
     except UsageError as e:
         return _fail("eval-lm", e, 2)
     except DataError as e:
         return _fail("eval-lm", e, 1)
     from trainer.inference import eval_lm
     from trainer.launch.launcher import launch
+
     return launch(cfg, functools.partial(eval_lm.run, args), prog="eval-lm")
 
 
@@ -129,11 +143,14 @@ def generate_main(argv=None):
     from data.errors import DataError
 
     try:
-        args = _parse_command("generate", "Sample text from a trained model (a checkpoint directory or an "
-                              "export).", argv)
+        args = _parse_command(
+            "generate", "Sample text from a trained model (a checkpoint directory or an export).", argv
+        )
         from trainer.config.command_checks import check_generate
+
         check_generate(args)
         from trainer.inference.generate import generate
+
         return generate(args)
     except UsageError as e:
         return _fail("generate", e, 2)
@@ -146,9 +163,11 @@ def export_model_main(argv=None):
     from data.errors import DataError
 
     try:
-        args = _parse_command("export-model", "Write a checkpoint as one model.safetensors (+ config and "
-                              "tokenizer).", argv)
+        args = _parse_command(
+            "export-model", "Write a checkpoint as one model.safetensors (+ config and tokenizer).", argv
+        )
         from trainer.inference.export import export_model
+
         out = export_model(args.path, args.out, args.format, args.dtype, args.max_shard_size)
     except UsageError as e:
         return _fail("export-model", e, 2)
@@ -166,13 +185,15 @@ def plan_main(argv=None):
 
     argv = _argv(argv)
     try:
-        parser = build_parser("plan", "Predict one rank's peak memory for these `train` flags and print the "
-                                      "fastest FSDP flags that fit.")
+        parser = build_parser(
+            "plan", "Predict one rank's peak memory for these `train` flags and print the fastest FSDP flags that fit."
+        )
         add_field_flags(parser, "plan", PlanConfig)
         ns, settings, overrides = parse_flags(parser, argv)
         opts, settings, overrides = command_options("plan", PlanConfig, settings, overrides)
         cfg = compose_config(settings, overrides, ns.config_dir, ns.config_name)
         from trainer.plan.command import plan_report
+
         report = plan_report(cfg, opts)
     except UsageError as e:
         return _fail("plan", e, 2)
@@ -180,9 +201,15 @@ def plan_main(argv=None):
     return 0
 
 
-COMMANDS = {"train": train_main, "plan": plan_main, "preprocess": preprocess_main, "eval-lm": eval_lm_main,
-            "generate": generate_main, "export-model": export_model_main,
-            "export": export_model_main}  # the short name; a shell's own `export` wins over a script of that name
+COMMANDS = {
+    "train": train_main,
+    "plan": plan_main,
+    "preprocess": preprocess_main,
+    "eval-lm": eval_lm_main,
+    "generate": generate_main,
+    "export-model": export_model_main,
+    "export": export_model_main,
+}  # the short name; a shell's own `export` wins over a script of that name
 
 
 def shardlm_main(argv=None):
@@ -201,6 +228,7 @@ def _entry(fn):
             print(interrupted_line(os.path.basename(sys.argv[0]), e), file=sys.stderr)
             code = INTERRUPTED
         sys.exit(code)
+
     return main
 
 

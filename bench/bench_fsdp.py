@@ -20,6 +20,7 @@ library directories are searched), those rows say "not installed" and the rest r
 
 Usage: python bench/bench_fsdp.py [--reps 4] [--steps 4] [--only ddp fsdp "fsdp + jemalloc" …]
 """
+
 import glob
 import os
 import subprocess
@@ -28,12 +29,44 @@ from ctypes.util import find_library
 
 from benchlib import goal, json_records, median, note, parser, report, run_train
 
-MODEL = ["--task", "dummy_lm", "--dict-size", "32768", "--tokens-per-sample", "256", "--batch-size", "2",
-         "--decoder-layers", "6", "--decoder-embed-dim", "1024", "--decoder-ffn-embed-dim", "4096",
-         "--decoder-attention-heads", "16", "--share-decoder-input-output-embed", "--decoder-learned-pos",
-         "--activation-fn", "gelu", "--dropout", "0", "--attention-dropout", "0", "--optimizer", "adam",
-         "--lr", "0.0001", "--no-save", "--disable-validation", "--log-format", "json", "--log-interval", "1",
-         "--distributed-world-size", "2"]
+MODEL = [
+    "--task",
+    "dummy_lm",
+    "--dict-size",
+    "32768",
+    "--tokens-per-sample",
+    "256",
+    "--batch-size",
+    "2",
+    "--decoder-layers",
+    "6",
+    "--decoder-embed-dim",
+    "1024",
+    "--decoder-ffn-embed-dim",
+    "4096",
+    "--decoder-attention-heads",
+    "16",
+    "--share-decoder-input-output-embed",
+    "--decoder-learned-pos",
+    "--activation-fn",
+    "gelu",
+    "--dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.0001",
+    "--no-save",
+    "--disable-validation",
+    "--log-format",
+    "json",
+    "--log-interval",
+    "1",
+    "--distributed-world-size",
+    "2",
+]
 DDP, FSDP = ["--ddp-backend", "pytorch_ddp"], ["--ddp-backend", "fully_sharded"]
 JEMALLOC = ["--host-allocator", "glibc"]  # plus LD_PRELOAD of libjemalloc: see jemalloc_env
 CONTENDERS = {
@@ -49,11 +82,18 @@ CONTENDERS = {
 WARMUP = 2
 GOAL_SPEED, GOAL_MEMORY = 0.95, 0.60
 # PyTorch's recommended jemalloc settings for CPU training (its performance tuning guide).
-MALLOC_CONF = ("oversize_threshold:1,background_thread:true,metadata_thp:auto,"
-               "dirty_decay_ms:9000000000,muzzy_decay_ms:9000000000")
+MALLOC_CONF = (
+    "oversize_threshold:1,background_thread:true,metadata_thp:auto,dirty_decay_ms:9000000000,muzzy_decay_ms:9000000000"
+)
 NOT_INSTALLED = "not installed (apt-get install libjemalloc2)"
-LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
-                "/usr/local/lib", "/usr/local/lib64")
+LIBRARY_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/local/lib",
+    "/usr/local/lib64",
+)
 
 
 def jemalloc_library():
@@ -65,9 +105,12 @@ def jemalloc_library():
     for lib in filter(None, candidates):
         # ld.so ignores a library it cannot preload (with a message) and goes on with glibc:
         # check that it is really mapped into a process before measuring anything with it.
-        probe = subprocess.run([sys.executable, "-c", "print(any('jemalloc' in line for line in open("
-                                "'/proc/self/maps')))"], capture_output=True, text=True,
-                               env={**os.environ, "LD_PRELOAD": lib})
+        probe = subprocess.run(
+            [sys.executable, "-c", "print(any('jemalloc' in line for line in open('/proc/self/maps')))"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "LD_PRELOAD": lib},
+        )
         if probe.stdout.strip() == "True":
             return lib
     return None
@@ -88,8 +131,14 @@ def run(extra, steps, env=None):
 def main():
     p = parser(__doc__, reps=4)
     p.add_argument("--steps", type=int, default=4, help="timed updates per run (after 2 warm-up ones)")
-    p.add_argument("--only", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS), metavar="NAME",
-                   help=f"contenders to run, of: {', '.join(CONTENDERS)}")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        default=list(CONTENDERS),
+        choices=list(CONTENDERS),
+        metavar="NAME",
+        help=f"contenders to run, of: {', '.join(CONTENDERS)}",
+    )
     a = p.parse_args()
     jemalloc = jemalloc_library() if any(n.endswith("jemalloc") for n in a.only) else None
     missing = [n for n in a.only if n.endswith("jemalloc") and jemalloc is None]
@@ -100,7 +149,7 @@ def main():
     names = [n for n in a.only if n not in missing]
     results = {name: ([], []) for name in names}
     for rep in range(a.reps):
-        for name in (names if rep % 2 == 0 else names[::-1]):
+        for name in names if rep % 2 == 0 else names[::-1]:
             env = jemalloc_env(jemalloc) if name.endswith("jemalloc") else None
             wps, mem = run(CONTENDERS[name], a.steps, env)
             results[name][0].append(wps)
@@ -109,12 +158,16 @@ def main():
     ddp_wps = median(results["ddp"][0]) if "ddp" in results else None
     ddp_mem = median(results["ddp"][1]) if "ddp" in results else None
     if ddp_wps:
-        note("tokens/s per repetition: " + "; ".join(
-            f"{name} {' '.join(f'{w:.0f}' for w in wps)}" for name, (wps, _) in results.items()))
-    print(f"\n2 ranks, 109 M parameters, 512 tokens per rank per update, {a.steps} timed updates, "
-          f"{a.reps} interleaved repetitions in alternating order, medians; × DDP: median of the "
-          "per-repetition ratios; + jemalloc: --host-allocator glibc with jemalloc preloaded "
-          f"(MALLOC_CONF={MALLOC_CONF}), the others --host-allocator caching\n")
+        note(
+            "tokens/s per repetition: "
+            + "; ".join(f"{name} {' '.join(f'{w:.0f}' for w in wps)}" for name, (wps, _) in results.items())
+        )
+    print(
+        f"\n2 ranks, 109 M parameters, 512 tokens per rank per update, {a.steps} timed updates, "
+        f"{a.reps} interleaved repetitions in alternating order, medians; × DDP: median of the "
+        "per-repetition ratios; + jemalloc: --host-allocator glibc with jemalloc preloaded "
+        f"(MALLOC_CONF={MALLOC_CONF}), the others --host-allocator caching\n"
+    )
     print(f"| backend | tokens/s | × DDP (goal ≥ {GOAL_SPEED}) | peak GB per rank | × DDP (goal ≤ {GOAL_MEMORY}) |")
     print("|---|---|---|---|---|")
     goals = []
@@ -132,10 +185,22 @@ def main():
         if not ddp_wps or name == "ddp":
             continue
         plain = name == "fsdp"
-        goals.append(goal(f"{name} vs DDP, 2 ranks: tokens/s", f"{rw}× ({w:.0f} vs {ddp_wps:.0f})",
-                          f"≥ {GOAL_SPEED}×" if plain else "(info)", speed >= GOAL_SPEED if plain else None))
-        goals.append(goal(f"{name} vs DDP, 2 ranks: peak memory per rank", f"{rm}× ({m:.2f} vs {ddp_mem:.2f} GB)",
-                          f"≤ {GOAL_MEMORY}×" if plain else "(info)", m / ddp_mem <= GOAL_MEMORY if plain else None))
+        goals.append(
+            goal(
+                f"{name} vs DDP, 2 ranks: tokens/s",
+                f"{rw}× ({w:.0f} vs {ddp_wps:.0f})",
+                f"≥ {GOAL_SPEED}×" if plain else "(info)",
+                speed >= GOAL_SPEED if plain else None,
+            )
+        )
+        goals.append(
+            goal(
+                f"{name} vs DDP, 2 ranks: peak memory per rank",
+                f"{rm}× ({m:.2f} vs {ddp_mem:.2f} GB)",
+                f"≤ {GOAL_MEMORY}×" if plain else "(info)",
+                m / ddp_mem <= GOAL_MEMORY if plain else None,
+            )
+        )
     goals += allocator_rows(results)
     report(goals, a.results)
 
@@ -150,10 +215,22 @@ def allocator_rows(results):
             continue
         speed = median(x / b for x, b in zip(wps, results[base][0]))
         size = median(mem) / median(results[base][1])
-        rows.append(goal(f"{name} vs {base} (caching allocator), 2 ranks: tokens/s",
-                         f"{speed:.3f}× ({median(wps):.0f} vs {median(results[base][0]):.0f})", "(info)", None))
-        rows.append(goal(f"{name} vs {base} (caching allocator), 2 ranks: peak memory per rank",
-                         f"{size:.3f}× ({median(mem):.2f} vs {median(results[base][1]):.2f} GB)", "(info)", None))
+        rows.append(
+            goal(
+                f"{name} vs {base} (caching allocator), 2 ranks: tokens/s",
+                f"{speed:.3f}× ({median(wps):.0f} vs {median(results[base][0]):.0f})",
+                "(info)",
+                None,
+            )
+        )
+        rows.append(
+            goal(
+                f"{name} vs {base} (caching allocator), 2 ranks: peak memory per rank",
+                f"{size:.3f}× ({median(mem):.2f} vs {median(results[base][1]):.2f} GB)",
+                "(info)",
+                None,
+            )
+        )
     return rows
 
 

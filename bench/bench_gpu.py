@@ -45,6 +45,7 @@ A full run takes a while (compilation, the offloaded steps): --only and --reps s
 Usage: python bench/bench_gpu.py [--reps 3] [--steps 10] [--batch 8] [--quick]
                                  [--only ref train train+compile fsdp fsdp+compile offload]
 """
+
 import json
 import os
 import shutil
@@ -52,8 +53,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import (BIN, ROOT, cuda_matmul_peak_tflops, goal, json_records, matmul_peak_tflops, median, note,
-                      parser, report, run_train)
+from benchlib import (
+    BIN,
+    ROOT,
+    cuda_matmul_peak_tflops,
+    goal,
+    json_records,
+    matmul_peak_tflops,
+    median,
+    note,
+    parser,
+    report,
+    run_train,
+)
 
 REF_LOOP = Path(__file__).resolve().parent / "ref_loop.py"
 # Llama 3.2 1B as `--arch llama3_2_1b` builds it, with the Llama 3 tokenizer's vocabulary.
@@ -62,8 +74,14 @@ QUICK = dict(layers=2, dim=64, heads=4, kv_heads=2, ffn=128, vocab=512, seq=64, 
 WARMUP = 2  # ref_loop drops its first two steps too
 FSDP = ["--ddp-backend", "fully_sharded"]
 # What --only names, in running order: the train flags of each row; "ref" is the plain loop.
-RUNS = {"ref": None, "train": [], "train+compile": ["--compile"], "fsdp": FSDP, "fsdp+compile": FSDP + ["--compile"],
-        "offload": FSDP + ["--cpu-offload"]}
+RUNS = {
+    "ref": None,
+    "train": [],
+    "train+compile": ["--compile"],
+    "fsdp": FSDP,
+    "fsdp+compile": FSDP + ["--compile"],
+    "offload": FSDP + ["--cpu-offload"],
+}
 GOAL_TRAIN, GOAL_FSDP, GOAL_MFU, GOAL_PLAN = 1.00, 0.95, 0.45, 0.05
 QUICK_COMPILE_ENV = {"TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:eager"}
 
@@ -75,27 +93,84 @@ def row_name(key):
 def model_args(s):
     """train's and plan's flags for shape `s`: the preset, its pieces spelled out (the full
     shape's are the preset's own), the batch, bf16 and the plain loop's AdamW."""
-    return ["--task", "dummy_lm", "--dict-size", str(s["vocab"]), "--tokens-per-sample", str(s["seq"]),
-            "--batch-size", str(s["batch"]), "--arch", "llama3_2_1b", "--decoder-layers", str(s["layers"]),
-            "--decoder-embed-dim", str(s["dim"]), "--decoder-attention-heads", str(s["heads"]),
-            "--decoder-kv-heads", str(s["kv_heads"]), "--decoder-head-dim", str(s["dim"] // s["heads"]),
-            "--decoder-ffn-embed-dim", str(s["ffn"]), "--bf16",
-            "--optimizer", "adamw", "--lr", "0.0001", "--weight-decay", "0.01"]  # torch's AdamW default decay
+    return [
+        "--task",
+        "dummy_lm",
+        "--dict-size",
+        str(s["vocab"]),
+        "--tokens-per-sample",
+        str(s["seq"]),
+        "--batch-size",
+        str(s["batch"]),
+        "--arch",
+        "llama3_2_1b",
+        "--decoder-layers",
+        str(s["layers"]),
+        "--decoder-embed-dim",
+        str(s["dim"]),
+        "--decoder-attention-heads",
+        str(s["heads"]),
+        "--decoder-kv-heads",
+        str(s["kv_heads"]),
+        "--decoder-head-dim",
+        str(s["dim"] // s["heads"]),
+        "--decoder-ffn-embed-dim",
+        str(s["ffn"]),
+        "--bf16",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.0001",
+        "--weight-decay",
+        "0.01",
+    ]  # torch's AdamW default decay
 
 
 def run_ref(s, device):
     """The plain loop: tokens/s, model TFLOP/s and peak memory (GiB)."""
-    out = subprocess.run([sys.executable, str(REF_LOOP), "--impl", "llama", "--device", device,
-                          "--layers", str(s["layers"]), "--dim", str(s["dim"]), "--heads", str(s["heads"]),
-                          "--kv-heads", str(s["kv_heads"]), "--ffn", str(s["ffn"]), "--vocab", str(s["vocab"]),
-                          "--seq", str(s["seq"]), "--batch", str(s["batch"]), "--steps", str(s["steps"]),
-                          "--dtype", "bf16"], check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REF_LOOP),
+            "--impl",
+            "llama",
+            "--device",
+            device,
+            "--layers",
+            str(s["layers"]),
+            "--dim",
+            str(s["dim"]),
+            "--heads",
+            str(s["heads"]),
+            "--kv-heads",
+            str(s["kv_heads"]),
+            "--ffn",
+            str(s["ffn"]),
+            "--vocab",
+            str(s["vocab"]),
+            "--seq",
+            str(s["seq"]),
+            "--batch",
+            str(s["batch"]),
+            "--steps",
+            str(s["steps"]),
+            "--dtype",
+            "bf16",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    ).stdout
     fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
     missing = [k for k in ("tokens/s", "model_GFLOP/s", "mem_gb") if k not in fields]
     if missing:
         raise RuntimeError(f"ref_loop printed no {', '.join(missing)}: {out.strip()}")
-    return {"tps": float(fields["tokens/s"]), "tflops": float(fields["model_GFLOP/s"]) / 1e3,
-            "mem": float(fields["mem_gb"])}
+    return {
+        "tps": float(fields["tokens/s"]),
+        "tflops": float(fields["model_GFLOP/s"]) / 1e3,
+        "mem": float(fields["mem_gb"]),
+    }
 
 
 def run_ours(s, flags, peak, env=None):
@@ -103,9 +178,23 @@ def run_ours(s, flags, peak, env=None):
     # Two records of s["steps"] updates each: the first holds the warm-up (and compilation),
     # the second is timed. train reads its meters on the host once per record, as a user's
     # run with a --log-interval does, and the plain loop is timed over its steps the same way.
-    out = run_train(model_args(s) + flags + ["--peak-tflops", f"{peak:.6g}", "--max-update", str(2 * s["steps"]),
-                                              "--no-save", "--disable-validation", "--log-format", "json",
-                                              "--log-interval", str(s["steps"])], env=env)
+    out = run_train(
+        model_args(s)
+        + flags
+        + [
+            "--peak-tflops",
+            f"{peak:.6g}",
+            "--max-update",
+            str(2 * s["steps"]),
+            "--no-save",
+            "--disable-validation",
+            "--log-format",
+            "json",
+            "--log-interval",
+            str(s["steps"]),
+        ],
+        env=env,
+    )
     records = json_records(out)
     timed = records[1:]
     if not timed:
@@ -113,8 +202,12 @@ def run_ours(s, flags, peak, env=None):
     missing = sorted({k for r in records for k in ("wps", "tflops", "mfu", "mem_gb") if k not in r})
     if missing:
         raise RuntimeError(f"train's json records have no {', '.join(missing)}")
-    return {"tps": median(r["wps"] for r in timed), "tflops": median(r["tflops"] for r in timed),
-            "mfu": median(r["mfu"] for r in timed), "mem": max(r["mem_gb"] for r in records)}
+    return {
+        "tps": median(r["wps"] for r in timed),
+        "tflops": median(r["tflops"] for r in timed),
+        "mfu": median(r["mfu"] for r in timed),
+        "mem": max(r["mem_gb"] for r in records),
+    }
 
 
 # `train` in this process with torch's CUDA sync debug mode on inside each update: every op
@@ -147,9 +240,16 @@ sys.exit(code)
 def count_syncs(s, flags):
     """(host synchronisations inside the timed updates of `train` with `flags`, updates):
     torch.cuda.set_sync_debug_mode("warn") during each train_step; one rank, in-process."""
-    out = subprocess.run([sys.executable, "-c", _SYNC_COUNT] + model_args(s) + flags + [
-        "--max-update", str(WARMUP + s["steps"]), "--no-save", "--disable-validation", "--log-format", "none"],
-        check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _SYNC_COUNT]
+        + model_args(s)
+        + flags
+        + ["--max-update", str(WARMUP + s["steps"]), "--no-save", "--disable-validation", "--log-format", "none"],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    ).stdout
     counts = dict(kv.split("=", 1) for kv in out.split() if kv.startswith(("host_syncs=", "updates=")))
     for line in out.splitlines():
         if "synchroniz" in line:
@@ -161,9 +261,17 @@ def predictions(s, keys, device_memory_gb):
     """{key: plan's per-rank peak for that row's flags, or None if plan failed}: on this GPU's
     memory, or on this CPU. plan is torch-free and quick: all of them at once, before any run."""
     where = ["--device-memory-gb", f"{device_memory_gb:.1f}"] if device_memory_gb else ["--cpu"]
-    procs = {k: subprocess.Popen([str(BIN / "plan"), "--format", "json"] + where + model_args(s) + RUNS[k],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-             for k in keys if RUNS[k] is not None}
+    procs = {
+        k: subprocess.Popen(
+            [str(BIN / "plan"), "--format", "json"] + where + model_args(s) + RUNS[k],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for k in keys
+        if RUNS[k] is not None
+    }
     plans = {}
     for k, proc in procs.items():
         out, err = proc.communicate()
@@ -225,8 +333,10 @@ def measure(keys, s, a, gpu):
                 env = {**os.environ, **QUICK_COMPILE_ENV} if compiled else None
                 r = attempt(row_name(key), run_ours, s, RUNS[key], peak, env)
             results[key].append(r)
-            note(f"rep {rep + 1}, peak {peak:.4g} TFLOP/s: {row_name(key)}: "
-                 + (f"{r['tps']:.0f} tokens/s, MFU {r['mfu']:.3f}, {r['mem']:.3f} GB" if r else "failed"))
+            note(
+                f"rep {rep + 1}, peak {peak:.4g} TFLOP/s: {row_name(key)}: "
+                + (f"{r['tps']:.0f} tokens/s, MFU {r['mfu']:.3f}, {r['mem']:.3f} GB" if r else "failed")
+            )
     return results, peaks
 
 
@@ -235,9 +345,16 @@ def summarize(results, s):
     rows = {}
     for key, reps in results.items():
         done = [r for r in reps if r]
-        rows[key] = None if not done else {
-            "tps": median(r["tps"] for r in done), "tflops": median(r["tflops"] for r in done),
-            "mfu": median(r["mfu"] for r in done), "mem": max(r["mem"] for r in done)}
+        rows[key] = (
+            None
+            if not done
+            else {
+                "tps": median(r["tps"] for r in done),
+                "tflops": median(r["tflops"] for r in done),
+                "mfu": median(r["mfu"] for r in done),
+                "mem": max(r["mem"] for r in done),
+            }
+        )
         if rows[key]:
             rows[key]["step_ms"] = s["batch"] * s["seq"] / rows[key]["tps"] * 1e3
     return rows
@@ -252,8 +369,14 @@ def goals(rows, plans, prefix, syncs=None):
         if a in rows and b in rows:
             if rows[a] and rows[b]:
                 ratio = rows[a]["tps"] / rows[b]["tps"]
-                out.append(goal(f"{prefix}: {text}", f"{ratio:.3f}× ({rows[a]['tps']:.0f} vs {rows[b]['tps']:.0f})",
-                                f"≥ {target:.2f}×", ratio >= target))
+                out.append(
+                    goal(
+                        f"{prefix}: {text}",
+                        f"{ratio:.3f}× ({rows[a]['tps']:.0f} vs {rows[b]['tps']:.0f})",
+                        f"≥ {target:.2f}×",
+                        ratio >= target,
+                    )
+                )
             else:
                 out.append(goal(f"{prefix}: {text}", "not measured (a run failed)", f"≥ {target:.2f}×", False))
 
@@ -261,26 +384,52 @@ def goals(rows, plans, prefix, syncs=None):
     pair("fsdp", "train", "train --ddp-backend fully_sharded / train tokens/s", GOAL_FSDP)
     if "fsdp" in rows:
         r = rows["fsdp"]
-        out.append(goal(f"{prefix}: bf16 MFU of train --ddp-backend fully_sharded",
-                        f"{r['mfu']:.3f} ({r['tflops']:.4g} TFLOP/s)" if r else "not measured (the run failed)",
-                        f"≥ {GOAL_MFU:.2f}", bool(r) and r["mfu"] >= GOAL_MFU))
+        out.append(
+            goal(
+                f"{prefix}: bf16 MFU of train --ddp-backend fully_sharded",
+                f"{r['mfu']:.3f} ({r['tflops']:.4g} TFLOP/s)" if r else "not measured (the run failed)",
+                f"≥ {GOAL_MFU:.2f}",
+                bool(r) and r["mfu"] >= GOAL_MFU,
+            )
+        )
     errors = {k: plans[k] / rows[k]["mem"] - 1 for k in plans if rows.get(k) and plans[k] is not None}
     if plans:
         worst = max(errors, key=lambda k: abs(errors[k]), default=None)
-        out.append(goal(f"{prefix}: plan predicted vs measured peak memory, {len(plans)} train runs",
-                        f"worst {errors[worst]:+.1%} ({row_name(worst)})" if worst else "not measured (runs failed)",
-                        f"within ±{GOAL_PLAN:.0%}", bool(worst) and abs(errors[worst]) <= GOAL_PLAN
-                        and len(errors) == len(plans)))
+        out.append(
+            goal(
+                f"{prefix}: plan predicted vs measured peak memory, {len(plans)} train runs",
+                f"worst {errors[worst]:+.1%} ({row_name(worst)})" if worst else "not measured (runs failed)",
+                f"within ±{GOAL_PLAN:.0%}",
+                bool(worst) and abs(errors[worst]) <= GOAL_PLAN and len(errors) == len(plans),
+            )
+        )
     if syncs is not None:
         count, updates = syncs
-        out.append(goal(f"{prefix}: host synchronisations inside an update of train --ddp-backend fully_sharded "
-                        "(torch.cuda sync debug mode)", f"{count} in {updates} updates", "0", count == 0))
+        out.append(
+            goal(
+                f"{prefix}: host synchronisations inside an update of train --ddp-backend fully_sharded "
+                "(torch.cuda sync debug mode)",
+                f"{count} in {updates} updates",
+                "0",
+                count == 0,
+            )
+        )
     if "offload" in rows:
         r, base = rows["offload"], rows.get("fsdp")
-        measured = "not measured (the run failed)" if not r else f"{r['step_ms']:.0f} ms per step" + (
-            f" vs {base['step_ms']:.0f} ms without offload ({r['step_ms'] / base['step_ms']:.2f}×)" if base else "")
-        out.append(goal(f"{prefix}: train --ddp-backend fully_sharded --cpu-offload step time", measured,
-                        "(for information)", None if r else False))
+        measured = (
+            "not measured (the run failed)"
+            if not r
+            else f"{r['step_ms']:.0f} ms per step"
+            + (f" vs {base['step_ms']:.0f} ms without offload ({r['step_ms'] / base['step_ms']:.2f}×)" if base else "")
+        )
+        out.append(
+            goal(
+                f"{prefix}: train --ddp-backend fully_sharded --cpu-offload step time",
+                measured,
+                "(for information)",
+                None if r else False,
+            )
+        )
     return out
 
 
@@ -291,20 +440,35 @@ def print_table(rows, plans):
         if not r:
             print(f"| {row_name(key)} | failed | | | | | | |")
             continue
-        plan = (f"{plans[key]:.3f} | {plans[key] / r['mem'] - 1:+.1%}" if plans.get(key) is not None else "- | -")
-        print(f"| {row_name(key)} | {r['tps']:.0f} | {r['step_ms']:.1f} | {r['tflops']:.4g} | {r['mfu']:.3g} "
-              f"| {r['mem']:.3f} | {plan} |")
+        plan = f"{plans[key]:.3f} | {plans[key] / r['mem'] - 1:+.1%}" if plans.get(key) is not None else "- | -"
+        print(
+            f"| {row_name(key)} | {r['tps']:.0f} | {r['step_ms']:.1f} | {r['tflops']:.4g} | {r['mfu']:.3g} "
+            f"| {r['mem']:.3f} | {plan} |"
+        )
 
 
 def main():
     p = parser(__doc__, reps=None)
-    p.add_argument("--steps", type=int, help="timed updates per run, after as many warm-up ones in train "
-                   f"({WARMUP} in the plain loop) (default {FULL['steps']}; --quick {QUICK['steps']})")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="timed updates per run, after as many warm-up ones in train "
+        f"({WARMUP} in the plain loop) (default {FULL['steps']}; --quick {QUICK['steps']})",
+    )
     p.add_argument("--batch", type=int, help=f"sequences per step (default {FULL['batch']}; --quick {QUICK['batch']})")
-    p.add_argument("--only", nargs="+", choices=list(RUNS), default=list(RUNS), metavar="RUN",
-                   help=f"contenders to run, of: {' '.join(RUNS)} (a goal needs the rows it compares)")
-    p.add_argument("--quick", action="store_true",
-                   help="a tiny Llama, one timed step, one repetition, on the GPU or else the CPU: a smoke test")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=list(RUNS),
+        default=list(RUNS),
+        metavar="RUN",
+        help=f"contenders to run, of: {' '.join(RUNS)} (a goal needs the rows it compares)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny Llama, one timed step, one repetition, on the GPU or else the CPU: a smoke test",
+    )
     a = p.parse_args()
     if any(v is not None and v < 1 for v in (a.reps, a.steps, a.batch)):
         p.error("--reps, --steps and --batch must be at least 1")
@@ -325,11 +489,14 @@ def main():
     results, peaks = measure(keys, s, a, gpu)
     rows = summarize(results, s)
     device = f"{gpu[2]} ({gpu[1]:.1f} GiB)" if gpu else "this CPU (no GPU)"
-    print(f"\n{'--quick, a tiny shape: ' if a.quick else ''}--arch llama3_2_1b at {s['layers']} layers x {s['dim']}, "
-          f"{s['heads']} heads ({s['kv_heads']} key/value), ffn {s['ffn']}, vocabulary {s['vocab']}; "
-          f"{s['batch']} x {s['seq']} tokens per step, bf16; on {device}; bf16 matmul peak {median(peaks):.4g} "
-          f"TFLOP/s; {s['steps']} timed step(s) per run, {a.reps} interleaved repetition(s), medians"
-          + ("; --compile rows on dynamo's eager backend" if a.quick else "") + "\n")
+    print(
+        f"\n{'--quick, a tiny shape: ' if a.quick else ''}--arch llama3_2_1b at {s['layers']} layers x {s['dim']}, "
+        f"{s['heads']} heads ({s['kv_heads']} key/value), ffn {s['ffn']}, vocabulary {s['vocab']}; "
+        f"{s['batch']} x {s['seq']} tokens per step, bf16; on {device}; bf16 matmul peak {median(peaks):.4g} "
+        f"TFLOP/s; {s['steps']} timed step(s) per run, {a.reps} interleaved repetition(s), medians"
+        + ("; --compile rows on dynamo's eager backend" if a.quick else "")
+        + "\n"
+    )
     print_table(rows, plans)
     syncs = attempt("counting host synchronisations", count_syncs, s, FSDP) if gpu and "fsdp" in keys else None
     report(goals(rows, plans, "gpu --quick" if a.quick else "gpu", syncs), a.results)

@@ -22,6 +22,7 @@ same way), in the first dtype; compilation falls in the two warm-up steps both s
 Usage: python bench/bench_loop.py [--reps 3] [--steps 10] [--dtypes fp32 bf16] [--models gpt llama]
                                  [--no-compile]
 """
+
 import os
 import subprocess
 import sys
@@ -42,11 +43,33 @@ def run_ref(dtype, steps, compiled=False, llama=False):
     """ref_loop's printed tokens/s, model_GFLOP/s, peak_GFLOP/s and MFU."""
     s = SHAPE
     impl = ["--impl", "llama", "--kv-heads", str(LLAMA["kv_heads"]), "--ffn", str(LLAMA["ffn"])] if llama else []
-    out = subprocess.run([sys.executable, str(REF_LOOP), "--layers", str(s["layers"]), "--dim", str(s["dim"]),
-                          "--heads", str(s["heads"]), "--seq", str(s["seq"]), "--batch", str(s["batch"]),
-                          "--vocab", str(s["vocab"]), "--steps", str(steps), "--dtype", dtype]
-                         + (["--compile"] if compiled else []) + impl,
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REF_LOOP),
+            "--layers",
+            str(s["layers"]),
+            "--dim",
+            str(s["dim"]),
+            "--heads",
+            str(s["heads"]),
+            "--seq",
+            str(s["seq"]),
+            "--batch",
+            str(s["batch"]),
+            "--vocab",
+            str(s["vocab"]),
+            "--steps",
+            str(steps),
+            "--dtype",
+            dtype,
+        ]
+        + (["--compile"] if compiled else [])
+        + impl,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
     return {k: float(fields[k]) for k in ("tokens/s", "model_GFLOP/s", "peak_GFLOP/s", "MFU")}
 
@@ -54,18 +77,58 @@ def run_ref(dtype, steps, compiled=False, llama=False):
 def train_args(dtype, steps, llama=False):
     s = SHAPE
     if llama:  # the preset's pieces (tied, as Llama 3.2) at this shape
-        model = ["--arch", "llama3_2_1b", "--decoder-kv-heads", str(LLAMA["kv_heads"]),
-                 "--decoder-head-dim", str(s["dim"] // s["heads"]), "--decoder-ffn-embed-dim", str(LLAMA["ffn"])]
+        model = [
+            "--arch",
+            "llama3_2_1b",
+            "--decoder-kv-heads",
+            str(LLAMA["kv_heads"]),
+            "--decoder-head-dim",
+            str(s["dim"] // s["heads"]),
+            "--decoder-ffn-embed-dim",
+            str(LLAMA["ffn"]),
+        ]
     else:
-        model = ["--decoder-ffn-embed-dim", str(4 * s["dim"]), "--share-decoder-input-output-embed",
-                 "--decoder-learned-pos", "--activation-fn", "gelu", "--dropout", "0"]
-    args = ["--task", "dummy_lm", "--dict-size", str(s["vocab"]),
-            "--tokens-per-sample", str(s["seq"]), "--batch-size", str(s["batch"]),
-            "--decoder-layers", str(s["layers"]), "--decoder-embed-dim", str(s["dim"]),
-            "--decoder-attention-heads", str(s["heads"]), *model,
-            "--optimizer", "adamw", "--lr", "0.0001", "--weight-decay", "0.01",  # ref's AdamW
-            "--max-update", str(steps + WARMUP), "--no-save", "--disable-validation", "--log-format", "json",
-            "--log-interval", "1"]
+        model = [
+            "--decoder-ffn-embed-dim",
+            str(4 * s["dim"]),
+            "--share-decoder-input-output-embed",
+            "--decoder-learned-pos",
+            "--activation-fn",
+            "gelu",
+            "--dropout",
+            "0",
+        ]
+    args = [
+        "--task",
+        "dummy_lm",
+        "--dict-size",
+        str(s["vocab"]),
+        "--tokens-per-sample",
+        str(s["seq"]),
+        "--batch-size",
+        str(s["batch"]),
+        "--decoder-layers",
+        str(s["layers"]),
+        "--decoder-embed-dim",
+        str(s["dim"]),
+        "--decoder-attention-heads",
+        str(s["heads"]),
+        *model,
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.0001",
+        "--weight-decay",
+        "0.01",  # ref's AdamW
+        "--max-update",
+        str(steps + WARMUP),
+        "--no-save",
+        "--disable-validation",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+    ]
     return args + (["--bf16"] if dtype == "bf16" else [])
 
 
@@ -83,8 +146,13 @@ def main():
     p = parser(__doc__, reps=3)
     p.add_argument("--steps", type=int, default=10, help="timed updates per run (after 2 warm-up ones)")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    p.add_argument("--models", nargs="+", default=["gpt", "llama"], choices=["gpt", "llama"],
-                   help="gpt: the GPT shape; llama: the Llama-shaped rows")
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=["gpt", "llama"],
+        choices=["gpt", "llama"],
+        help="gpt: the GPT shape; llama: the Llama-shaped rows",
+    )
     p.add_argument("--no-compile", action="store_true", help="skip the compiled pair (train --compile, ref --compile)")
     a = p.parse_args()
     if not REF_LOOP.exists():
@@ -99,19 +167,31 @@ def main():
         ref, ours = [], []
         for rep in range(a.reps):
             ref.append(run_ref(dtype, a.steps, compiled, llama)["tokens/s"])
-            ours.append(median(r["wps"] for r in run_ours(dtype, a.steps, ["--compile"] if compiled else [],
-                                                          llama)[0]))
+            ours.append(median(r["wps"] for r in run_ours(dtype, a.steps, ["--compile"] if compiled else [], llama)[0]))
             note(f"{name} rep {rep + 1}: ref {ref[-1]:.0f} tok/s, train {ours[-1]:.0f} tok/s")
         r, o = median(ref), median(ours)
         rows.append((name, r, o, o / r))
         if compiled:  # for information: the goal is the eager pair's
-            goals.append(goal(f"overhead {name}: train --compile / ref_loop --compile tokens/s",
-                              f"{o / r:.3f}× ({o:.0f} vs {r:.0f})", "(for information)", None))
+            goals.append(
+                goal(
+                    f"overhead {name}: train --compile / ref_loop --compile tokens/s",
+                    f"{o / r:.3f}× ({o:.0f} vs {r:.0f})",
+                    "(for information)",
+                    None,
+                )
+            )
         else:
-            goals.append(goal(f"overhead {name}: train / ref_loop tokens/s", f"{o / r:.3f}× ({o:.0f} vs {r:.0f})",
-                              f"≥ {GOAL:.2f}× (floor {FLOOR:.2f}×)", verdict(o / r)))
-    print(f"\nshape: {SHAPE}, llama rows: + {LLAMA}, {a.steps} timed steps, {a.reps} interleaved repetitions, "
-          "medians\n")
+            goals.append(
+                goal(
+                    f"overhead {name}: train / ref_loop tokens/s",
+                    f"{o / r:.3f}× ({o:.0f} vs {r:.0f})",
+                    f"≥ {GOAL:.2f}× (floor {FLOOR:.2f}×)",
+                    verdict(o / r),
+                )
+            )
+    print(
+        f"\nshape: {SHAPE}, llama rows: + {LLAMA}, {a.steps} timed steps, {a.reps} interleaved repetitions, medians\n"
+    )
     print(f"| run | ref_loop tokens/s | train tokens/s | ratio (goal ≥ {GOAL:.2f}, floor {FLOOR:.2f}) |")
     print("|---|---|---|---|")
     for name, r, o, ratio in rows:

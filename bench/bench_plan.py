@@ -7,6 +7,7 @@ minutes.
 
 Usage: python bench/bench_plan.py [--only NAME ...] [--updates 8]
 """
+
 import json
 import subprocess
 import sys
@@ -15,28 +16,74 @@ from benchlib import BIN, bf16_unsupported, goal, json_records, note, parser, re
 
 
 def model(layers, dim, vocab, seq=256, batch=2):
-    return ["--task", "dummy_lm", "--dict-size", str(vocab), "--tokens-per-sample", str(seq),
-            "--batch-size", str(batch), "--decoder-layers", str(layers), "--decoder-embed-dim", str(dim),
-            "--decoder-ffn-embed-dim", str(4 * dim), "--decoder-attention-heads", str(dim // 64),
-            "--share-decoder-input-output-embed", "--decoder-learned-pos", "--activation-fn", "gelu",
-            "--dropout", "0", "--optimizer", "adam", "--lr", "0.0001"]
+    return [
+        "--task",
+        "dummy_lm",
+        "--dict-size",
+        str(vocab),
+        "--tokens-per-sample",
+        str(seq),
+        "--batch-size",
+        str(batch),
+        "--decoder-layers",
+        str(layers),
+        "--decoder-embed-dim",
+        str(dim),
+        "--decoder-ffn-embed-dim",
+        str(4 * dim),
+        "--decoder-attention-heads",
+        str(dim // 64),
+        "--share-decoder-input-output-embed",
+        "--decoder-learned-pos",
+        "--activation-fn",
+        "gelu",
+        "--dropout",
+        "0",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.0001",
+    ]
 
 
 def llama(layers, dim, ffn, heads, kv, vocab, head=None, qwen=False, seq=256, batch=2):
     """The Llama family's layer (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases;
     Qwen3's q/k norms and heads wider than dim / heads) at a size this host trains."""
-    return ["--task", "dummy_lm", "--dict-size", str(vocab), "--tokens-per-sample", str(seq),
-            "--batch-size", str(batch), "--arch", "qwen3_0_6b" if qwen else "llama3_2_1b",
-            "--decoder-layers", str(layers), "--decoder-embed-dim", str(dim), "--decoder-ffn-embed-dim", str(ffn),
-            "--decoder-attention-heads", str(heads), "--decoder-kv-heads", str(kv),
-            "--decoder-head-dim", str(head or dim // heads), "--optimizer", "adam", "--lr", "0.0001"]
+    return [
+        "--task",
+        "dummy_lm",
+        "--dict-size",
+        str(vocab),
+        "--tokens-per-sample",
+        str(seq),
+        "--batch-size",
+        str(batch),
+        "--arch",
+        "qwen3_0_6b" if qwen else "llama3_2_1b",
+        "--decoder-layers",
+        str(layers),
+        "--decoder-embed-dim",
+        str(dim),
+        "--decoder-ffn-embed-dim",
+        str(ffn),
+        "--decoder-attention-heads",
+        str(heads),
+        "--decoder-kv-heads",
+        str(kv),
+        "--decoder-head-dim",
+        str(head or dim // heads),
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.0001",
+    ]
 
 
-M23 = model(6, 512, 8192, batch=8)            # 23 M parameters
-M109 = model(6, 1024, 32768)                  # 109 M
-M51 = model(8, 640, 16384, batch=4)           # 50 M
-M298 = model(13, 1280, 32768)                 # 298 M
-L76 = llama(8, 768, 2048, 12, 4, 32768)       # 76 M, tied (as Llama 3.2)
+M23 = model(6, 512, 8192, batch=8)  # 23 M parameters
+M109 = model(6, 1024, 32768)  # 109 M
+M51 = model(8, 640, 16384, batch=4)  # 50 M
+M298 = model(13, 1280, 32768)  # 298 M
+L76 = llama(8, 768, 2048, 12, 4, 32768)  # 76 M, tied (as Llama 3.2)
 Q53 = llama(6, 640, 1792, 8, 4, 32768, head=128, qwen=True)  # 53 M, heads 8 x 128 over a width of 640
 FSDP2 = ["--ddp-backend", "fully_sharded", "--distributed-world-size", "2"]
 CONFIGS = {
@@ -59,30 +106,52 @@ CONFIGS = {
     "llama fsdp 2 ranks 76M --bf16": L76 + FSDP2 + ["--bf16"],
     "llama fsdp 2 ranks 76M --bf16 --checkpoint-activations": L76 + FSDP2 + ["--bf16", "--checkpoint-activations"],
     "qwen3 fsdp 2 ranks 53M": Q53 + FSDP2,
-    "qwen3 ddp 2 ranks 53M --checkpoint-activations": Q53 + ["--distributed-world-size", "2",
-                                                             "--checkpoint-activations"],
+    "qwen3 ddp 2 ranks 53M --checkpoint-activations": Q53
+    + ["--distributed-world-size", "2", "--checkpoint-activations"],
     "qwen3 ddp 1 rank 53M --bf16": Q53 + ["--bf16"],
 }
 
 
 def predicted(flags):
-    out = subprocess.run([str(BIN / "plan"), "--cpu", "--format", "json"] + flags,
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [str(BIN / "plan"), "--cpu", "--format", "json"] + flags, check=True, capture_output=True, text=True
+    ).stdout
     return json.loads(out)
 
 
 def measured(flags, updates):
-    out = run_train(flags + ["--max-update", str(updates), "--no-save", "--log-format", "json",
-                             "--log-interval", "1", "--disable-validation"])
+    out = run_train(
+        flags
+        + [
+            "--max-update",
+            str(updates),
+            "--no-save",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+            "--disable-validation",
+        ]
+    )
     return max(r["mem_gb"] for r in json_records(out))
 
 
 def main():
     p = parser(__doc__, reps=1)
-    p.add_argument("--only", nargs="*", default=list(CONFIGS), choices=list(CONFIGS), metavar="NAME",
-                   help=f"configurations to run, of: {'; '.join(CONFIGS)}")
-    p.add_argument("--updates", type=int, default=8,
-                   help="updates per run (the optimizer state exists from the 2nd; the largest peak counts)")
+    p.add_argument(
+        "--only",
+        nargs="*",
+        default=list(CONFIGS),
+        choices=list(CONFIGS),
+        metavar="NAME",
+        help=f"configurations to run, of: {'; '.join(CONFIGS)}",
+    )
+    p.add_argument(
+        "--updates",
+        type=int,
+        default=8,
+        help="updates per run (the optimizer state exists from the 2nd; the largest peak counts)",
+    )
     a = p.parse_args()
     names = a.only
     why = bf16_unsupported() if any("--bf16" in CONFIGS[n] for n in names) else None
@@ -101,8 +170,17 @@ def main():
     for name, params, pred, mem, err in rows:
         print(f"| {name} | {params / 1e6:.0f} M | {pred:.3f} | {mem:.3f} | {err:+.1%} |")
     worst = max(rows, key=lambda r: abs(r[4]))
-    report([goal(f"plan: predicted vs measured peak per rank, {len(rows)} configurations",
-                 f"worst {worst[4]:+.1%} ({worst[0]})", "within ±10 %", abs(worst[4]) <= 0.10)], a.results)
+    report(
+        [
+            goal(
+                f"plan: predicted vs measured peak per rank, {len(rows)} configurations",
+                f"worst {worst[4]:+.1%} ({worst[0]})",
+                "within ±10 %",
+                abs(worst[4]) <= 0.10,
+            )
+        ],
+        a.results,
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ preprocess prints. Medians over repetitions. Goal: whole command ≥ 1 M tokens/
 
 Usage: python bench/bench_preprocess.py [--reps 3] [--mb 100] [--workers 2]
 """
+
 import json
 import re
 import subprocess
@@ -58,7 +59,7 @@ def write_corpus(path, megabytes, rng, words):
                     left = doc_lines[k]
             text = "\n".join(lines) + "\n"
             if written + len(text) > target:  # ASCII: characters are bytes
-                text = text[:text.index("\n", target - written) + 1]
+                text = text[: text.index("\n", target - written) + 1]
             f.write(text)
             written += len(text)
     return written
@@ -66,8 +67,17 @@ def write_corpus(path, megabytes, rng, words):
 
 def run_preprocess(corpus, dest, workers, spm_model=None):
     """(wall seconds, tokens written, encode seconds) of one preprocess command."""
-    cmd = [str(BIN / "preprocess"), "--trainpref", str(corpus / "train.txt"), "--validpref",
-           str(corpus / "valid.txt"), "--destdir", str(dest), "--workers", str(workers)]
+    cmd = [
+        str(BIN / "preprocess"),
+        "--trainpref",
+        str(corpus / "train.txt"),
+        "--validpref",
+        str(corpus / "valid.txt"),
+        "--destdir",
+        str(dest),
+        "--workers",
+        str(workers),
+    ]
     cmd += ["--spm-model", str(spm_model)] if spm_model else []
     start = time.perf_counter()
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -103,20 +113,33 @@ def main():
         for rep in range(a.reps):
             runs.append(run_preprocess(corpus, Path(tmp) / f"data-bin-{rep}", a.workers, spm_model))
             seconds, tokens, encode = runs[-1]
-            note(f"rep {rep + 1}: {tokens:,} tokens in {seconds:.1f} s ({tokens / seconds:,.0f} tokens/s), "
-                 f"encode {encode:.1f} s ({tokens / encode:,.0f} tokens/s)")
+            note(
+                f"rep {rep + 1}: {tokens:,} tokens in {seconds:.1f} s ({tokens / seconds:,.0f} tokens/s), "
+                f"encode {encode:.1f} s ({tokens / encode:,.0f} tokens/s)"
+            )
     tokens = runs[0][1]
     whole, encode = median(t / s for s, t, _ in runs), median(t / e for _, t, e in runs)
-    print(f"\n{size / 1e6:.0f} MB of generated text, {tokens:,} tokens, --workers {a.workers}, "
-          f"{a.reps} repetitions, medians\n")
+    print(
+        f"\n{size / 1e6:.0f} MB of generated text, {tokens:,} tokens, --workers {a.workers}, "
+        f"{a.reps} repetitions, medians\n"
+    )
     print(f"tokenizer trained beforehand on a 5 MB sample, once: {tok_seconds:.1f} s\n")
     print("| phase | seconds | tokens/s |")
     print("|---|---|---|")
     print(f"| whole preprocess command | {median(s for s, _, _ in runs):.1f} | {whole:,.0f} |")
     print(f"| encode phase (both splits) | {median(e for _, _, e in runs):.1f} | {encode:,.0f} |")
-    report([goal(f"preprocess: tokens/s, whole command ({size / 1e6:.0f} MB, {a.workers} workers)",
-                 f"{whole / 1e6:.2f} M", f"≥ {GOAL_TPS / 1e6:.0f} M", whole >= GOAL_TPS),
-            goal("preprocess: tokens/s, encode phase alone", f"{encode / 1e6:.2f} M", "-", None)], a.results)
+    report(
+        [
+            goal(
+                f"preprocess: tokens/s, whole command ({size / 1e6:.0f} MB, {a.workers} workers)",
+                f"{whole / 1e6:.2f} M",
+                f"≥ {GOAL_TPS / 1e6:.0f} M",
+                whole >= GOAL_TPS,
+            ),
+            goal("preprocess: tokens/s, encode phase alone", f"{encode / 1e6:.2f} M", "-", None),
+        ],
+        a.results,
+    )
 
 
 if __name__ == "__main__":

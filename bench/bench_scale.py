@@ -38,6 +38,7 @@ prediction, the figure train logs as mem_gb and bench_plan.py checks.
 Usage: python bench/bench_scale.py [--budget-gb 20] [--updates 3] [--trials 3]
                                    [--only ddp fsdp "fsdp --checkpoint-activations"]
 """
+
 import json
 import os
 import signal
@@ -58,18 +59,45 @@ BACKENDS = {
 }
 GOAL_RATIO = 1.8  # FSDP's largest model over DDP's, in parameters
 LARGEST = 256  # sizes searched: 1 .. LARGEST (width 16384); the budget ends the search far sooner
-GB = 2 ** 30  # as train's mem_gb and plan's figures
+GB = 2**30  # as train's mem_gb and plan's figures
 
 
 def model(size):
     """Size h of the family: h layers of width 64·h (h heads of 64), feed-forward 4·64·h."""
     dim = HEAD * size
-    return ["--cpu", "--task", "dummy_lm", "--dict-size", str(VOCAB), "--tokens-per-sample", str(SEQ),
-            "--batch-size", "1", "--decoder-layers", str(size), "--decoder-embed-dim", str(dim),
-            "--decoder-ffn-embed-dim", str(4 * dim), "--decoder-attention-heads", str(size),
-            "--share-decoder-input-output-embed", "--decoder-learned-pos", "--activation-fn", "gelu",
-            "--dropout", "0", "--attention-dropout", "0", "--optimizer", "adam", "--lr", "0.0001",
-            "--distributed-world-size", "2"]
+    return [
+        "--cpu",
+        "--task",
+        "dummy_lm",
+        "--dict-size",
+        str(VOCAB),
+        "--tokens-per-sample",
+        str(SEQ),
+        "--batch-size",
+        "1",
+        "--decoder-layers",
+        str(size),
+        "--decoder-embed-dim",
+        str(dim),
+        "--decoder-ffn-embed-dim",
+        str(4 * dim),
+        "--decoder-attention-heads",
+        str(size),
+        "--share-decoder-input-output-embed",
+        "--decoder-learned-pos",
+        "--activation-fn",
+        "gelu",
+        "--dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.0001",
+        "--distributed-world-size",
+        "2",
+    ]
 
 
 def shape(size):
@@ -79,8 +107,12 @@ def shape(size):
 @lru_cache(maxsize=None)
 def predicted(backend, size):
     """plan's json for this size: params, per_rank_gb, host_gb (the job: per rank x ranks)."""
-    done = subprocess.run([str(BIN / "plan"), "--format", "json"] + model(size) + BACKENDS[backend],
-                          capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(
+        [str(BIN / "plan"), "--format", "json"] + model(size) + BACKENDS[backend],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     if done.returncode:
         sys.exit(f"bench_scale: plan failed for {backend} {shape(size)}: {done.stderr.strip()}")
     return json.loads(done.stdout)
@@ -205,8 +237,7 @@ def run_job(argv, budget, interval, timeout):
         start = time.perf_counter()
         # a session of its own: the launcher, the rank server and the ranks share its process
         # group, so one signal to that group ends the whole job and nothing else
-        proc = subprocess.Popen([str(BIN / "train")] + argv, stdout=out, stderr=err, cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen([str(BIN / "train")] + argv, stdout=out, stderr=err, cwd=ROOT, start_new_session=True)
         memory, stopped = JobMemory(proc.pid, interval), False
         try:
             while proc.poll() is None:
@@ -227,19 +258,33 @@ def run_job(argv, budget, interval, timeout):
         stdout = out.read()
         if proc.returncode and not stopped:
             tail = "\n".join(err.read().strip().splitlines()[-5:])
-            sys.exit(f"bench_scale: train {' '.join(argv)} failed (exit code {proc.returncode}"
-                     f"{', timed out' if seconds > timeout else ''}):\n{tail}")
+            sys.exit(
+                f"bench_scale: train {' '.join(argv)} failed (exit code {proc.returncode}"
+                f"{', timed out' if seconds > timeout else ''}):\n{tail}"
+            )
     return stdout, memory.peak / GB, max(memory.hwm.values(), default=0) / GB, stopped, seconds
 
 
 def confirm(backend, size, a):
     """Train one size for a.updates updates (a.reps times), measuring the job's memory."""
     plan = predicted(backend, size)
-    argv = model(size) + BACKENDS[backend] + [
-        "--max-update", str(a.updates), "--no-save", "--disable-validation", "--log-format", "json",
-        # one record, at the end: a record resets the ranks' VmHWM (train's mem_gb)
-        "--log-interval", str(a.updates + 1),
-        "--num-workers", "0"]  # random tokens need no reader process
+    argv = (
+        model(size)
+        + BACKENDS[backend]
+        + [
+            "--max-update",
+            str(a.updates),
+            "--no-save",
+            "--disable-validation",
+            "--log-format",
+            "json",
+            # one record, at the end: a record resets the ranks' VmHWM (train's mem_gb)
+            "--log-interval",
+            str(a.updates + 1),
+            "--num-workers",
+            "0",
+        ]
+    )  # random tokens need no reader process
     job = rank = seconds = 0.0
     updates, stopped = 0, False
     for _ in range(a.reps):  # memory does not drift: the largest of the repetitions counts
@@ -249,12 +294,13 @@ def confirm(backend, size, a):
         job, rank, stopped, seconds = max(job, j), max(rank, r), stopped or s, sec
         if stopped:
             break
-    run = Run(backend, size, plan["params"], plan["host_gb"], plan["per_rank_gb"], job, rank, updates,
-              seconds, stopped)
-    note(f"{backend} {shape(size)} ({run.params / 1e6:.0f} M): predicted job {run.predicted_job:.2f} GB, "
-         f"measured {'> ' if stopped else ''}{job:.2f} GB ({'stopped: over' if stopped else updates} "
-         f"{'the budget' if stopped else 'updates'}), largest rank {rank:.2f} GB vs {run.predicted_rank:.2f} "
-         f"predicted, {seconds:.0f} s")
+    run = Run(backend, size, plan["params"], plan["host_gb"], plan["per_rank_gb"], job, rank, updates, seconds, stopped)
+    note(
+        f"{backend} {shape(size)} ({run.params / 1e6:.0f} M): predicted job {run.predicted_job:.2f} GB, "
+        f"measured {'> ' if stopped else ''}{job:.2f} GB ({'stopped: over' if stopped else updates} "
+        f"{'the budget' if stopped else 'updates'}), largest rank {rank:.2f} GB vs {run.predicted_rank:.2f} "
+        f"predicted, {seconds:.0f} s"
+    )
     return run
 
 
@@ -305,31 +351,43 @@ def fmt_job(run):
 
 
 def print_tables(found, runs, budget, updates):
-    print(f"\n2 CPU ranks, job budget {budget:g} GB; the family: h layers x width 64·h, heads of 64, "
-          f"feed-forward 4x, vocabulary {VOCAB} (tied), fp32 Adam, 1 x {SEQ} random tokens per rank, "
-          f"{updates} updates. Job memory: the largest sum of Pss over the job's processes, sampled.\n")
-    print("| backend | layers x width | parameters | predicted peak (job, GB) | measured peak (job, GB) "
-          "| updates run | seconds |")
+    print(
+        f"\n2 CPU ranks, job budget {budget:g} GB; the family: h layers x width 64·h, heads of 64, "
+        f"feed-forward 4x, vocabulary {VOCAB} (tied), fp32 Adam, 1 x {SEQ} random tokens per rank, "
+        f"{updates} updates. Job memory: the largest sum of Pss over the job's processes, sampled.\n"
+    )
+    print(
+        "| backend | layers x width | parameters | predicted peak (job, GB) | measured peak (job, GB) "
+        "| updates run | seconds |"
+    )
     print("|---|---|---|---|---|---|---|")
     for backend, run in found.items():
         if run is None:
             print(f"| {backend} | {none_found(backend, runs)} | - | - | - | - | - |")
         else:
-            print(f"| {backend} | {shape(run.size)} | {run.params / 1e6:.0f} M | {run.predicted_job:.2f} | "
-                  f"{fmt_job(run)} | {run.updates} | {run.seconds:.0f} |")
+            print(
+                f"| {backend} | {shape(run.size)} | {run.params / 1e6:.0f} M | {run.predicted_job:.2f} | "
+                f"{fmt_job(run)} | {run.updates} | {run.seconds:.0f} |"
+            )
     if not runs:
         return
-    print("\nEvery run of the search, in order (plan's per-rank prediction against the largest "
-          "process's peak RSS, VmHWM):\n")
-    print("| backend | layers x width | parameters | predicted job GB | measured job GB | job error "
-          "| predicted per rank GB | largest rank peak RSS GB | rank error | within budget | seconds |")
+    print(
+        "\nEvery run of the search, in order (plan's per-rank prediction against the largest "
+        "process's peak RSS, VmHWM):\n"
+    )
+    print(
+        "| backend | layers x width | parameters | predicted job GB | measured job GB | job error "
+        "| predicted per rank GB | largest rank peak RSS GB | rank error | within budget | seconds |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         job_err = "-" if r.stopped else f"{r.predicted_job / r.job - 1:+.1%}"
         rank_err = "-" if r.stopped else f"{r.predicted_rank / r.rank - 1:+.1%}"
-        print(f"| {r.backend} | {shape(r.size)} | {r.params / 1e6:.0f} M | {r.predicted_job:.2f} | {fmt_job(r)} | "
-              f"{job_err} | {r.predicted_rank:.2f} | {r.rank:.2f} | {rank_err} | "
-              f"{'yes' if r.fits(budget) else 'no'} | {r.seconds:.0f} |")
+        print(
+            f"| {r.backend} | {shape(r.size)} | {r.params / 1e6:.0f} M | {r.predicted_job:.2f} | {fmt_job(r)} | "
+            f"{job_err} | {r.predicted_rank:.2f} | {r.rank:.2f} | {rank_err} | "
+            f"{'yes' if r.fits(budget) else 'no'} | {r.seconds:.0f} |"
+        )
 
 
 def goal_rows(found, runs, budget):
@@ -343,33 +401,59 @@ def goal_rows(found, runs, budget):
         if ddp is None or run is None:
             missing = "ddp" if ddp is None else backend
             measured = f"{missing}: {none_found(missing, runs)}"
-            rows.append(goal(name, measured, f"≥ {GOAL_RATIO}× parameters" if plain else "(info)",
-                             False if plain else None))
+            rows.append(
+                goal(name, measured, f"≥ {GOAL_RATIO}× parameters" if plain else "(info)", False if plain else None)
+            )
             continue
         ratio = run.params / ddp.params
-        rows.append(goal(name, f"{ratio:.2f}× parameters ({run.params / 1e6:.0f} M vs {ddp.params / 1e6:.0f} M)",
-                         f"≥ {GOAL_RATIO}× parameters" if plain else "(info)",
-                         ratio >= GOAL_RATIO if plain else None))
+        rows.append(
+            goal(
+                name,
+                f"{ratio:.2f}× parameters ({run.params / 1e6:.0f} M vs {ddp.params / 1e6:.0f} M)",
+                f"≥ {GOAL_RATIO}× parameters" if plain else "(info)",
+                ratio >= GOAL_RATIO if plain else None,
+            )
+        )
     measured = [r for r in runs if not r.stopped]
     if measured:
         worst = max(measured, key=lambda r: abs(r.predicted_job / r.job - 1))
-        rows.append(goal(f"scale: plan's job prediction vs measured, {len(measured)} runs",
-                         f"worst {worst.predicted_job / worst.job - 1:+.1%} ({worst.backend} {shape(worst.size)})",
-                         "(info)", None))
+        rows.append(
+            goal(
+                f"scale: plan's job prediction vs measured, {len(measured)} runs",
+                f"worst {worst.predicted_job / worst.job - 1:+.1%} ({worst.backend} {shape(worst.size)})",
+                "(info)",
+                None,
+            )
+        )
     return rows
 
 
 def main():
     p = parser(__doc__, reps=1)
-    p.add_argument("--budget-gb", type=float, default=20.0, help="memory for the whole job (both ranks and "
-                   "their launcher), in GB of 2**30 bytes")
-    p.add_argument("--updates", type=int, default=3, help="updates per run, at least 3: the peak comes in the "
-                   "2nd, the first to hold the optimizer state, and a later one holds it while it is read")
+    p.add_argument(
+        "--budget-gb",
+        type=float,
+        default=20.0,
+        help="memory for the whole job (both ranks and their launcher), in GB of 2**30 bytes",
+    )
+    p.add_argument(
+        "--updates",
+        type=int,
+        default=3,
+        help="updates per run, at least 3: the peak comes in the "
+        "2nd, the first to hold the optimizer state, and a later one holds it while it is read",
+    )
     p.add_argument("--trials", type=int, default=3, help="most confirmation runs per backend")
     p.add_argument("--interval", type=float, default=0.2, help="seconds between memory samples")
     p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take before it is stopped")
-    p.add_argument("--only", nargs="+", default=list(BACKENDS), choices=list(BACKENDS), metavar="NAME",
-                   help=f"backends to size, of: {', '.join(BACKENDS)}")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        default=list(BACKENDS),
+        choices=list(BACKENDS),
+        metavar="NAME",
+        help=f"backends to size, of: {', '.join(BACKENDS)}",
+    )
     a = p.parse_args()
     if a.budget_gb <= 0 or a.updates < 3 or a.trials < 1 or a.reps < 1:
         p.error("--budget-gb must be > 0, --updates >= 3, --trials and --reps >= 1")

@@ -17,21 +17,36 @@ torch's import time).
 
 Usage: python bench/bench_startup.py [--reps 5]
 """
+
 import subprocess
 import time
 
 from benchlib import BIN, ROOT, goal, median, note, parser, report
 
-ARGS = ["--arch", "transformer_lm_gpt2_tiny", "--batch-size", "8", "--tokens-per-sample", "128", "--log-interval", "1", "--log-format", "json", "--no-save",
-        "--max-update", "5"]
+ARGS = [
+    "--arch",
+    "transformer_lm_gpt2_tiny",
+    "--batch-size",
+    "8",
+    "--tokens-per-sample",
+    "128",
+    "--log-interval",
+    "1",
+    "--log-format",
+    "json",
+    "--no-save",
+    "--max-update",
+    "5",
+]
 TWO_RANKS = ["--distributed-world-size", "2", "--ddp-backend", "fully_sharded"]
 GOAL_S = 8.0
 
 
 def seconds_to_first_update(extra=()):
     start = time.perf_counter()
-    proc = subprocess.Popen([str(BIN / "train")] + ARGS + list(extra), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [str(BIN / "train")] + ARGS + list(extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+    )
     try:
         lines = []
         for line in proc.stdout:
@@ -59,8 +74,7 @@ def main():
         helps.append(seconds_for_help())
         first.append(seconds_to_first_update())
         two.append(seconds_to_first_update(TWO_RANKS))
-        note(f"rep {rep + 1}: --help {helps[-1]:.2f} s, first update {first[-1]:.2f} s, "
-             f"on 2 ranks {two[-1]:.2f} s")
+        note(f"rep {rep + 1}: --help {helps[-1]:.2f} s, first update {first[-1]:.2f} s, on 2 ranks {two[-1]:.2f} s")
     f, h, t = median(first), median(helps), median(two)
     print(f"\n`train {' '.join(ARGS)}`, {a.reps} alternating repetitions, medians\n")
     print("| measurement | seconds |")
@@ -68,10 +82,14 @@ def main():
     print(f"| launch → first train_inner record | {f:.2f} |")
     print(f"| the same on 2 local FSDP ranks | {t:.2f} |")
     print(f"| train --help | {h:.2f} |")
-    report([goal("start-up: launch → first logged update (tiny model)", f"{f:.2f} s", f"≤ {GOAL_S:.0f} s",
-                 f <= GOAL_S),
+    report(
+        [
+            goal("start-up: launch → first logged update (tiny model)", f"{f:.2f} s", f"≤ {GOAL_S:.0f} s", f <= GOAL_S),
             goal("start-up: the same on 2 local FSDP ranks", f"{t:.2f} s", "(info)", None),
-            goal("start-up: train --help", f"{h:.2f} s", "-", None)], a.results)
+            goal("start-up: train --help", f"{h:.2f} s", "-", None),
+        ],
+        a.results,
+    )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ matmul peak, and the goal rows that `bench/run_all.py` gathers into one table.
 Each script prints its own table of medians, then its goal rows (benchmark, measured,
 goal, met?); with `--results FILE` it also appends those rows to FILE as json lines.
 """
+
 import argparse
 import json
 import statistics
@@ -29,13 +30,14 @@ def median(values):
 
 def json_records(stdout, tag="train_inner"):
     """`train --log-format json` records of one tag; the object runs from the first `{` to the line end."""
-    return [json.loads(line[line.index("{"):]) for line in stdout.splitlines() if f"| {tag} |" in line]
+    return [json.loads(line[line.index("{") :]) for line in stdout.splitlines() if f"| {tag} |" in line]
 
 
 def run_train(argv, **kwargs):
     """`train ARGV` in a subprocess, as users run it; returns its stdout."""
-    return subprocess.run([str(BIN / "train")] + list(argv), check=True, capture_output=True, text=True,
-                          cwd=ROOT, **kwargs).stdout
+    return subprocess.run(
+        [str(BIN / "train")] + list(argv), check=True, capture_output=True, text=True, cwd=ROOT, **kwargs
+    ).stdout
 
 
 # The same measurement as bench/ref_loop.py's: 2 warm-up products of two
@@ -55,8 +57,9 @@ print(2 * 2048 ** 3 * 5 / (time.perf_counter() - t) / 1e12, torch.get_num_thread
 
 def matmul_peak_tflops(dtype, threads=0):
     """(TFLOP/s, threads used) of a 2048² matmul in `dtype`; threads=0: torch's default."""
-    out = subprocess.run([sys.executable, "-c", _MATMUL, dtype, str(threads)], check=True,
-                         capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _MATMUL, dtype, str(threads)], check=True, capture_output=True, text=True
+    ).stdout.split()
     return float(out[0]), int(out[1])
 
 
@@ -84,8 +87,9 @@ def cuda_matmul_peak_tflops(dtype="bf16", size=8192):
     """(TFLOP/s, device memory in GiB, device name) of size² matmuls in `dtype` on GPU 0,
     or None when torch sees no GPU. Run in a process of its own, so the caller holds no
     CUDA context and the `train` runs after it have the whole device."""
-    out = subprocess.run([sys.executable, "-c", _CUDA_MATMUL, dtype, str(size)], check=True,
-                         capture_output=True, text=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", _CUDA_MATMUL, dtype, str(size)], check=True, capture_output=True, text=True
+    ).stdout.strip()
     if out == "none":
         return None
     tflops, memory, name = out.split(maxsplit=2)
@@ -109,10 +113,12 @@ def bf16_unsupported():
     AMX) multiply bf16 matrices through a slow fallback — a bf16 step then takes minutes,
     and its MFU measures the fallback, not the trainer. Probed with a 256² matmul."""
     import torch
+
     if torch.cuda.is_available():
         return None
-    ratio = float(subprocess.run([sys.executable, "-c", _BF16_PROBE], check=True, capture_output=True,
-                                 text=True).stdout)
+    ratio = float(
+        subprocess.run([sys.executable, "-c", _BF16_PROBE], check=True, capture_output=True, text=True).stdout
+    )
     if ratio < 0.5:
         return f"this CPU has no bf16 matmul kernels (bf16 ran at {ratio:.3f}x fp32's speed)"
     return None

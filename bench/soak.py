@@ -22,7 +22,8 @@ Checks (each a row, pass or fail; the script exits 1 if any fails):
   samples (the level at the end of warm-up);
 - open fds per rank: max - min of the judged samples <= 16 (a save holds a file or two
   open for a moment; the data-loader worker (--num-workers 1, fairseq's default) hands
-  each prefetched batch over through shared-memory file descriptors), and the fewest open in the last quarter not above the fewest in the
+  each prefetched batch over through shared-memory file descriptors), and the fewest open in
+  the last quarter not above the fewest in the
   first (a leak raises that floor; a save caught in the act only adds a transient peak);
 - retention: exactly --keep update checkpoints at the end (`checkpoint_<epoch>_<updates>`,
   the last --keep multiples of --save-every), `checkpoint_last` (at the final update) and
@@ -32,6 +33,7 @@ Checks (each a row, pass or fail; the script exits 1 if any fails):
 
 Usage: python bench/soak.py [--updates 2000] [--save-every 100] [--keep 3] [--interval 1]
 """
+
 import argparse
 import json
 import os
@@ -46,10 +48,37 @@ from pathlib import Path
 from trainer.checkpoint.files import TMP_PREFIX, UPDATE_CKPT, is_checkpoint
 
 BIN = Path(sys.executable).parent  # `train` of the same venv
-MODEL = ["--arch", "transformer_lm_gpt2_tiny", "--decoder-attention-heads", "2", "--decoder-ffn-embed-dim", "128",
-         "--dropout", "0.1", "--attention-dropout", "0", "--tokens-per-sample", "32", "--batch-size", "4",
-         "--optimizer", "adam", "--lr", "0.003", "--ddp-backend", "fully_sharded", "--distributed-world-size", "2",
-         "--log-format", "json", "--log-interval", "1", "--max-valid-steps", "10", "--no-epoch-checkpoints"]
+MODEL = [
+    "--arch",
+    "transformer_lm_gpt2_tiny",
+    "--decoder-attention-heads",
+    "2",
+    "--decoder-ffn-embed-dim",
+    "128",
+    "--dropout",
+    "0.1",
+    "--attention-dropout",
+    "0",
+    "--tokens-per-sample",
+    "32",
+    "--batch-size",
+    "4",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.003",
+    "--ddp-backend",
+    "fully_sharded",
+    "--distributed-world-size",
+    "2",
+    "--log-format",
+    "json",
+    "--log-interval",
+    "1",
+    "--max-valid-steps",
+    "10",
+    "--no-epoch-checkpoints",
+]
 RSS_BAND = 0.05
 FD_SPREAD = 16  # see the checks above: saves and the data-loader worker's batches
 
@@ -74,7 +103,7 @@ def child_pids(parent):
             continue
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
-            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
             if b"forkserver" in Path(f"/proc/{entry}/cmdline").read_bytes():
                 children.setdefault(ppid, []).append(int(entry))
         except (OSError, ValueError):
@@ -89,7 +118,7 @@ def rss_and_fds(pid):
 
 
 def records(log_text, tag):
-    return [json.loads(line[line.index("{"):]) for line in log_text.splitlines() if f"| {tag} |" in line]
+    return [json.loads(line[line.index("{") :]) for line in log_text.splitlines() if f"| {tag} |" in line]
 
 
 def run(argv, workdir, name, interval, timeout):
@@ -109,7 +138,7 @@ def run(argv, workdir, name, interval, timeout):
                 *lines, pending = pending.split("\n")
                 for line in lines:
                     if "| train_inner |" in line:
-                        update = json.loads(line[line.index("{"):])["num_updates"]
+                        update = json.loads(line[line.index("{") :])["num_updates"]
                 for rank, pid in enumerate(child_pids(proc.pid)):
                     try:
                         samples.append((update, rank, *rss_and_fds(pid)))
@@ -118,8 +147,9 @@ def run(argv, workdir, name, interval, timeout):
                 time.sleep(interval)
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
-        raise SystemExit(f"soak: {name} run failed ({proc.returncode}): "
-                         f"{(workdir / f'{name}.err').read_text().strip()[-2000:]}")
+        raise SystemExit(
+            f"soak: {name} run failed ({proc.returncode}): {(workdir / f'{name}.err').read_text().strip()[-2000:]}"
+        )
     return log_path.read_text(), samples, seconds
 
 
@@ -133,15 +163,25 @@ def memory_rows(samples, warmup, updates):
         rss = [s[2] / 1024 for s in judged]
         ref = statistics.median(rss[:10])
         lo, hi = min(rss) / ref - 1, max(rss) / ref - 1
-        rows.append((f"rank {rank}: RSS after warm-up ({len(judged)} samples)",
-                     f"{min(rss):.1f}-{max(rss):.1f} MB, {lo:+.1%} / {hi:+.1%} of {ref:.1f} MB",
-                     f"within +-{RSS_BAND:.0%}", -RSS_BAND <= lo and hi <= RSS_BAND))
+        rows.append(
+            (
+                f"rank {rank}: RSS after warm-up ({len(judged)} samples)",
+                f"{min(rss):.1f}-{max(rss):.1f} MB, {lo:+.1%} / {hi:+.1%} of {ref:.1f} MB",
+                f"within +-{RSS_BAND:.0%}",
+                -RSS_BAND <= lo and hi <= RSS_BAND,
+            )
+        )
         fds = [s[3] for s in judged]
         q = max(len(fds) // 4, 1)
         first, last = min(fds[:q]), min(fds[-q:])
-        rows.append((f"rank {rank}: open fds after warm-up", f"{min(fds)}-{max(fds)}, fewest in the first quarter "
-                     f"{first}, in the last {last}", f"max-min <= {FD_SPREAD}, floor does not rise",
-                     max(fds) - min(fds) <= FD_SPREAD and last <= first))
+        rows.append(
+            (
+                f"rank {rank}: open fds after warm-up",
+                f"{min(fds)}-{max(fds)}, fewest in the first quarter {first}, in the last {last}",
+                f"max-min <= {FD_SPREAD}, floor does not rise",
+                max(fds) - min(fds) <= FD_SPREAD and last <= first,
+            )
+        )
     return rows
 
 
@@ -152,12 +192,17 @@ def retention_rows(save_dir, updates, save_every, keep):
     leftovers = [n for n in names if n.startswith(TMP_PREFIX)]
     last = save_dir / "checkpoint_last"
     last_updates = json.loads((last / "trainer_state.json").read_text())["num_updates"] if is_checkpoint(last) else None
-    return [("update checkpoints kept", f"{len(kept)}: at updates {kept}", f"exactly {keep}: {expected}",
-             kept == expected),
-            ("checkpoint_last, checkpoint_best", f"last at update {last_updates}, best "
-             f"{'present' if is_checkpoint(save_dir / 'checkpoint_best') else 'missing'}, "
-             f"{len(leftovers)} .tmp- left", f"last at {updates}, best present, none left",
-             last_updates == updates and is_checkpoint(save_dir / "checkpoint_best") and not leftovers)]
+    return [
+        ("update checkpoints kept", f"{len(kept)}: at updates {kept}", f"exactly {keep}: {expected}", kept == expected),
+        (
+            "checkpoint_last, checkpoint_best",
+            f"last at update {last_updates}, best "
+            f"{'present' if is_checkpoint(save_dir / 'checkpoint_best') else 'missing'}, "
+            f"{len(leftovers)} .tmp- left",
+            f"last at {updates}, best present, none left",
+            last_updates == updates and is_checkpoint(save_dir / "checkpoint_best") and not leftovers,
+        ),
+    ]
 
 
 def curve_rows(saving_log, plain_log, updates):
@@ -168,9 +213,14 @@ def curve_rows(saving_log, plain_log, updates):
         same = sum(1 for n in a if n in b and all(a[n][k] == b[n][k] for k in keys))
         diff = max((abs(a[n][keys[0]] - b[n][keys[0]]) for n in a if n in b), default=float("nan"))
         complete = set(a) == set(b) and (tag != "train_inner" or len(a) == updates)
-        rows.append((f"{tag} records equal without checkpoints ({', '.join(keys)})",
-                     f"{same} of {len(a)} (vs {len(b)}), largest {keys[0]} difference {diff:g}", "all identical",
-                     complete and same == len(a) > 0))
+        rows.append(
+            (
+                f"{tag} records equal without checkpoints ({', '.join(keys)})",
+                f"{same} of {len(a)} (vs {len(b)}), largest {keys[0]} difference {diff:g}",
+                "all identical",
+                complete and same == len(a) > 0,
+            )
+        )
     return rows
 
 
@@ -184,15 +234,19 @@ def main(argv=None):
     try:
         saving_log, samples, t_saving = run(saving, workdir, "saving", args.interval, args.timeout)
         plain_log, _, t_plain = run(common + ["--no-save"], workdir, "no-save", args.interval, args.timeout)
-        rows = (memory_rows(samples, warmup, args.updates)
-                + retention_rows(workdir / "ck", args.updates, args.save_every, args.keep)
-                + curve_rows(saving_log, plain_log, args.updates))
+        rows = (
+            memory_rows(samples, warmup, args.updates)
+            + retention_rows(workdir / "ck", args.updates, args.save_every, args.keep)
+            + curve_rows(saving_log, plain_log, args.updates)
+        )
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    print(f"soak: {args.updates} updates on 2 FSDP ranks, a checkpoint every {args.save_every} (keep "
-          f"{args.keep}): {t_saving:.0f} s; without checkpoints {t_plain:.0f} s; warm-up {warmup} updates; "
-          f"a sample every {args.interval:g} s\n")
+    print(
+        f"soak: {args.updates} updates on 2 FSDP ranks, a checkpoint every {args.save_every} (keep "
+        f"{args.keep}): {t_saving:.0f} s; without checkpoints {t_plain:.0f} s; warm-up {warmup} updates; "
+        f"a sample every {args.interval:g} s\n"
+    )
     print("| check | measured | limit | result |\n|---|---|---|---|")
     for check, measured, limit, ok in rows:
         print(f"| {check} | {measured} | {limit} | {'pass' if ok else 'FAIL'} |")

@@ -1,6 +1,7 @@
 """Replace a small text file whole: readers see the old file or the new one, never a
 part. Used for metadata, configs and checkpoint state (data/ is the lowest room, so the
 trainer's rooms can use it too)."""
+
 import os
 from pathlib import Path
 

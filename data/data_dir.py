@@ -27,8 +27,9 @@ def data_dirs(data: str | os.PathLike) -> list[Path]:
     from the first). Each must be an existing directory."""
     parts = os.fspath(data).split(os.pathsep)
     if not all(parts):
-        raise DataError(f"DATA {os.fspath(data)!r} has an empty path; separate data directories with a single "
-                        f"{os.pathsep!r}")
+        raise DataError(
+            f"DATA {os.fspath(data)!r} has an empty path; separate data directories with a single {os.pathsep!r}"
+        )
     dirs = [Path(p) for p in parts]
     for i, path in enumerate(dirs):
         which = f" (shard {i + 1} of {len(dirs)} in DATA)" if len(dirs) > 1 else ""

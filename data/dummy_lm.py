@@ -18,8 +18,7 @@ class DummyLMDataset:
     the training split), as fairseq's dummy_lm gives data for any split name.
     """
 
-    def __init__(self, dict_size: int, tokens_per_sample: int, num_items: int = 100000, seed: int = 1,
-                 stream: int = 0):
+    def __init__(self, dict_size: int, tokens_per_sample: int, num_items: int = 100000, seed: int = 1, stream: int = 0):
         if dict_size <= _FIRST_REGULAR_ID:
             raise DataError(f"dummy data needs a dictionary larger than {_FIRST_REGULAR_ID} symbols, got {dict_size}")
         if tokens_per_sample < 1:

@@ -137,14 +137,22 @@ def _build(workdir: Path) -> None:
                 "valid_bits_per_char": entropy_bits(language, lines) / len(text),
                 "valid_chars": len(text),
             }
-    args = build_parser().parse_args([
-        "--trainpref", os.fspath(text_dir / "train.txt"),
-        "--validpref", os.fspath(text_dir / "valid.txt"),
-        "--testpref", os.fspath(text_dir / "test.txt"),
-        "--destdir", os.fspath(workdir),
-        "--vocab-size", str(_VOCAB_SIZE),
-        "--spm-model-type", "bpe",
-    ])
+    args = build_parser().parse_args(
+        [
+            "--trainpref",
+            os.fspath(text_dir / "train.txt"),
+            "--validpref",
+            os.fspath(text_dir / "valid.txt"),
+            "--testpref",
+            os.fspath(text_dir / "test.txt"),
+            "--destdir",
+            os.fspath(workdir),
+            "--vocab-size",
+            str(_VOCAB_SIZE),
+            "--spm-model-type",
+            "bpe",
+        ]
+    )
     preprocess(args)
     metadata_path = workdir / "metadata.json"
     metadata = json.loads(metadata_path.read_text(encoding="utf-8"))
@@ -184,9 +192,7 @@ def prepare_embedded_corpus(cache_dir: Path | None = None) -> Path:
             os.rename(workdir, target)
         except OSError:
             if not (target / "metadata.json").is_file():
-                raise DataError(
-                    f"{target} exists but holds no complete corpus; delete it and run again"
-                ) from None
+                raise DataError(f"{target} exists but holds no complete corpus; delete it and run again") from None
     finally:
         if workdir.exists():
             shutil.rmtree(workdir, ignore_errors=True)

@@ -56,8 +56,9 @@ def write_hf_tokenizer(src_dir: str | os.PathLike, out_dir: str | os.PathLike) -
     else:
         tokenizer, specials = _from_dictionary(Dictionary.load(path))
     tokenizer.save(os.fspath(out_dir / HF_TOKENIZER_FILE))
-    special_map = {key: specials[key] for key in ("bos_token", "eos_token", "unk_token", "pad_token")
-                   if key in specials}
+    special_map = {
+        key: specials[key] for key in ("bos_token", "eos_token", "unk_token", "pad_token") if key in specials
+    }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special_map,
@@ -119,11 +120,13 @@ def _from_sentencepiece(path: Path):
         raise DataError(f"{path} is not a sentencepiece model ({e}); pass a data dir written by preprocess") from None
     trainer, norm = proto.trainer_spec, proto.normalizer_spec
     unsupported = [
-        what for what, bad in (
+        what
+        for what, bad in (
             ("treat_whitespace_as_suffix", trainer.treat_whitespace_as_suffix),
             ("escape_whitespaces=false", not norm.escape_whitespaces),
             (f"model_type {trainer.model_type} (only bpe and unigram)", trainer.model_type not in (_BPE, _UNIGRAM)),
-        ) if bad
+        )
+        if bad
     ]
     if unsupported:
         raise DataError(f"{path}: cannot convert a sentencepiece model with {', '.join(unsupported)} to tokenizer.json")
@@ -148,17 +151,18 @@ def _from_sentencepiece(path: Path):
             if piece[:k] in normal and piece[k:] in normal
         )
         model = models.BPE(
-            vocab=vocab, merges=[(a, b) for _, _, a, b in ranked], unk_token=trainer.unk_piece or pieces[ids["unk"]],
-            fuse_unk=True, byte_fallback=trainer.byte_fallback,
+            vocab=vocab,
+            merges=[(a, b) for _, _, a, b in ranked],
+            unk_token=trainer.unk_piece or pieces[ids["unk"]],
+            fuse_unk=True,
+            byte_fallback=trainer.byte_fallback,
         )
     else:
         # sentencepiece's lattice never holds control or unknown pieces; a `tokenizers`
         # Unigram holds every piece, so those get a score no path would choose (a literal
         # "<s>" in the text is then spelled out, as sentencepiece does).
         lowest = min(p.score for p in proto.pieces if p.type == _NORMAL)
-        vocab = [
-            (p.piece, p.score if p.type not in (_CONTROL, _UNKNOWN) else lowest - 1e6) for p in proto.pieces
-        ]
+        vocab = [(p.piece, p.score if p.type not in (_CONTROL, _UNKNOWN) else lowest - 1e6) for p in proto.pieces]
         model = models.Unigram(vocab, unk_id=ids["unk"], byte_fallback=trainer.byte_fallback)
     tokenizer = Tokenizer(model)
 
@@ -183,8 +187,11 @@ def _from_sentencepiece(path: Path):
         # control piece such as "<s>" can then not cover an unseen "<" (its low score
         # above does not keep it out there: `tokenizers` scores <unk> below every piece).
         seen = {c for p in proto.pieces if p.type in (_NORMAL, _USER_DEFINED) for c in p.piece}
-        splits.append(pre_tokenizers.Split(
-            Regex(f"[^{''.join(_regex_escape(c, every=True) for c in sorted(seen))}]+"), behavior="isolated"))
+        splits.append(
+            pre_tokenizers.Split(
+                Regex(f"[^{''.join(_regex_escape(c, every=True) for c in sorted(seen))}]+"), behavior="isolated"
+            )
+        )
     if splits:
         tokenizer.pre_tokenizer = splits[0] if len(splits) == 1 else pre_tokenizers.Sequence(splits)
 

@@ -44,8 +44,9 @@ def load_hf_tokenizer_file(path: Path):
         return Tokenizer.from_file(os.fspath(path))
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DataError(f"{path} is not a tokenizers tokenizer.json ({reason[:200]}); pass the file a Hugging Face "
-                        "model ships") from None
+        raise DataError(
+            f"{path} is not a tokenizers tokenizer.json ({reason[:200]}); pass the file a Hugging Face model ships"
+        ) from None
 
 
 def hf_vocab_size(tokenizer) -> int:
@@ -92,11 +93,15 @@ class HFTokenizer:
         for key, content in self.tokens.items():
             ids[key] = None if content is None else self._tok.token_to_id(content)
             if content is not None and ids[key] is None:
-                raise DataError(f"{key}_token {content!r} ({where}) is not in {self.path}'s vocabulary; "
-                                "fix the config to name one of its tokens")
+                raise DataError(
+                    f"{key}_token {content!r} ({where}) is not in {self.path}'s vocabulary; "
+                    "fix the config to name one of its tokens"
+                )
         if ids["eos"] is None:
-            raise DataError(f"{self.path}: no eos_token ({where}); preprocess ends every sequence with it: add "
-                            '"eos_token" to tokenizer_config.json')
+            raise DataError(
+                f"{self.path}: no eos_token ({where}); preprocess ends every sequence with it: add "
+                '"eos_token" to tokenizer_config.json'
+            )
         self.bos, self.eos, self.unk = ids["bos"], ids["eos"], ids["unk"]
         self.pad, self.pad_reason = self._choose_pad(ids["pad"])
         self._skip_on_decode = {self.bos, self.pad, self.eos} - {None}
@@ -115,7 +120,8 @@ class HFTokenizer:
         if named is not None and named not in real:
             return named, "pad_token"
         specials = sorted(
-            (i, token.content) for i, token in self._tok.get_added_tokens_decoder().items()
+            (i, token.content)
+            for i, token in self._tok.get_added_tokens_decoder().items()
             if token.special and i not in real
         )
         for i, content in specials:

@@ -21,8 +21,9 @@ def collate(items: Sequence[np.ndarray], pad: int, bos: int | None = None, width
     return out
 
 
-def collate_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad: int, bos: int | None = None,
-                  width: int | None = None) -> dict:
+def collate_pairs(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad: int, bos: int | None = None, width: int | None = None
+) -> dict:
     """(input, target) rows right-padded into two B×T int64 tensors, T = the longest row or
     ``width`` if that is more (--pad-to-fixed-length). With ``bos`` (--add-bos-token) each
     row starts with <s>, whose target is pad: fairseq scores a <s> target there (and its
@@ -36,12 +37,17 @@ def collate_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad: int, bos:
     target = np.full((len(pairs), width), pad, dtype=np.int64)
     for row, (s, t) in enumerate(pairs):
         src[row, : len(s)], target[row, : len(t)] = s, t
-    return {"src_tokens": torch.from_numpy(src), "target": torch.from_numpy(target),
-            "ntokens": int((target != pad).sum()), "nsentences": len(pairs)}
+    return {
+        "src_tokens": torch.from_numpy(src),
+        "target": torch.from_numpy(target),
+        "ntokens": int((target != pad).sum()),
+        "nsentences": len(pairs),
+    }
 
 
-def batch_by_size(order: np.ndarray, num_tokens: np.ndarray, batch_size: int | None, max_tokens: int | None,
-                  multiple: int = 1) -> list[list[int]]:
+def batch_by_size(
+    order: np.ndarray, num_tokens: np.ndarray, batch_size: int | None, max_tokens: int | None, multiple: int = 1
+) -> list[list[int]]:
     """Consecutive items of ``order`` in batches of at most ``batch_size`` items and at most
     ``max_tokens`` = items × longest, with sizes below ``multiple`` or multiples of it
     (fairseq's batch_by_size_vec, --required-batch-size-multiple).
@@ -235,6 +241,15 @@ def _load(batches: _CollatedBatches, num_workers: int, worker_init: Callable | N
     context = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
     # The loader draws its workers' seeds from this generator, not from torch's global one,
     # whose state (dropout) checkpoints save: a resumed run must draw what the first one did.
-    return iter(DataLoader(batches, batch_size=None, shuffle=False, num_workers=num_workers, collate_fn=_as_is,
-                           multiprocessing_context=context, generator=torch.Generator().manual_seed(0),
-                           worker_init_fn=worker_init))
+    return iter(
+        DataLoader(
+            batches,
+            batch_size=None,
+            shuffle=False,
+            num_workers=num_workers,
+            collate_fn=_as_is,
+            multiprocessing_context=context,
+            generator=torch.Generator().manual_seed(0),
+            worker_init_fn=worker_init,
+        )
+    )

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from data.encode import EncodePool, encode_splits
 from data.errors import DataError
+from data.hf_tokenizer import HF_TOKENIZER_FILE, HFTokenizer, hf_tokenizer_paths
 from data.indexed_dataset import best_fitting_dtype
 from data.sources import INPUT_FORMATS, Source, load_rows, resolve_sources, split_specs
-from data.hf_tokenizer import HF_TOKENIZER_FILE, HFTokenizer, hf_tokenizer_paths
 from data.tokenizer import SPECIAL_IDS, SentencePieceTokenizer, file_sha256, train_sentencepiece
 
 METADATA_FORMAT = "shardlm-mmidx-1"
@@ -40,7 +40,8 @@ DEFAULT_SPM_MODEL_TYPE = "bpe"
 def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``parser_class``: cli.py passes one whose errors are a single line, not usage text."""
     parser = parser_class(
-        prog="preprocess", allow_abbrev=False,
+        prog="preprocess",
+        allow_abbrev=False,
         description="Tokenize local text, jsonl, parquet or csv files (or a saved HF dataset) "
         "into memory-mapped token files for train, with a sentencepiece model trained on "
         "--trainpref (default), reused (--spm-model), or a Hugging Face model's own tokenizer (--tokenizer).",
@@ -48,20 +49,25 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
     inputs = "a path, a glob, or a comma-separated list of them"
     parser.add_argument("--trainpref", metavar="FP", help=f"train input: {inputs}")
     parser.add_argument(
-        "--validpref", metavar="FP",
+        "--validpref",
+        metavar="FP",
         help=f"valid input: {inputs}; comma-separated parts become splits valid, valid1, ...",
     )
     parser.add_argument(
-        "--testpref", metavar="FP",
+        "--testpref",
+        metavar="FP",
         help=f"test input: {inputs}; comma-separated parts become splits test, test1, ...",
     )
     parser.add_argument("--destdir", metavar="DIR", default="data-bin", help="output dir (default: data-bin)")
     parser.add_argument(
-        "--text-column", default="text",
+        "--text-column",
+        default="text",
         help="column holding the text in json/parquet/csv/saved inputs (default: text)",
     )
     parser.add_argument(
-        "--input-format", choices=INPUT_FORMATS, default="auto",
+        "--input-format",
+        choices=INPUT_FORMATS,
+        default="auto",
         help="input file format; auto picks by extension: .txt/.tokens/.raw/none -> text, "
         ".json/.jsonl -> json, .parquet, .csv, .arrow; a save_to_disk dir is always read as saved",
     )
@@ -71,15 +77,19 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
         "--vocab-size", type=int, default=None, help=f"sentencepiece vocabulary size (default: {DEFAULT_VOCAB_SIZE})"
     )
     parser.add_argument(
-        "--spm-model-type", choices=("bpe", "unigram"), default=None,
+        "--spm-model-type",
+        choices=("bpe", "unigram"),
+        default=None,
         help=f"sentencepiece model type (default: {DEFAULT_SPM_MODEL_TYPE})",
     )
     parser.add_argument(
-        "--spm-model", metavar="PATH",
+        "--spm-model",
+        metavar="PATH",
         help="reuse this sentencepiece .model instead of training one (needs ids bos=0 pad=1 eos=2 unk=3)",
     )
     parser.add_argument(
-        "--tokenizer", metavar="HF_DIR",
+        "--tokenizer",
+        metavar="HF_DIR",
         help="encode with this Hugging Face model's own tokenizer instead of sentencepiece: a model or tokenizer "
         "directory (tokenizer.json, tokenizer_config.json) or a tokenizer.json file. Its template adds BOS where "
         "the model has one, its eos_token ends every sequence, pad comes from its config (docs/data.md)",
@@ -88,7 +98,9 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument(
         "--seed", type=int, default=None, help="seed for sentencepiece's sentence sampling (default: 1)"
     )
-    parser.add_argument("--debug", action="store_true", help="on an error, also print its traceback (or set SHARDLM_DEBUG=1)")
+    parser.add_argument(
+        "--debug", action="store_true", help="on an error, also print its traceback (or set SHARDLM_DEBUG=1)"
+    )
     return parser
 
 
@@ -96,10 +108,13 @@ def _check_args(args) -> None:
     if args.workers < 1:
         raise DataError(f"--workers must be at least 1, got {args.workers}")
     tokenizer = args.tokenizer
-    if tokenizer and (args.spm_model or args.vocab_size is not None or args.spm_model_type is not None
-                      or args.seed is not None):
-        raise DataError("--tokenizer encodes with that model's own tokenizer; leave out --spm-model, --vocab-size, "
-                        "--spm-model-type and --seed")
+    if tokenizer and (
+        args.spm_model or args.vocab_size is not None or args.spm_model_type is not None or args.seed is not None
+    ):
+        raise DataError(
+            "--tokenizer encodes with that model's own tokenizer; leave out --spm-model, --vocab-size, "
+            "--spm-model-type and --seed"
+        )
     if args.seed is None:
         args.seed = 1
     if args.spm_model and (args.vocab_size is not None or args.spm_model_type is not None):
@@ -109,7 +124,9 @@ def _check_args(args) -> None:
     if args.spm_model_type is None:
         args.spm_model_type = DEFAULT_SPM_MODEL_TYPE
     if not (args.spm_model or tokenizer) and args.vocab_size <= len(SPECIAL_IDS):
-        raise DataError(f"--vocab-size must be larger than the {len(SPECIAL_IDS)} special symbols, got {args.vocab_size}")
+        raise DataError(
+            f"--vocab-size must be larger than the {len(SPECIAL_IDS)} special symbols, got {args.vocab_size}"
+        )
     if not (args.trainpref or args.validpref or args.testpref):
         raise DataError("nothing to preprocess; pass --trainpref and/or --validpref/--testpref")
     if not args.trainpref and not (args.spm_model or tokenizer):
@@ -178,8 +195,7 @@ def _build(args, sources: dict[str, list[Source]], work: Path, out: Path) -> dic
 def _load_and_encode(args, sources: dict[str, list[Source]], work: Path, out: Path, pool) -> dict:
 
     rows = {
-        split: load_rows(split_sources, args.text_column, work / "hf-cache")
-        for split, split_sources in sources.items()
+        split: load_rows(split_sources, args.text_column, work / "hf-cache") for split, split_sources in sources.items()
     }
     if args.tokenizer:
         return _encode_hf(args, rows, sources, work, out, pool)
@@ -240,8 +256,7 @@ def _encode(rows, sources, model_path: Path, tokenizer, work: Path, out: Path, p
     splits = {}
     for split, stats in encode_splits(rows, model_path, out, dtype, pool, shard_dir):
         print(
-            f"{split}: {stats.documents:,} documents, {stats.tokens:,} tokens, "
-            f"{stats.tokens_per_second:,.0f} tokens/s",
+            f"{split}: {stats.documents:,} documents, {stats.tokens:,} tokens, {stats.tokens_per_second:,.0f} tokens/s",
             flush=True,
         )
         splits[split] = {

@@ -52,9 +52,7 @@ def _not_found(spec: str) -> DataError:
 def _format_of(path: Path, input_format: str) -> str:
     if path.is_dir():
         if (path / "dataset_dict.json").is_file():
-            raise DataError(
-                f"{path} is a saved DatasetDict; point at one of its splits, e.g. {path / 'train'}"
-            )
+            raise DataError(f"{path} is a saved DatasetDict; point at one of its splits, e.g. {path / 'train'}")
         if not any((path / name).is_file() for name in _SAVED_DATASET_FILES):
             raise DataError(
                 f"{path} is a directory but not a dataset saved with save_to_disk; "
@@ -90,7 +88,9 @@ def resolve_sources(spec: str, input_format: str = "auto") -> list[Source]:
         elif any(c in item for c in "*?["):
             paths = [Path(p) for p in sorted(glob.glob(item, recursive=True)) if Path(p).is_file()]
             if not paths:
-                raise DataError(f"the pattern {item} matched no files; check the path (preprocess reads local files only)")
+                raise DataError(
+                    f"the pattern {item} matched no files; check the path (preprocess reads local files only)"
+                )
         else:
             raise _not_found(item)
         # An empty file holds no sequences, and datasets refuses to read one.
@@ -150,8 +150,7 @@ def load_rows(sources: list[Source], text_column: str, cache_dir: Path) -> TextF
 
     Uncompressed text files are read directly; anything else goes through ``datasets``.
     """
-    if all(source.format == "text" and source.path.suffix.lower() not in _COMPRESSION_EXTENSIONS
-           for source in sources):
+    if all(source.format == "text" and source.path.suffix.lower() not in _COMPRESSION_EXTENSIONS for source in sources):
         if text_column != "text":
             raise DataError(
                 f"{sources[0].path} has no column {text_column!r}; its columns are text; pass --text-column"
@@ -188,9 +187,7 @@ def load_text_dataset(sources: list[Source], text_column: str, cache_dir: Path):
         except Exception as e:  # datasets wraps parse errors in many types
             cause = e.__cause__ or e
             reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-            raise DataError(
-                f"could not read {where} as {fmt}: {reason}; check the file, or pass --input-format"
-            ) from e
+            raise DataError(f"could not read {where} as {fmt}: {reason}; check the file, or pass --input-format") from e
         finally:
             datasets.utils.logging.set_verbosity(verbosity)
         if text_column not in ds.column_names:

@@ -94,11 +94,16 @@ class SentencePieceTokenizer:
         try:
             self._sp = spm.SentencePieceProcessor(model_file=os.fspath(path))
         except (RuntimeError, OSError) as e:
-            raise DataError(f"{path} is not a sentencepiece model ({e}); pass a .model file written by sentencepiece") from None
+            raise DataError(
+                f"{path} is not a sentencepiece model ({e}); pass a .model file written by sentencepiece"
+            ) from None
         self.model_path = path
         self.vocab_size = self._sp.get_piece_size()
         self.bos, self.pad, self.eos, self.unk = (
-            self._sp.bos_id(), self._sp.pad_id(), self._sp.eos_id(), self._sp.unk_id()
+            self._sp.bos_id(),
+            self._sp.pad_id(),
+            self._sp.eos_id(),
+            self._sp.unk_id(),
         )
         self._skip_on_decode = {self.bos, self.pad, self.eos}
 
@@ -129,7 +134,10 @@ class DictionaryTokenizer:
         self.dictionary = dictionary
         self.vocab_size = len(dictionary)
         self.bos, self.pad, self.eos, self.unk = (
-            dictionary.bos(), dictionary.pad(), dictionary.eos(), dictionary.unk()
+            dictionary.bos(),
+            dictionary.pad(),
+            dictionary.eos(),
+            dictionary.unk(),
         )
 
     def special_ids(self) -> dict[str, int]:

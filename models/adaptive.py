@@ -19,6 +19,7 @@ Every band and every tail runs in every forward, on no rows when a batch has non
 its tokens, so each parameter takes part in each update. fairseq skips such tails and so
 refuses PyTorch's DDP with adaptive_loss; here every backend trains these models.
 """
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -44,9 +45,12 @@ class AdaptiveInput(nn.Module):
         self.embedding_dim, self.padding_idx = output_dim, padding_idx
         # fairseq's layout and names: embeddings.{band}.0 is the table, .1 the projection.
         self.embeddings = nn.ModuleList(
-            nn.Sequential(nn.Embedding(end - start, width, padding_idx if i == 0 else None),
-                          nn.Linear(width, output_dim, bias=False))
-            for i, (start, end, width) in enumerate(self.bands))
+            nn.Sequential(
+                nn.Embedding(end - start, width, padding_idx if i == 0 else None),
+                nn.Linear(width, output_dim, bias=False),
+            )
+            for i, (start, end, width) in enumerate(self.bands)
+        )
 
     def weights_for_band(self, band):
         """(table, projection weight) of a band, as FSDP has them now (gathered in forward)."""
@@ -113,7 +117,8 @@ class AdaptiveSoftmax(nn.Module):
             self.class_proj = None
         self.tail = nn.ModuleList(
             Tail(input_dim, width, end - start, dropout, own_proj=not (tied and tie_proj), own_words=not tied)
-            for start, end, width in self.bands[1:])
+            for start, end, width in self.bands[1:]
+        )
 
     def _tied(self, band):
         return self._tied_input[0].weights_for_band(band) if self._tied_input else (None, None)
@@ -148,14 +153,13 @@ class AdaptiveSoftmax(nn.Module):
         # Every tail runs, on no rows when its band has no target here (see AdaptiveInput).
         for i, rows in enumerate(members):
             logits = self.tail_logits(i, x.index_select(0, rows)).float()
-            loss = loss + F.cross_entropy(logits, target.index_select(0, rows) - self.bands[i + 1][0],
-                                          reduction="sum")
+            loss = loss + F.cross_entropy(logits, target.index_select(0, rows) - self.bands[i + 1][0], reduction="sum")
         return loss
 
     def log_probs(self, x):
         """fairseq's get_log_prob without a target: B×T×V log-probabilities (fp32)."""
         head = F.log_softmax(self.head_logits(x).float(), dim=-1)
-        parts = [head[..., :self.head_words]]
+        parts = [head[..., : self.head_words]]
         for i in range(len(self.tail)):
             prior = head[..., self.head_words + i, None]  # log p(cluster i)
             parts.append(F.log_softmax(self.tail_logits(i, x).float(), dim=-1) + prior)

@@ -8,9 +8,9 @@ Read as `chunks.NAME` at call time (not `from … import`), so that a test chang
 changes it for the kernel and the planner alike.
 """
 
-LOSS_CHUNK_BYTES = 32 * 2 ** 20  # fp32 logits of one chunk of the loss's rows
+LOSS_CHUNK_BYTES = 32 * 2**20  # fp32 logits of one chunk of the loss's rows
 # One chunk's T×T attention scores; its backward holds three such tensors.
-ATTENTION_SCORES_BYTES = 8 * 2 ** 20
+ATTENTION_SCORES_BYTES = 8 * 2**20
 
 
 def loss_chunk_rows(vocab):

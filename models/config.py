@@ -3,6 +3,7 @@
 Torch-free on purpose: `train --help` builds its flags from this dataclass and
 must answer before torch is imported.
 """
+
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -14,117 +15,191 @@ ROPE_SCALINGS = ("llama3",)
 
 @dataclass
 class TransformerLMConfig:
-    _name: str = field(default="transformer_lm", metadata={
-        "help": "model preset (fairseq --arch); also `model=NAME`", "flag": "--arch", "short": "-a"})
+    _name: str = field(
+        default="transformer_lm",
+        metadata={"help": "model preset (fairseq --arch); also `model=NAME`", "flag": "--arch", "short": "-a"},
+    )
     decoder_embed_dim: int = field(default=512, metadata={"help": "decoder embedding dimension"})
     decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "decoder feed-forward dimension"})
     decoder_layers: int = field(default=6, metadata={"help": "number of decoder layers"})
     decoder_attention_heads: int = field(default=8, metadata={"help": "number of attention heads"})
-    decoder_normalize_before: bool = field(default=True, metadata={
-        "help": "pre-LN: normalize before each sublayer (fairseq forces it on for LMs)"})
+    decoder_normalize_before: bool = field(
+        default=True, metadata={"help": "pre-LN: normalize before each sublayer (fairseq forces it on for LMs)"}
+    )
     no_decoder_final_norm: bool = field(default=False, metadata={"help": "drop the final layer norm"})
-    decoder_learned_pos: bool = field(default=False, metadata={
-        "help": "learned positional embeddings (default: sinusoidal)"})
-    no_token_positional_embeddings: bool = field(default=False, metadata={
-        "help": "no positional embeddings at all"})
-    share_decoder_input_output_embed: bool = field(default=False, metadata={
-        "help": "tie the input embedding and the output projection"})
-    no_scale_embedding: bool = field(default=False, metadata={
-        "help": "do not scale token embeddings by sqrt(embed_dim)"})
+    decoder_learned_pos: bool = field(
+        default=False, metadata={"help": "learned positional embeddings (default: sinusoidal)"}
+    )
+    no_token_positional_embeddings: bool = field(default=False, metadata={"help": "no positional embeddings at all"})
+    share_decoder_input_output_embed: bool = field(
+        default=False, metadata={"help": "tie the input embedding and the output projection"}
+    )
+    no_scale_embedding: bool = field(
+        default=False, metadata={"help": "do not scale token embeddings by sqrt(embed_dim)"}
+    )
     layernorm_embedding: bool = field(default=False, metadata={"help": "layer norm after the embeddings"})
     activation_fn: str = field(default="relu", metadata={"help": "activation function", "choices": ACTIVATIONS})
     dropout: float = field(default=0.1, metadata={"help": "dropout probability"})
     attention_dropout: float = field(default=0.0, metadata={"help": "dropout on attention weights"})
-    activation_dropout: float = field(default=0.0, metadata={
-        "help": "dropout after the FFN activation", "alias": "--relu-dropout"})
-    max_target_positions: Optional[int] = field(default=None, metadata={
-        "help": "longest sequence the model accepts (default: --tokens-per-sample)"})
-    checkpoint_activations: bool = field(default=False, metadata={
-        "help": "recompute each layer's activations in backward instead of storing them"})
-    offload_activations: bool = field(default=False, metadata={
-        "help": "keep checkpointed activations on the CPU; implies --checkpoint-activations"})
-    decoder_input_dim: Optional[int] = field(default=None, metadata={
-        "help": "width of the token embeddings, projected to --decoder-embed-dim when different "
-                "(default: --decoder-embed-dim)"})
-    decoder_output_dim: Optional[int] = field(default=None, metadata={
-        "help": "width fed to the output projection, projected from --decoder-embed-dim when different "
-                "(default: --decoder-embed-dim)"})
-    decoder_layerdrop: float = field(default=0.0, metadata={
-        "help": "LayerDrop: skip each decoder layer with this probability in training, drawn anew "
-                "for every micro-batch, the same on every rank (Fan et al., 2019); evaluation runs all"})
-    decoder_layers_to_keep: Optional[str] = field(default=None, metadata={
-        "help": "keep only these of the --decoder-layers layers, comma-separated ids (e.g. \"0,2,4\"), "
-                "renumbered 0, 1, …: prunes a LayerDrop-trained checkpoint of all of them, typically "
-                "with eval-lm --model-overrides"})
-    scale_attn: bool = field(default=False, metadata={
-        "help": "NormFormer: layer norm on the attention block's output (after its projection, as fairseq)"})
-    scale_fc: bool = field(default=False, metadata={
-        "help": "NormFormer: layer norm after the feed-forward activation"})
-    scale_heads: bool = field(default=False, metadata={
-        "help": "NormFormer: a learned scale per attention head of the attention block's output"})
-    scale_resids: bool = field(default=False, metadata={
-        "help": "NormFormer: a learned per-channel scale of the feed-forward block's residual"})
-    adaptive_input: bool = field(default=False, metadata={
-        "help": "adaptive input embeddings (Baevski & Auli, 2018): narrower tables for rarer tokens"})
-    adaptive_input_factor: float = field(default=4.0, metadata={
-        "help": "adaptive input: each band's width is the previous one's divided by this"})
-    adaptive_input_cutoff: Optional[str] = field(default=None, metadata={
-        "help": "adaptive input: comma-separated vocabulary cutoffs, e.g. \"20000,60000\""})
-    adaptive_softmax_cutoff: Optional[str] = field(default=None, metadata={
-        "help": "adaptive softmax: comma-separated vocabulary cutoffs (with --criterion adaptive_loss)"})
-    adaptive_softmax_dropout: float = field(default=0.0, metadata={
-        "help": "adaptive softmax: dropout in the tail projections"})
-    adaptive_softmax_factor: float = field(default=4.0, metadata={
-        "help": "adaptive softmax: each tail's width is the previous one's divided by this"})
-    tie_adaptive_weights: bool = field(default=False, metadata={
-        "help": "tie the adaptive input's and adaptive softmax's embedding tables"})
-    tie_adaptive_proj: bool = field(default=False, metadata={
-        "help": "also tie their projections (with --tie-adaptive-weights)"})
-    character_embeddings: bool = field(default=False, metadata={
-        "help": "fairseq's character-CNN token embeddings: not supported (refused)"})
+    activation_dropout: float = field(
+        default=0.0, metadata={"help": "dropout after the FFN activation", "alias": "--relu-dropout"}
+    )
+    max_target_positions: Optional[int] = field(
+        default=None, metadata={"help": "longest sequence the model accepts (default: --tokens-per-sample)"}
+    )
+    checkpoint_activations: bool = field(
+        default=False, metadata={"help": "recompute each layer's activations in backward instead of storing them"}
+    )
+    offload_activations: bool = field(
+        default=False, metadata={"help": "keep checkpointed activations on the CPU; implies --checkpoint-activations"}
+    )
+    decoder_input_dim: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "width of the token embeddings, projected to --decoder-embed-dim when different "
+            "(default: --decoder-embed-dim)"
+        },
+    )
+    decoder_output_dim: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "width fed to the output projection, projected from --decoder-embed-dim when different "
+            "(default: --decoder-embed-dim)"
+        },
+    )
+    decoder_layerdrop: float = field(
+        default=0.0,
+        metadata={
+            "help": "LayerDrop: skip each decoder layer with this probability in training, drawn anew "
+            "for every micro-batch, the same on every rank (Fan et al., 2019); evaluation runs all"
+        },
+    )
+    decoder_layers_to_keep: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": 'keep only these of the --decoder-layers layers, comma-separated ids (e.g. "0,2,4"), '
+            "renumbered 0, 1, …: prunes a LayerDrop-trained checkpoint of all of them, typically "
+            "with eval-lm --model-overrides"
+        },
+    )
+    scale_attn: bool = field(
+        default=False,
+        metadata={"help": "NormFormer: layer norm on the attention block's output (after its projection, as fairseq)"},
+    )
+    scale_fc: bool = field(default=False, metadata={"help": "NormFormer: layer norm after the feed-forward activation"})
+    scale_heads: bool = field(
+        default=False,
+        metadata={"help": "NormFormer: a learned scale per attention head of the attention block's output"},
+    )
+    scale_resids: bool = field(
+        default=False, metadata={"help": "NormFormer: a learned per-channel scale of the feed-forward block's residual"}
+    )
+    adaptive_input: bool = field(
+        default=False,
+        metadata={"help": "adaptive input embeddings (Baevski & Auli, 2018): narrower tables for rarer tokens"},
+    )
+    adaptive_input_factor: float = field(
+        default=4.0, metadata={"help": "adaptive input: each band's width is the previous one's divided by this"}
+    )
+    adaptive_input_cutoff: Optional[str] = field(
+        default=None, metadata={"help": 'adaptive input: comma-separated vocabulary cutoffs, e.g. "20000,60000"'}
+    )
+    adaptive_softmax_cutoff: Optional[str] = field(
+        default=None,
+        metadata={"help": "adaptive softmax: comma-separated vocabulary cutoffs (with --criterion adaptive_loss)"},
+    )
+    adaptive_softmax_dropout: float = field(
+        default=0.0, metadata={"help": "adaptive softmax: dropout in the tail projections"}
+    )
+    adaptive_softmax_factor: float = field(
+        default=4.0, metadata={"help": "adaptive softmax: each tail's width is the previous one's divided by this"}
+    )
+    tie_adaptive_weights: bool = field(
+        default=False, metadata={"help": "tie the adaptive input's and adaptive softmax's embedding tables"}
+    )
+    tie_adaptive_proj: bool = field(
+        default=False, metadata={"help": "also tie their projections (with --tie-adaptive-weights)"}
+    )
+    character_embeddings: bool = field(
+        default=False, metadata={"help": "fairseq's character-CNN token embeddings: not supported (refused)"}
+    )
     character_filters: str = field(
         default="[(1, 64), (2, 128), (3, 192), (4, 256), (5, 256), (6, 256), (7, 256)]",
-        metadata={"help": "character CNN filters (only with --character-embeddings)"})
-    character_embedding_dim: int = field(default=4, metadata={
-        "help": "character embedding size (only with --character-embeddings)"})
-    char_embedder_highway_layers: int = field(default=2, metadata={
-        "help": "character embedder highway layers (only with --character-embeddings)"})
-    quant_noise_pq: float = field(default=0.0, metadata={
-        "help": "Quant-Noise product-quantization noise: not supported, 0 only"})
-    quant_noise_pq_block_size: int = field(default=8, metadata={
-        "help": "Quant-Noise block size (only with --quant-noise-pq)"})
-    quant_noise_scalar: float = field(default=0.0, metadata={
-        "help": "Quant-Noise scalar noise: not supported, 0 only"})
+        metadata={"help": "character CNN filters (only with --character-embeddings)"},
+    )
+    character_embedding_dim: int = field(
+        default=4, metadata={"help": "character embedding size (only with --character-embeddings)"}
+    )
+    char_embedder_highway_layers: int = field(
+        default=2, metadata={"help": "character embedder highway layers (only with --character-embeddings)"}
+    )
+    quant_noise_pq: float = field(
+        default=0.0, metadata={"help": "Quant-Noise product-quantization noise: not supported, 0 only"}
+    )
+    quant_noise_pq_block_size: int = field(
+        default=8, metadata={"help": "Quant-Noise block size (only with --quant-noise-pq)"}
+    )
+    quant_noise_scalar: float = field(default=0.0, metadata={"help": "Quant-Noise scalar noise: not supported, 0 only"})
     # The Llama family's pieces (Llama 3, Qwen3): each one a field, off by default, so the
     # GPT-style models and their checkpoints are unchanged.
-    norm_type: str = field(default="layernorm", metadata={
-        "help": "the decoder's norms: layernorm, or rmsnorm (Llama, Qwen3)", "choices": NORMS})
+    norm_type: str = field(
+        default="layernorm",
+        metadata={"help": "the decoder's norms: layernorm, or rmsnorm (Llama, Qwen3)", "choices": NORMS},
+    )
     norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of every norm (Llama 1e-5, Qwen3 1e-6)"})
-    gated_ffn: bool = field(default=False, metadata={
-        "help": "gated feed-forward, fc2(act(gate(x)) * up(x)): with --activation-fn swish it is SwiGLU (Llama)"})
-    decoder_kv_heads: Optional[int] = field(default=None, metadata={
-        "help": "key/value heads, fewer than the query heads for grouped-query attention "
-                "(default: --decoder-attention-heads)"})
-    decoder_head_dim: Optional[int] = field(default=None, metadata={
-        "help": "width of each attention head (default: --decoder-embed-dim / --decoder-attention-heads; "
-                "Qwen3 sets 128)"})
+    gated_ffn: bool = field(
+        default=False,
+        metadata={
+            "help": "gated feed-forward, fc2(act(gate(x)) * up(x)): with --activation-fn swish it is SwiGLU (Llama)"
+        },
+    )
+    decoder_kv_heads: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "key/value heads, fewer than the query heads for grouped-query attention "
+            "(default: --decoder-attention-heads)"
+        },
+    )
+    decoder_head_dim: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "width of each attention head (default: --decoder-embed-dim / --decoder-attention-heads; "
+            "Qwen3 sets 128)"
+        },
+    )
     no_bias: bool = field(default=False, metadata={"help": "no bias in any linear layer or norm (Llama, Qwen3)"})
-    qk_norm: bool = field(default=False, metadata={
-        "help": "an RMSNorm on each head's queries and keys before the rotary embedding (Qwen3)"})
-    rope: bool = field(default=False, metadata={
-        "help": "rotary position embeddings on queries and keys (rotating halves, as Llama) instead of "
-                "positions added to the embeddings"})
+    qk_norm: bool = field(
+        default=False,
+        metadata={"help": "an RMSNorm on each head's queries and keys before the rotary embedding (Qwen3)"},
+    )
+    rope: bool = field(
+        default=False,
+        metadata={
+            "help": "rotary position embeddings on queries and keys (rotating halves, as Llama) instead of "
+            "positions added to the embeddings"
+        },
+    )
     rope_theta: float = field(default=10000.0, metadata={"help": "rotary embeddings' base (Llama 3 500000)"})
-    rope_scaling: Optional[str] = field(default=None, metadata={
-        "help": "rotary frequency scaling: llama3 (Llama 3.1's long-context scaling)", "choices": ROPE_SCALINGS})
+    rope_scaling: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "rotary frequency scaling: llama3 (Llama 3.1's long-context scaling)",
+            "choices": ROPE_SCALINGS,
+        },
+    )
     rope_scaling_factor: float = field(default=8.0, metadata={"help": "llama3 rope scaling: factor"})
     rope_low_freq_factor: float = field(default=1.0, metadata={"help": "llama3 rope scaling: low_freq_factor"})
     rope_high_freq_factor: float = field(default=4.0, metadata={"help": "llama3 rope scaling: high_freq_factor"})
-    rope_original_max_positions: int = field(default=8192, metadata={
-        "help": "llama3 rope scaling: original_max_position_embeddings"})
-    min_params_to_wrap: int = field(default=0, metadata={
-        "help": "FSDP: a decoder layer with at least this many parameters is its own shard unit "
-                "(fairseq's 1e8 left most layers unwrapped; 0 wraps every layer)"})
+    rope_original_max_positions: int = field(
+        default=8192, metadata={"help": "llama3 rope scaling: original_max_position_embeddings"}
+    )
+    min_params_to_wrap: int = field(
+        default=0,
+        metadata={
+            "help": "FSDP: a decoder layer with at least this many parameters is its own shard unit "
+            "(fairseq's 1e8 left most layers unwrapped; 0 wraps every layer)"
+        },
+    )
 
 
 def parse_cutoffs(text):
@@ -151,7 +226,7 @@ def adaptive_bands(cutoff, vocab_size, dim, factor):
     if cutoffs[-1] < vocab_size:
         cutoffs.append(vocab_size)
     starts = [0] + cutoffs[:-1]
-    return [(start, end, int(dim // factor ** i)) for i, (start, end) in enumerate(zip(starts, cutoffs))]
+    return [(start, end, int(dim // factor**i)) for i, (start, end) in enumerate(zip(starts, cutoffs))]
 
 
 def layers_to_keep(model_cfg):
@@ -167,8 +242,9 @@ def layers_to_keep(model_cfg):
     if len(set(ids)) < len(ids):
         raise ValueError("names a layer twice")
     if ids[0] < 0 or ids[-1] >= model_cfg.decoder_layers:
-        raise ValueError(f"names a layer outside 0-{model_cfg.decoder_layers - 1} (--decoder-layers "
-                         f"{model_cfg.decoder_layers})")
+        raise ValueError(
+            f"names a layer outside 0-{model_cfg.decoder_layers - 1} (--decoder-layers {model_cfg.decoder_layers})"
+        )
     return ids
 
 
@@ -180,21 +256,36 @@ def num_layers(model_cfg):
 
 def _gpt3(layers, dim, heads):
     # fairseq's base_gpt3_architecture: learned positions, tied embeddings, gelu, no dropout.
-    return dict(decoder_layers=layers, decoder_embed_dim=dim, decoder_ffn_embed_dim=4 * dim,
-                decoder_attention_heads=heads, decoder_learned_pos=True,
-                share_decoder_input_output_embed=True, activation_fn="gelu",
-                dropout=0.0, attention_dropout=0.0)
+    return dict(
+        decoder_layers=layers,
+        decoder_embed_dim=dim,
+        decoder_ffn_embed_dim=4 * dim,
+        decoder_attention_heads=heads,
+        decoder_learned_pos=True,
+        share_decoder_input_output_embed=True,
+        activation_fn="gelu",
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
 
 
 def _gpt2(layers, dim, ffn, heads):
     # fairseq's transformer_lm_gpt2_*: gelu, dropout 0.1, attention dropout 0.1.
-    return dict(decoder_layers=layers, decoder_embed_dim=dim, decoder_ffn_embed_dim=ffn,
-                decoder_attention_heads=heads, activation_fn="gelu",
-                dropout=0.1, attention_dropout=0.1)
+    return dict(
+        decoder_layers=layers,
+        decoder_embed_dim=dim,
+        decoder_ffn_embed_dim=ffn,
+        decoder_attention_heads=heads,
+        activation_fn="gelu",
+        dropout=0.1,
+        attention_dropout=0.1,
+    )
 
 
 def head_dim(model_cfg):
-    return getattr(model_cfg, "decoder_head_dim", None) or model_cfg.decoder_embed_dim // model_cfg.decoder_attention_heads
+    return (
+        getattr(model_cfg, "decoder_head_dim", None) or model_cfg.decoder_embed_dim // model_cfg.decoder_attention_heads
+    )
 
 
 def kv_heads(model_cfg):
@@ -204,20 +295,45 @@ def kv_heads(model_cfg):
 def _llama(layers, dim, ffn, heads, kv, tied, scaling, head=None, theta=500000.0):
     # Llama 3.x (Meta's published config.json files): RMSNorm, SwiGLU, GQA, RoPE with
     # llama3 scaling, no biases, unscaled embeddings, no dropout.
-    return dict(decoder_layers=layers, decoder_embed_dim=dim, decoder_ffn_embed_dim=ffn,
-                decoder_attention_heads=heads, decoder_kv_heads=kv, decoder_head_dim=head or dim // heads,
-                norm_type="rmsnorm", norm_eps=1e-5, gated_ffn=True, activation_fn="swish", no_bias=True,
-                qk_norm=False, rope=True, rope_theta=theta, rope_scaling="llama3", rope_scaling_factor=scaling,
-                rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_positions=8192,
-                no_scale_embedding=True, share_decoder_input_output_embed=tied, decoder_learned_pos=False,
-                no_token_positional_embeddings=True, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    return dict(
+        decoder_layers=layers,
+        decoder_embed_dim=dim,
+        decoder_ffn_embed_dim=ffn,
+        decoder_attention_heads=heads,
+        decoder_kv_heads=kv,
+        decoder_head_dim=head or dim // heads,
+        norm_type="rmsnorm",
+        norm_eps=1e-5,
+        gated_ffn=True,
+        activation_fn="swish",
+        no_bias=True,
+        qk_norm=False,
+        rope=True,
+        rope_theta=theta,
+        rope_scaling="llama3",
+        rope_scaling_factor=scaling,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_positions=8192,
+        no_scale_embedding=True,
+        share_decoder_input_output_embed=tied,
+        decoder_learned_pos=False,
+        no_token_positional_embeddings=True,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+    )
 
 
 def _qwen3(layers, dim, ffn, heads, tied):
     # Qwen3 dense models: Llama's pieces with q/k RMSNorm, 128-wide heads, 8 kv heads,
     # rope_theta 1e6 without scaling, RMSNorm eps 1e-6.
-    return {**_llama(layers, dim, ffn, heads, 8, tied, 1.0, head=128, theta=1000000.0),
-            "norm_eps": 1e-6, "qk_norm": True, "rope_scaling": None}
+    return {
+        **_llama(layers, dim, ffn, heads, 8, tied, 1.0, head=128, theta=1000000.0),
+        "norm_eps": 1e-6,
+        "qk_norm": True,
+        "rope_scaling": None,
+    }
 
 
 # The published shapes. Their vocabularies (Llama 3 128256, Qwen3 151936) come with the
@@ -241,20 +357,38 @@ PUBLISHED_VOCABS = {name: 128256 if name.startswith("llama3") else 151936 for na
 # transformer_lm_baevski_wiki103 and _gbw, each followed by transformer_lm_big, whose
 # getattr defaults leave the keys already set (16 layers and 8 heads stay).
 _BIG = dict(decoder_layers=12, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096, decoder_attention_heads=16)
-WIKI103 = {**_BIG, **dict(decoder_layers=16, decoder_attention_heads=8, dropout=0.3, adaptive_input=True,
-                          tie_adaptive_weights=True, adaptive_input_cutoff="20000,60000",
-                          adaptive_softmax_cutoff="20000,60000", adaptive_softmax_dropout=0.2,
-                          attention_dropout=0.1, activation_dropout=0.1, no_decoder_final_norm=True,
-                          tie_adaptive_proj=True)}
+WIKI103 = {
+    **_BIG,
+    **dict(
+        decoder_layers=16,
+        decoder_attention_heads=8,
+        dropout=0.3,
+        adaptive_input=True,
+        tie_adaptive_weights=True,
+        adaptive_input_cutoff="20000,60000",
+        adaptive_softmax_cutoff="20000,60000",
+        adaptive_softmax_dropout=0.2,
+        attention_dropout=0.1,
+        activation_dropout=0.1,
+        no_decoder_final_norm=True,
+        tie_adaptive_proj=True,
+    ),
+}
 GBW = {**_BIG, **dict(decoder_embed_dim=512, dropout=0.1, attention_dropout=0.1, no_decoder_final_norm=True)}
 
 # fairseq/models/transformer_lm.py architectures: only the keys each one sets.
 # Selecting a preset sets these keys; every other key keeps its current value.
 PRESETS = {
-    "transformer_lm": dict(decoder_layers=6, decoder_embed_dim=512, decoder_ffn_embed_dim=2048,
-                           decoder_attention_heads=8, activation_fn="relu"),
-    "transformer_lm_big": dict(decoder_layers=12, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096,
-                               decoder_attention_heads=16),
+    "transformer_lm": dict(
+        decoder_layers=6,
+        decoder_embed_dim=512,
+        decoder_ffn_embed_dim=2048,
+        decoder_attention_heads=8,
+        activation_fn="relu",
+    ),
+    "transformer_lm_big": dict(
+        decoder_layers=12, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096, decoder_attention_heads=16
+    ),
     "transformer_lm_wiki103": WIKI103,  # Baevski & Auli (2018): adaptive input + softmax, tied
     "transformer_lm_baevski_wiki103": WIKI103,
     "transformer_lm_gbw": GBW,

@@ -14,6 +14,7 @@ only for a chunk of heads at a time (models/chunks.py's ATTENTION_SCORES_BYTES o
 a size trainer/plan/ledger.py reads too), so long sequences do not allocate
 batch×heads×T² at once.
 """
+
 import torch
 
 from models import chunks
@@ -33,12 +34,14 @@ class CausalMatmulAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v):
         B, H, T, D = q.shape
-        q_scaled = (q * D ** -0.5).reshape(B * H, T, D)  # scaling T×D, not T×T
+        q_scaled = (q * D**-0.5).reshape(B * H, T, D)  # scaling T×D, not T×T
         k, v = k.reshape(B * H, T, D), v.reshape(B * H, T, D)
         above_diagonal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)
         step = chunks.attention_heads_per_chunk(B * H, T, q.element_size())
-        out = [torch.bmm(_causal_probs(q_scaled[i:i + step], k[i:i + step], above_diagonal), v[i:i + step])
-               for i in range(0, B * H, step)]
+        out = [
+            torch.bmm(_causal_probs(q_scaled[i : i + step], k[i : i + step], above_diagonal), v[i : i + step])
+            for i in range(0, B * H, step)
+        ]
         ctx.save_for_backward(q_scaled, k, v)
         ctx.shape = (B, H, T, D)
         return _joined(out).view(B, H, T, D)
@@ -50,10 +53,14 @@ class CausalMatmulAttention(torch.autograd.Function):
         grad_out = grad_out.reshape(B * H, T, D)
         above_diagonal = torch.ones(T, T, dtype=torch.bool, device=k.device).triu_(1)
         step = chunks.attention_heads_per_chunk(B * H, T, k.element_size())
-        parts = [_chunk_backward(q_scaled[i:i + step], k[i:i + step], v[i:i + step], grad_out[i:i + step],
-                                 above_diagonal) for i in range(0, B * H, step)]
+        parts = [
+            _chunk_backward(
+                q_scaled[i : i + step], k[i : i + step], v[i : i + step], grad_out[i : i + step], above_diagonal
+            )
+            for i in range(0, B * H, step)
+        ]
         dq, dk, dv = (_joined(p) for p in zip(*parts))
-        return (dq.mul_(D ** -0.5).view(B, H, T, D), dk.view(B, H, T, D), dv.view(B, H, T, D))
+        return (dq.mul_(D**-0.5).view(B, H, T, D), dk.view(B, H, T, D), dv.view(B, H, T, D))
 
 
 def _chunk_backward(q_scaled, k, v, grad_out, above_diagonal):

@@ -4,6 +4,7 @@ With the KV cache (the default) the prompt runs through the model once and every
 after it costs one pass of each layer over one position. Without it each step re-runs the
 whole prefix: slower, kept as the plain reference the cached path must agree with.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -33,8 +34,9 @@ def next_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def sample(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=1,
-           eos=None, bos=None, use_cache=True):
+def sample(
+    model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=1, eos=None, bos=None, use_cache=True
+):
     """Return up to `max_new_tokens` new token ids continuing `prompt_ids`.
 
     Stops early after sampling `eos` (which is not returned). An empty prompt starts from
@@ -46,8 +48,10 @@ def sample(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.
             raise ValueError("empty prompt: pass bos= (fairseq LMs start from the eos token id)")
         tokens = [bos]
     if len(tokens) + max_new_tokens > model.max_positions:
-        raise ValueError(f"prompt of {len(tokens)} tokens + --max-new-tokens {max_new_tokens} exceeds "
-                         f"the model's {model.max_positions} positions")
+        raise ValueError(
+            f"prompt of {len(tokens)} tokens + --max-new-tokens {max_new_tokens} exceeds "
+            f"the model's {model.max_positions} positions"
+        )
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training

@@ -7,6 +7,7 @@ fc1 is gate_proj and up_proj stacked by rows. Every other tensor is theirs under
 name, in the same [out, in] orientation, so a slice of rows of ours is a slice of rows of
 one or more of theirs: a sharded rank reads only its rows (trainer/checkpoint/hf_dir.py).
 """
+
 from models.config import head_dim, kv_heads, num_layers
 
 # model_type → the class transformers builds from it.
@@ -31,10 +32,14 @@ def _rope_settings(config):
         return dict(rope_theta=float(theta), rope_scaling=None)
     if kind != "llama3":
         raise HFConfigError(f"rope scaling {kind!r} is not supported (default and llama3 are)")
-    return dict(rope_theta=float(theta), rope_scaling="llama3", rope_scaling_factor=float(params["factor"]),
-                rope_low_freq_factor=float(params["low_freq_factor"]),
-                rope_high_freq_factor=float(params["high_freq_factor"]),
-                rope_original_max_positions=int(params["original_max_position_embeddings"]))
+    return dict(
+        rope_theta=float(theta),
+        rope_scaling="llama3",
+        rope_scaling_factor=float(params["factor"]),
+        rope_low_freq_factor=float(params["low_freq_factor"]),
+        rope_high_freq_factor=float(params["high_freq_factor"]),
+        rope_original_max_positions=int(params["original_max_position_embeddings"]),
+    )
 
 
 def model_from_hf_config(config):
@@ -54,16 +59,27 @@ def model_from_hf_config(config):
         raise HFConfigError("use_sliding_window true: sliding-window attention is not supported")
     heads = config["num_attention_heads"]
     fields = dict(
-        decoder_layers=config["num_hidden_layers"], decoder_embed_dim=config["hidden_size"],
-        decoder_ffn_embed_dim=config["intermediate_size"], decoder_attention_heads=heads,
+        decoder_layers=config["num_hidden_layers"],
+        decoder_embed_dim=config["hidden_size"],
+        decoder_ffn_embed_dim=config["intermediate_size"],
+        decoder_attention_heads=heads,
         decoder_kv_heads=config.get("num_key_value_heads") or heads,
         decoder_head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        norm_type="rmsnorm", norm_eps=float(config.get("rms_norm_eps", 1e-6)), gated_ffn=True,
-        activation_fn=_ACTIVATIONS[act], no_bias=True, qk_norm=model_type == "qwen3", rope=True,
+        norm_type="rmsnorm",
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        gated_ffn=True,
+        activation_fn=_ACTIVATIONS[act],
+        no_bias=True,
+        qk_norm=model_type == "qwen3",
+        rope=True,
         **_rope_settings(config),
-        no_scale_embedding=True, share_decoder_input_output_embed=bool(config.get("tie_word_embeddings", False)),
-        decoder_learned_pos=False, no_token_positional_embeddings=True, decoder_normalize_before=True,
-        no_decoder_final_norm=False, layernorm_embedding=False,
+        no_scale_embedding=True,
+        share_decoder_input_output_embed=bool(config.get("tie_word_embeddings", False)),
+        decoder_learned_pos=False,
+        no_token_positional_embeddings=True,
+        decoder_normalize_before=True,
+        no_decoder_final_norm=False,
+        layernorm_embedding=False,
         attention_dropout=float(config.get("attention_dropout", 0.0)),
     )
     return fields, config["vocab_size"], config.get("max_position_embeddings", 2048)
@@ -89,8 +105,10 @@ def llama_incompatibility(model_cfg):
         return "it has NormFormer's scales"
     if getattr(model_cfg, "adaptive_input", False) or getattr(model_cfg, "adaptive_softmax_cutoff", None):
         return "it has adaptive input/softmax bands"
-    if any(getattr(model_cfg, k, None) not in (None, model_cfg.decoder_embed_dim)
-           for k in ("decoder_input_dim", "decoder_output_dim")):
+    if any(
+        getattr(model_cfg, k, None) not in (None, model_cfg.decoder_embed_dim)
+        for k in ("decoder_input_dim", "decoder_output_dim")
+    ):
         return "its embeddings or output are of another width than the layers"
     return None
 
@@ -99,8 +117,9 @@ def hf_model_type(model_cfg):
     return "qwen3" if getattr(model_cfg, "qk_norm", False) else "llama"
 
 
-def hf_config(model_cfg, vocab_size, max_positions, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-              dtype="float32"):
+def hf_config(
+    model_cfg, vocab_size, max_positions, bos_token_id=None, eos_token_id=None, pad_token_id=None, dtype="float32"
+):
     """config.json for LlamaForCausalLM or Qwen3ForCausalLM (Qwen3 when --qk-norm)."""
     why = llama_incompatibility(model_cfg)
     if why:
@@ -108,9 +127,13 @@ def hf_config(model_cfg, vocab_size, max_positions, bos_token_id=None, eos_token
     model_type = hf_model_type(model_cfg)
     rope = {"rope_type": "default", "rope_theta": model_cfg.rope_theta}
     if model_cfg.rope_scaling == "llama3":
-        rope.update(rope_type="llama3", factor=model_cfg.rope_scaling_factor,
-                    low_freq_factor=model_cfg.rope_low_freq_factor, high_freq_factor=model_cfg.rope_high_freq_factor,
-                    original_max_position_embeddings=model_cfg.rope_original_max_positions)
+        rope.update(
+            rope_type="llama3",
+            factor=model_cfg.rope_scaling_factor,
+            low_freq_factor=model_cfg.rope_low_freq_factor,
+            high_freq_factor=model_cfg.rope_high_freq_factor,
+            original_max_position_embeddings=model_cfg.rope_original_max_positions,
+        )
     act = {ours: theirs for theirs, ours in _ACTIVATIONS.items()}[model_cfg.activation_fn]
     config = {
         "model_type": model_type,
@@ -128,7 +151,9 @@ def hf_config(model_cfg, vocab_size, max_positions, bos_token_id=None, eos_token
         # Both spellings: transformers 5 reads rope_parameters, releases before it rope_theta/rope_scaling.
         "rope_parameters": rope,
         "rope_theta": model_cfg.rope_theta,
-        "rope_scaling": None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "rope_scaling": None
+        if rope["rope_type"] == "default"
+        else {k: v for k, v in rope.items() if k != "rope_theta"},
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": bool(model_cfg.share_decoder_input_output_embed),
@@ -162,8 +187,11 @@ def hf_parts(name, model_cfg):
     hf = f"model.layers.{layer}."
     parts = {
         "self_attn_layer_norm.weight": [(hf + "input_layernorm.weight", dim)],
-        "qkv_proj.weight": [(hf + "self_attn.q_proj.weight", H * D), (hf + "self_attn.k_proj.weight", KV * D),
-                            (hf + "self_attn.v_proj.weight", KV * D)],
+        "qkv_proj.weight": [
+            (hf + "self_attn.q_proj.weight", H * D),
+            (hf + "self_attn.k_proj.weight", KV * D),
+            (hf + "self_attn.v_proj.weight", KV * D),
+        ],
         "q_norm.weight": [(hf + "self_attn.q_norm.weight", D)],
         "k_norm.weight": [(hf + "self_attn.k_norm.weight", D)],
         "out_proj.weight": [(hf + "self_attn.o_proj.weight", dim)],

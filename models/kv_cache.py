@@ -1,4 +1,5 @@
 """The keys and values of the positions generated so far (models/generate.py)."""
+
 import torch
 
 
@@ -22,6 +23,6 @@ class KVCache:
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; {end} were asked for")
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]

@@ -3,6 +3,7 @@
 The unit that trainer/parallel/parallelize.py checkpoints, compiles and shards, one at a
 time; models/transformer_lm.py stacks them.
 """
+
 from functools import partial
 
 import torch
@@ -98,8 +99,9 @@ class DecoderLayer(nn.Module):
                 k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
             y = causal_matmul_attention(q, k, v)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p,
-                                               enable_gqa=KV != H)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p, enable_gqa=KV != H
+            )
         y = self.out_proj(y.transpose(1, 2).reshape(B, T, H * D))
         if self.c_attn is not None:
             C = y.shape[-1]
@@ -120,8 +122,10 @@ class DecoderLayer(nn.Module):
         """cache: this layer's `KVCache.append` (generation only); None in training.
         rope: the (cos, sin) tables of x's positions (`rope_tables`), with --rope."""
         attention = partial(self.attention, cache=cache, rope=rope)
-        for norm, sublayer, scale in ((self.self_attn_layer_norm, attention, None),
-                                      (self.final_layer_norm, self.feed_forward, self.w_resid)):
+        for norm, sublayer, scale in (
+            (self.self_attn_layer_norm, attention, None),
+            (self.final_layer_norm, self.feed_forward, self.w_resid),
+        ):
             h = sublayer(norm(x) if self.normalize_before else x)
             x = (x if scale is None else scale * x) + dropout(h, self.dropout, self.training)
             if not self.normalize_before:

@@ -10,6 +10,7 @@ backward would run. Only those gradients (N×d and V×d) are kept for backward, 
 scales them by the incoming gradient. Same FLOPs as the plain form, a chunk of logits
 alive at a time, and fp32 only inside a chunk.
 """
+
 import torch
 
 from models import chunks  # the chunk's size, shared with trainer/plan/ledger.py
@@ -36,9 +37,17 @@ class LinearCrossEntropy(torch.autograd.Function):
         # into the fp32 sum (see _add_in_blocks).
         grad_w_low = torch.empty(weight.shape, dtype=x.dtype, device=x.device) if mixed and needs_w else None
         for start in range(0, n, chunk):
-            loss += _chunk(x[start:start + chunk], weight, target[start:start + chunk], ignore_index,
-                           grad_x[start:start + chunk] if needs_x else None, grad_w if needs_w else None,
-                           logits, low, grad_w_low)
+            loss += _chunk(
+                x[start : start + chunk],
+                weight,
+                target[start : start + chunk],
+                ignore_index,
+                grad_x[start : start + chunk] if needs_x else None,
+                grad_w if needs_w else None,
+                logits,
+                low,
+                grad_w_low,
+            )
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -90,7 +99,7 @@ def _chunk(xs, weight, ts, ignore_index, grad_x, grad_w, logits_buf, low_buf, gr
     return loss
 
 
-ADD_BLOCK_BYTES = 4 * 2 ** 20
+ADD_BLOCK_BYTES = 4 * 2**20
 
 
 def _add_in_blocks(total, part):
@@ -99,7 +108,7 @@ def _add_in_blocks(total, part):
     total (128 MiB for a 32k × 1024 W), and a slower add than in blocks, which need none."""
     rows = max(1, ADD_BLOCK_BYTES // (4 * total.shape[1]))
     for start in range(0, total.shape[0], rows):
-        total[start:start + rows] += part[start:start + rows]
+        total[start : start + rows] += part[start : start + rows]
 
 
 def linear_cross_entropy(x, weight, target, ignore_index=-100):

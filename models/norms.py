@@ -1,5 +1,6 @@
 """The decoder's norms: LayerNorm (GPT-style) or RMSNorm (Llama family), whose backward is
 written here for speed on a CPU."""
+
 import torch
 import torch.nn as nn
 

@@ -1,6 +1,7 @@
 """Where a token is: rotary embeddings (--rope, Llama's rotate-half layout, with Llama 3.1's
 scaling) and fairseq's sinusoidal table. Learned positions are a plain nn.Embedding in
 models/transformer_lm.py."""
+
 import math
 
 import torch

@@ -9,6 +9,7 @@ Its pieces: the layer (models/layer.py), the norms (models/norms.py), positions 
 rotary embeddings (models/positions.py), the KV cache (models/kv_cache.py), the adaptive
 input and softmax (models/adaptive.py), the loss (models/linear_cross_entropy.py).
 """
+
 import math
 import zlib
 from functools import partial
@@ -27,9 +28,21 @@ from models.positions import apply_rope, rope_inverse_frequencies, rope_tables, 
 
 # Names other modules (trainer/, tests/, bench/) import from here, as before the model's
 # pieces had files of their own.
-__all__ = ["ACTIVATION_FNS", "DecoderLayer", "KVCache", "RMSNorm", "TransformerLM", "_RMSNormFunction", "apply_rope",
-           "build_model", "make_norm", "num_parameters", "rope_inverse_frequencies", "rope_tables",
-           "sinusoidal_positions"]
+__all__ = [
+    "ACTIVATION_FNS",
+    "DecoderLayer",
+    "KVCache",
+    "RMSNorm",
+    "TransformerLM",
+    "_RMSNormFunction",
+    "apply_rope",
+    "build_model",
+    "make_norm",
+    "num_parameters",
+    "rope_inverse_frequencies",
+    "rope_tables",
+    "sinusoidal_positions",
+]
 
 
 class TransformerLM(nn.Module):
@@ -42,11 +55,20 @@ class TransformerLM(nn.Module):
         # --rope rotates queries and keys inside attention: nothing is added to the embeddings.
         self.rope = cfg if getattr(cfg, "rope", False) else None
         self._inv_freq = None  # computed on first use, on the activations' device (not a buffer: FSDP builds on meta)
-        self.positions = None if cfg.no_token_positional_embeddings or self.rope is not None else (
-            "learned" if cfg.decoder_learned_pos else "sinusoidal")
+        self.positions = (
+            None
+            if cfg.no_token_positional_embeddings or self.rope is not None
+            else ("learned" if cfg.decoder_learned_pos else "sinusoidal")
+        )
         if cfg.adaptive_input:  # narrower tables for rarer tokens, each projected to dim (models/adaptive.py)
-            self.embed_tokens = AdaptiveInput(vocab_size, padding_idx, cfg.decoder_input_dim or dim,
-                                              cfg.adaptive_input_factor, dim, cfg.adaptive_input_cutoff)
+            self.embed_tokens = AdaptiveInput(
+                vocab_size,
+                padding_idx,
+                cfg.decoder_input_dim or dim,
+                cfg.adaptive_input_factor,
+                dim,
+                cfg.adaptive_input_cutoff,
+            )
         else:
             self.embed_tokens = nn.Embedding(vocab_size, cfg.decoder_input_dim or dim, padding_idx=padding_idx)
         # fairseq's project_in_dim / project_out_dim: embeddings (--decoder-input-dim) and the
@@ -62,16 +84,25 @@ class TransformerLM(nn.Module):
         self.layer_norm = make_norm(cfg, dim) if final_norm else None
         width_out = cfg.decoder_output_dim or dim
         # fairseq: a tied adaptive softmax takes the layers' width (no projection).
-        self.project_out_dim = (nn.Linear(dim, width_out, bias=False)
-                                if width_out != dim and not cfg.tie_adaptive_weights else None)
+        self.project_out_dim = (
+            nn.Linear(dim, width_out, bias=False) if width_out != dim and not cfg.tie_adaptive_weights else None
+        )
         self.adaptive_softmax = None
         if cfg.adaptive_softmax_cutoff is not None:  # replaces the output projection
             self.adaptive_softmax = AdaptiveSoftmax(
-                vocab_size, cfg.decoder_output_dim or dim, cfg.adaptive_softmax_cutoff, cfg.adaptive_softmax_dropout,
-                cfg.adaptive_softmax_factor, self.embed_tokens if cfg.tie_adaptive_weights else None,
-                cfg.tie_adaptive_proj)
-        self.output_projection = (None if cfg.share_decoder_input_output_embed or self.adaptive_softmax is not None
-                                  else nn.Linear(width_out, vocab_size, bias=False))
+                vocab_size,
+                cfg.decoder_output_dim or dim,
+                cfg.adaptive_softmax_cutoff,
+                cfg.adaptive_softmax_dropout,
+                cfg.adaptive_softmax_factor,
+                self.embed_tokens if cfg.tie_adaptive_weights else None,
+                cfg.tie_adaptive_proj,
+            )
+        self.output_projection = (
+            None
+            if cfg.share_decoder_input_output_embed or self.adaptive_softmax is not None
+            else nn.Linear(width_out, vocab_size, bias=False)
+        )
         self._param_kinds = self._kinds()
 
     @torch.no_grad()
@@ -181,8 +212,10 @@ class TransformerLM(nn.Module):
             x = self.project_out_dim(x)
         if target is not None and softmax_batch:
             x, target = x.reshape(-1, x.shape[-1]), target.reshape(-1)
-            return sum(self.output_loss(x[i:i + softmax_batch], target[i:i + softmax_batch])
-                       for i in range(0, len(target), softmax_batch))
+            return sum(
+                self.output_loss(x[i : i + softmax_batch], target[i : i + softmax_batch])
+                for i in range(0, len(target), softmax_batch)
+            )
         if target is not None:
             return self.output_loss(x, target)
         if self.adaptive_softmax is not None:  # log-probabilities serve as logits

@@ -1,6 +1,7 @@
 """Every test runs in its own empty directory: `train` writes ./checkpoints by default and
 resumes from ./checkpoints/checkpoint_last, so a run left in the repository by hand must
 never leak into a test (and no test writes into the repository)."""
+
 import pytest
 
 
@@ -19,5 +20,6 @@ def pytest_terminal_summary(terminalreporter):
                     continue
                 counts[outcome] = counts.get(outcome, 0) + 1
     if counts:
-        terminalreporter.write_line("SLURM tests on the live cluster: " +
-                                    ", ".join(f"{n} {outcome}" for outcome, n in counts.items()))
+        terminalreporter.write_line(
+            "SLURM tests on the live cluster: " + ", ".join(f"{n} {outcome}" for outcome, n in counts.items())
+        )

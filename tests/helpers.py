@@ -1,4 +1,5 @@
 """Shared by the training tests: tiny configs, in-process updates, subprocess runs."""
+
 import json
 import os
 import subprocess
@@ -9,9 +10,25 @@ from trainer.config.checks import check_config
 from trainer.config.compose import compose_config
 from trainer.config.flags import build_parser, parse_flags
 
-TINY = ["--arch", "transformer_lm_gpt2_tiny", "--decoder-attention-heads", "2", "--decoder-ffn-embed-dim", "128",
-        "--dropout", "0", "--attention-dropout", "0", "--tokens-per-sample", "32", "--no-save",
-        "--optimizer", "adam", "--lr", "0.003"]
+TINY = [
+    "--arch",
+    "transformer_lm_gpt2_tiny",
+    "--decoder-attention-heads",
+    "2",
+    "--decoder-ffn-embed-dim",
+    "128",
+    "--dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--tokens-per-sample",
+    "32",
+    "--no-save",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.003",
+]
 # dummy_lm validates as fairseq's does, on --dataset-size random samples: two batches
 # exercise the path at a fraction of the cost.
 DUMMY = TINY + ["--task", "dummy_lm", "--dict-size", "256", "--dataset-size", "512", "--max-valid-steps", "2"]
@@ -59,6 +76,7 @@ def _updates(cfg, env, n_updates, with_gnorm):
 
 def _rank_worker(index, argv, world, port, n_updates, out):
     from trainer.rendezvous import Rendezvous
+
     rdv = Rendezvous(f"tcp://127.0.0.1:{port}", world, rank=index, local_rank=index, local_world_size=world)
     losses, gnorms = update_losses(argv, n_updates, rdv, with_gnorm=True)
     Path(f"{out}.{index}").write_text(json.dumps({"losses": losses, "gnorms": gnorms}))
@@ -115,15 +133,15 @@ def parse_records(text):
     for line in text.splitlines():
         if "{" in line and line.count(" | ") >= 3:
             tag = line.split(" | ")[2]
-            records.setdefault(tag, []).append(json.loads(line[line.index("{"):]))
+            records.setdefault(tag, []).append(json.loads(line[line.index("{") :]))
     return records
 
 
 def _recording_rank(index, argv, world, port, out):
     """One rank of `train` run through trainer.main.run (the real loop, checkpoints and
     all), recording each update's exact loss: the log rounds it to 3 decimals."""
-    from trainer.train import main
     from trainer.rendezvous import Rendezvous
+    from trainer.train import main
     from trainer.train.trainer import Trainer
 
     step, updates = Trainer.train_step, []
@@ -136,8 +154,9 @@ def _recording_rank(index, argv, world, port, out):
         return update
 
     Trainer.train_step = recording
-    rdv = Rendezvous(f"tcp://127.0.0.1:{port}" if world > 1 else "", world, rank=index,
-                     local_rank=index, local_world_size=world)
+    rdv = Rendezvous(
+        f"tcp://127.0.0.1:{port}" if world > 1 else "", world, rank=index, local_rank=index, local_world_size=world
+    )
     main.run(compose(argv), rdv)
     Path(f"{out}.{index}").write_text(json.dumps(updates))
 
@@ -162,12 +181,19 @@ def byte_level_tokenizer(lines, specials, bos=None, vocab_size=300):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        lines,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     steps = [processors.ByteLevel(trim_offsets=False)]
     if bos:
-        steps.append(processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1",
-                                                   special_tokens=[(bos, tok.token_to_id(bos))]))
+        steps.append(
+            processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, tok.token_to_id(bos))]
+            )
+        )
     tok.post_processor = processors.Sequence(steps)
     return tok

@@ -3,6 +3,7 @@ with --criterion adaptive_loss, --tie-adaptive-weights, --tie-adaptive-proj): th
 exactly -log of the full-vocabulary probabilities, the bands have fairseq's shapes, a run
 learns, FSDP and DDP train what one process does with the tied tables, a checkpoint
 resumes the same curve, eval-lm reproduces the valid loss, and bad settings get one line."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,13 @@ from models.transformer_lm import build_model
 from trainer.errors import UsageError
 
 ADAPTIVE = ["--criterion", "adaptive_loss", "--adaptive-softmax-cutoff", "64,128,192"]  # dict 256 → 4 bands
-TIED = ADAPTIVE + ["--adaptive-input", "--adaptive-input-cutoff", "64,128,192", "--tie-adaptive-weights",
-                   "--tie-adaptive-proj"]
+TIED = ADAPTIVE + [
+    "--adaptive-input",
+    "--adaptive-input-cutoff",
+    "64,128,192",
+    "--tie-adaptive-weights",
+    "--tie-adaptive-proj",
+]
 UPDATES = 5
 
 
@@ -28,8 +34,17 @@ def _model(argv, vocab=256):
 ZERO_WIDE_TAIL = ADAPTIVE + ["--decoder-embed-dim", "32"]  # tails 8, 2 and 0 wide
 
 
-@pytest.mark.parametrize("flags", [ADAPTIVE, TIED, TIED[:-1], ["--adaptive-input", "--adaptive-input-cutoff", "64"],
-                                   ADAPTIVE + ["--decoder-output-dim", "128"], ZERO_WIDE_TAIL])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ADAPTIVE,
+        TIED,
+        TIED[:-1],
+        ["--adaptive-input", "--adaptive-input-cutoff", "64"],
+        ADAPTIVE + ["--decoder-output-dim", "128"],
+        ZERO_WIDE_TAIL,
+    ],
+)
 def test_loss_is_minus_the_log_probability_of_each_target(flags):
     """The adaptive loss summed over the targets equals -Σ log p(target) read from the
     full-vocabulary log-probabilities (fairseq's get_log_prob), which sum to 1; pads are
@@ -58,9 +73,14 @@ def test_adaptive_input_bands_have_fairseqs_shapes_and_values():
 
     emb = AdaptiveInput(100, 1, 64, 4.0, 48, "20,60")  # cutoffs extended by the vocabulary: 3 bands
     shapes = {n: tuple(p.shape) for n, p in emb.named_parameters()}
-    assert shapes == {"embeddings.0.0.weight": (20, 64), "embeddings.0.1.weight": (48, 64),
-                      "embeddings.1.0.weight": (40, 16), "embeddings.1.1.weight": (48, 16),
-                      "embeddings.2.0.weight": (40, 4), "embeddings.2.1.weight": (48, 4)}
+    assert shapes == {
+        "embeddings.0.0.weight": (20, 64),
+        "embeddings.0.1.weight": (48, 64),
+        "embeddings.1.0.weight": (40, 16),
+        "embeddings.1.1.weight": (48, 16),
+        "embeddings.2.0.weight": (40, 4),
+        "embeddings.2.1.weight": (48, 4),
+    }
     assert len(AdaptiveInput(100, 1, 64, 2.0, 48, "20,100").embeddings) == 2  # a last cutoff = vocab adds none
     tokens = torch.tensor([[0, 19, 20, 59], [60, 99, 1, 42]])
     out = emb(tokens)
@@ -94,7 +114,8 @@ def test_a_tied_model_has_each_table_once():
     assert [n for n in tied if n.startswith("adaptive_softmax")] == ["adaptive_softmax.class_proj.weight"]
     untied_proj = _model(TIED[:-1]).state_dict()
     assert sorted(n for n in untied_proj if n.startswith("adaptive_softmax")) == [
-        "adaptive_softmax.class_proj.weight"] + [f"adaptive_softmax.tail.{i}.proj.weight" for i in range(3)]
+        "adaptive_softmax.class_proj.weight"
+    ] + [f"adaptive_softmax.tail.{i}.proj.weight" for i in range(3)]
 
 
 def test_a_run_with_the_adaptive_softmax_learns():
@@ -130,8 +151,9 @@ def test_an_fsdp_checkpoint_resumes_the_same_curve(tmp_path):
 
 
 def _run(cmd, *args, check=True):
-    r = subprocess.run([str(Path(sys.executable).with_name(cmd))] + [str(a) for a in args], capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [str(Path(sys.executable).with_name(cmd))] + [str(a) for a in args], capture_output=True, text=True, timeout=600
+    )
     assert not check or r.returncode == 0, r.stderr
     return r
 
@@ -145,11 +167,35 @@ def test_eval_lm_export_and_generate_of_an_adaptive_checkpoint(tmp_path):
     from trainer.inference.load import load_model
 
     save = tmp_path / "ckpt"
-    cutoffs = ["--adaptive-input", "--adaptive-input-cutoff", "256,512", "--adaptive-softmax-cutoff", "256,512",
-               "--criterion", "adaptive_loss", "--tie-adaptive-weights", "--tie-adaptive-proj"]
-    records, _ = run_train([a for a in TINY if a != "--no-save"] + cutoffs + [
-        "--batch-size", "8", "--max-update", "10", "--log-format", "json", "--save-dir", save,
-        "--ddp-backend", "fully_sharded", "--distributed-world-size", "2"])
+    cutoffs = [
+        "--adaptive-input",
+        "--adaptive-input-cutoff",
+        "256,512",
+        "--adaptive-softmax-cutoff",
+        "256,512",
+        "--criterion",
+        "adaptive_loss",
+        "--tie-adaptive-weights",
+        "--tie-adaptive-proj",
+    ]
+    records, _ = run_train(
+        [a for a in TINY if a != "--no-save"]
+        + cutoffs
+        + [
+            "--batch-size",
+            "8",
+            "--max-update",
+            "10",
+            "--log-format",
+            "json",
+            "--save-dir",
+            save,
+            "--ddp-backend",
+            "fully_sharded",
+            "--distributed-world-size",
+            "2",
+        ]
+    )
     ckpt, valid = save / "checkpoint_last", records["valid"][-1]
     out = _run("eval-lm", "--path", ckpt, "--gen-subset", "valid", "--batch-size", "8").stdout
     loss = float(next(x for x in out.splitlines() if x.startswith("Loss (base 2):")).split(":")[1].split(",")[0])
@@ -170,22 +216,54 @@ def test_the_presets_set_fairseqs_keys():
     cfg = compose(dummy + ["--arch", "transformer_lm_wiki103", "--criterion", "adaptive_loss"])
     m = cfg.model
     assert (m.decoder_layers, m.decoder_embed_dim, m.decoder_ffn_embed_dim, m.decoder_attention_heads) == (
-        16, 1024, 4096, 8)
+        16,
+        1024,
+        4096,
+        8,
+    )
     assert (m.adaptive_input, m.tie_adaptive_weights, m.tie_adaptive_proj, m.no_decoder_final_norm) == (
-        True, True, True, True)
+        True,
+        True,
+        True,
+        True,
+    )
     assert (m.adaptive_input_cutoff, m.adaptive_softmax_cutoff, m.adaptive_softmax_dropout) == (
-        "20000,60000", "20000,60000", 0.2)
+        "20000,60000",
+        "20000,60000",
+        0.2,
+    )
     assert (m.dropout, m.attention_dropout, m.activation_dropout) == (0.3, 0.1, 0.1)
     gbw = compose(dummy + ["--arch", "transformer_lm_gbw"]).model
-    assert (gbw.decoder_layers, gbw.decoder_embed_dim, gbw.decoder_ffn_embed_dim, gbw.decoder_attention_heads,
-            gbw.no_decoder_final_norm, gbw.adaptive_input) == (12, 512, 4096, 16, True, False)
+    assert (
+        gbw.decoder_layers,
+        gbw.decoder_embed_dim,
+        gbw.decoder_ffn_embed_dim,
+        gbw.decoder_attention_heads,
+        gbw.no_decoder_final_norm,
+        gbw.adaptive_input,
+    ) == (12, 512, 4096, 16, True, False)
 
 
-@pytest.mark.parametrize("flags", [ADAPTIVE, TIED, TIED[:-1], ["--adaptive-input", "--adaptive-input-cutoff", "10,20"],
-                                   ["--adaptive-input", "--adaptive-input-cutoff", "64", "--decoder-input-dim", "32",
-                                    "--decoder-output-dim", "48"],
-                                   ADAPTIVE + ["--decoder-input-dim", "32", "--decoder-output-dim", "128"],
-                                   ZERO_WIDE_TAIL])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ADAPTIVE,
+        TIED,
+        TIED[:-1],
+        ["--adaptive-input", "--adaptive-input-cutoff", "10,20"],
+        [
+            "--adaptive-input",
+            "--adaptive-input-cutoff",
+            "64",
+            "--decoder-input-dim",
+            "32",
+            "--decoder-output-dim",
+            "48",
+        ],
+        ADAPTIVE + ["--decoder-input-dim", "32", "--decoder-output-dim", "128"],
+        ZERO_WIDE_TAIL,
+    ],
+)
 def test_the_planner_counts_the_models_parameters(flags):
     from models.transformer_lm import num_parameters
     from trainer.plan.search import model_shape
@@ -197,27 +275,40 @@ def test_the_planner_counts_the_models_parameters(flags):
 
 REFUSED = {
     "wiki103 without its criterion": (["--arch", "transformer_lm_wiki103"], "--criterion adaptive_loss"),
-    "cutoffs past a small vocabulary": (["--arch", "transformer_lm_wiki103", "--criterion", "adaptive_loss"],
-                                        "smaller --adaptive-input-cutoff and --adaptive-softmax-cutoff"),
+    "cutoffs past a small vocabulary": (
+        ["--arch", "transformer_lm_wiki103", "--criterion", "adaptive_loss"],
+        "smaller --adaptive-input-cutoff and --adaptive-softmax-cutoff",
+    ),
     "cross_entropy with an adaptive softmax": (ADAPTIVE[2:], "add --criterion adaptive_loss"),
     "adaptive_loss without one": (["--criterion", "adaptive_loss"], "set --adaptive-softmax-cutoff"),
     "adaptive input without cutoffs": (["--adaptive-input"], "needs --adaptive-input-cutoff"),
     "tie without adaptive input": (ADAPTIVE + ["--tie-adaptive-weights"], "does nothing without --adaptive-input"),
     "tie proj without tie": (ADAPTIVE + ["--tie-adaptive-proj"], "without --tie-adaptive-weights"),
-    "tie with other cutoffs": (ADAPTIVE + ["--adaptive-input", "--adaptive-input-cutoff", "64,128",
-                                           "--tie-adaptive-weights"], "--adaptive-input-cutoff 64,128 equal to"),
+    "tie with other cutoffs": (
+        ADAPTIVE + ["--adaptive-input", "--adaptive-input-cutoff", "64,128", "--tie-adaptive-weights"],
+        "--adaptive-input-cutoff 64,128 equal to",
+    ),
     "tie with other factors": (TIED + ["--adaptive-input-factor", "2"], "--adaptive-input-factor 2.0 equal to"),
-    "tie with another input dim": (TIED + ["--decoder-input-dim", "32"], "--decoder-input-dim and --decoder-output-dim"),
-    "shared embedding with adaptive input": (["--adaptive-input", "--adaptive-input-cutoff", "64",
-                                              "--share-decoder-input-output-embed"], "use --tie-adaptive-weights"),
-    "shared embedding with adaptive softmax": (ADAPTIVE + ["--share-decoder-input-output-embed"],
-                                               "use --tie-adaptive-weights"),
+    "tie with another input dim": (
+        TIED + ["--decoder-input-dim", "32"],
+        "--decoder-input-dim and --decoder-output-dim",
+    ),
+    "shared embedding with adaptive input": (
+        ["--adaptive-input", "--adaptive-input-cutoff", "64", "--share-decoder-input-output-embed"],
+        "use --tie-adaptive-weights",
+    ),
+    "shared embedding with adaptive softmax": (
+        ADAPTIVE + ["--share-decoder-input-output-embed"],
+        "use --tie-adaptive-weights",
+    ),
     "unused cutoff": (["--adaptive-input-cutoff", "64"], "does nothing without --adaptive-input"),
     "unused softmax dropout": (["--adaptive-softmax-dropout", "0.1"], "does nothing without --adaptive-softmax-cutoff"),
     "not a list": (ADAPTIVE[:2] + ["--adaptive-softmax-cutoff", "64;128"], "comma-separated list"),
     "not increasing": (ADAPTIVE[:2] + ["--adaptive-softmax-cutoff", "128,64"], "increasing"),
-    "a band 0 wide": (["--adaptive-input", "--adaptive-input-cutoff", "64,128,192", "--adaptive-input-factor", "16"],
-                      "lower the factor"),
+    "a band 0 wide": (
+        ["--adaptive-input", "--adaptive-input-cutoff", "64,128,192", "--adaptive-input-factor", "16"],
+        "lower the factor",
+    ),
     "pad outside the first band": (["--adaptive-input", "--adaptive-input-cutoff", "1,64"], "padding id 1"),
 }
 
@@ -232,8 +323,20 @@ def test_bad_settings_get_one_line_naming_the_fix(name):
 
 def test_cutoffs_past_the_datas_vocabulary_are_refused_before_training():
     """With DATA the vocabulary is known once the data is opened: refused there, in one line."""
-    _, r = run_train(TINY + ["--batch-size", "8", "--max-update", "1", "--adaptive-softmax-cutoff", "512,2000",
-                             "--criterion", "adaptive_loss"], check=False)
+    _, r = run_train(
+        TINY
+        + [
+            "--batch-size",
+            "8",
+            "--max-update",
+            "1",
+            "--adaptive-softmax-cutoff",
+            "512,2000",
+            "--criterion",
+            "adaptive_loss",
+        ],
+        check=False,
+    )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "--adaptive-softmax-cutoff 512,2000 reaches past the vocabulary of 1024 tokens" in r.stderr
 
@@ -243,4 +346,3 @@ def test_hf_export_refuses_adaptive_models():
 
     with pytest.raises(UsageError, match="adaptive"):
         check_hf_compatible(compose(DUMMY + ["--batch-size", "4"] + ADAPTIVE).model)
-

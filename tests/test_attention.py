@@ -1,6 +1,7 @@
 """models/cpu_attention.py: the CPU's low-precision causal attention computes what SDPA
 computes, forward and backward, in one chunk of heads or many, and DecoderLayer uses it
 exactly where it should."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,16 +75,28 @@ def _graph_names(tensor):
     return names
 
 
-@pytest.mark.parametrize("dtype, attention_dropout, autocast, expected", [
-    (torch.bfloat16, 0.0, False, True),   # FSDP's bf16 param_dtype
-    (torch.float32, 0.0, True, True),     # DDP's --bf16: autocast makes q, k, v bf16
-    (torch.float32, 0.0, False, False),   # fp32: SDPA is as fast
-    (torch.bfloat16, 0.1, False, False),  # attention dropout: SDPA applies it
-])
+@pytest.mark.parametrize(
+    "dtype, attention_dropout, autocast, expected",
+    [
+        (torch.bfloat16, 0.0, False, True),  # FSDP's bf16 param_dtype
+        (torch.float32, 0.0, True, True),  # DDP's --bf16: autocast makes q, k, v bf16
+        (torch.float32, 0.0, False, False),  # fp32: SDPA is as fast
+        (torch.bfloat16, 0.1, False, False),  # attention dropout: SDPA applies it
+    ],
+)
 def test_decoder_layer_uses_it_for_low_precision_on_cpu(dtype, attention_dropout, autocast, expected):
-    cfg = OmegaConf.create(dict(decoder_embed_dim=32, decoder_ffn_embed_dim=64, decoder_attention_heads=4,
-                                decoder_normalize_before=True, activation_fn="gelu", dropout=0.0,
-                                attention_dropout=attention_dropout, activation_dropout=0.0))
+    cfg = OmegaConf.create(
+        dict(
+            decoder_embed_dim=32,
+            decoder_ffn_embed_dim=64,
+            decoder_attention_heads=4,
+            decoder_normalize_before=True,
+            activation_fn="gelu",
+            dropout=0.0,
+            attention_dropout=attention_dropout,
+            activation_dropout=0.0,
+        )
+    )
     layer = DecoderLayer(cfg).to(dtype).train()
     x = torch.randn(2, 16, 32, dtype=dtype, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):

@@ -1,6 +1,7 @@
 """Checkpoints users can trust: a resumed run continues the same curve, on any number
 of ranks and any backend; a save killed halfway leaves the previous one loadable;
 retention keeps what it says; a checkpoint of another model is refused in one line."""
+
 import json
 import os
 import shutil
@@ -22,8 +23,9 @@ SAVE = [a for a in DUMMY if a != "--no-save"] + ["--required-batch-size-multiple
 def _split_run(argv, world, save_dir, tmp_path, resume_argv=None, resume_world=None):
     """10 updates, stop, then resume to 20 (optionally with other flags / ranks)."""
     first = train_updates(argv + ["--max-update", "10", "--save-dir", str(save_dir)], world, tmp_path)
-    second = train_updates((resume_argv or argv) + ["--max-update", "20", "--save-dir", str(save_dir)],
-                           resume_world or world, tmp_path)
+    second = train_updates(
+        (resume_argv or argv) + ["--max-update", "20", "--save-dir", str(save_dir)], resume_world or world, tmp_path
+    )
     assert sorted(first) == list(range(1, 11)) and sorted(second) == list(range(11, 21)), "an update ran twice"
     return {**first, **second}
 
@@ -35,8 +37,10 @@ EXACT = {
     "fsdp_update_freq": (2, ["--batch-size", "2", "--update-freq", "2", "--ddp-backend", "fully_sharded"]),
     "fsdp_fp16": (2, ["--batch-size", "4", "--ddp-backend", "fully_sharded", "--fp16", "--fp16-init-scale", "4"]),
     # written in the background while training goes on, published when complete
-    "fsdp_save_async": (2, ["--batch-size", "4", "--ddp-backend", "fully_sharded", "--save-async",
-                            "--save-interval-updates", "3"]),
+    "fsdp_save_async": (
+        2,
+        ["--batch-size", "4", "--ddp-backend", "fully_sharded", "--save-async", "--save-interval-updates", "3"],
+    ),
 }
 
 
@@ -65,16 +69,30 @@ RESHARD = {
 
 @pytest.fixture(scope="module")
 def one_process_12(tmp_path_factory):
-    return train_updates(SAVE + ["--batch-size", "12", "--max-update", "20", "--no-save"], 1,
-                         tmp_path_factory.mktemp("ref"))
+    return train_updates(
+        SAVE + ["--batch-size", "12", "--max-update", "20", "--no-save"], 1, tmp_path_factory.mktemp("ref")
+    )
 
 
 @pytest.fixture(scope="module")
 def saved_on_fsdp2(tmp_path_factory):
     """10 updates on 2 FSDP ranks of 6 sequences each, saved once for every resharding case."""
     tmp = tmp_path_factory.mktemp("fsdp2")
-    first = train_updates(SAVE + ["--batch-size", "6", "--ddp-backend", "fully_sharded", "--max-update", "10",
-                                  "--save-dir", str(tmp / "ckpt")], 2, tmp)
+    first = train_updates(
+        SAVE
+        + [
+            "--batch-size",
+            "6",
+            "--ddp-backend",
+            "fully_sharded",
+            "--max-update",
+            "10",
+            "--save-dir",
+            str(tmp / "ckpt"),
+        ],
+        2,
+        tmp,
+    )
     return first, tmp / "ckpt"
 
 
@@ -95,25 +113,63 @@ def test_resume_on_other_ranks_and_backends(name, one_process_12, saved_on_fsdp2
 
 def test_ddp_checkpoint_resumes_under_fsdp(tmp_path):
     ref = train_updates(SAVE + ["--batch-size", "4", "--max-update", "20", "--no-save"], 2, tmp_path)
-    split = _split_run(SAVE + ["--batch-size", "4"], 2, tmp_path / "ckpt", tmp_path,
-                       resume_argv=SAVE + ["--batch-size", "4", "--ddp-backend", "fully_sharded"])
+    split = _split_run(
+        SAVE + ["--batch-size", "4"],
+        2,
+        tmp_path / "ckpt",
+        tmp_path,
+        resume_argv=SAVE + ["--batch-size", "4", "--ddp-backend", "fully_sharded"],
+    )
     for n in range(1, 21):
         assert split[n][0] == pytest.approx(ref[n][0], rel=1e-5), f"update {n}"
 
 
 def test_names_and_retention(tmp_path):
     save = tmp_path / "ckpt"
-    run_train(SAVE + ["--batch-size", "32", "--dataset-size", "128", "--max-update", "10", "--save-dir", str(save),
-                      "--save-interval-updates", "3", "--keep-interval-updates", "2", "--keep-last-epochs", "1",
-                      "--log-format", "json"])
+    run_train(
+        SAVE
+        + [
+            "--batch-size",
+            "32",
+            "--dataset-size",
+            "128",
+            "--max-update",
+            "10",
+            "--save-dir",
+            str(save),
+            "--save-interval-updates",
+            "3",
+            "--keep-interval-updates",
+            "2",
+            "--keep-last-epochs",
+            "1",
+            "--log-format",
+            "json",
+        ]
+    )
     # 4 updates per epoch: epochs end at 4 and 8; update checkpoints at 3, 6, 9 (kept: 6, 9).
     names = sorted(p.name for p in save.iterdir() if p.is_dir())
     assert names == ["checkpoint2", "checkpoint_2_6", "checkpoint_3_9", "checkpoint_best", "checkpoint_last"]
     state = json.loads((save / "checkpoint_last" / "trainer_state.json").read_text())
     assert state["num_updates"] == 10 and state["epoch"] == state["state"]["loop"]["iterator"]["epoch"] == 3
     # checkpoint_last is a second name of the same files when both are written at once
-    run_train(SAVE + ["--batch-size", "32", "--dataset-size", "128", "--max-update", "12", "--save-dir", str(save),
-                      "--save-interval-updates", "3", "--log-format", "json"])
+    run_train(
+        SAVE
+        + [
+            "--batch-size",
+            "32",
+            "--dataset-size",
+            "128",
+            "--max-update",
+            "12",
+            "--save-dir",
+            str(save),
+            "--save-interval-updates",
+            "3",
+            "--log-format",
+            "json",
+        ]
+    )
     assert os.path.samefile(save / "checkpoint3" / ".metadata", save / "checkpoint_last" / ".metadata")
     assert not any(p.name.startswith(".tmp") for p in save.iterdir())
 
@@ -122,8 +178,10 @@ def test_a_different_model_is_refused_in_one_line(tmp_path):
     save = tmp_path / "ckpt"
     run_train(SAVE + ["--batch-size", "4", "--max-update", "2", "--save-dir", str(save)])
     before = sorted((p.name, p.stat().st_mtime_ns) for p in (save / "checkpoint_last").iterdir())
-    _, r = run_train(SAVE + ["--batch-size", "4", "--max-update", "4", "--save-dir", str(save),
-                             "--decoder-ffn-embed-dim", "96"], check=False)
+    _, r = run_train(
+        SAVE + ["--batch-size", "4", "--max-update", "4", "--save-dir", str(save), "--decoder-ffn-embed-dim", "96"],
+        check=False,
+    )
     assert r.returncode != 0
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in r.stderr, r.stderr
@@ -138,8 +196,18 @@ def test_a_restore_file_that_does_not_exist_starts_afresh_only_in_an_empty_save_
     fairseq's `.pt` names find shardlm's directories: the run continues at update 3 with the
     loss the first run had there."""
     save = tmp_path / "ckpt"
-    argv = SAVE + ["--batch-size", "4", "--save-dir", str(save), "--log-format", "json", "--log-interval", "1",
-                   "--save-interval-updates", "2"]
+    argv = SAVE + [
+        "--batch-size",
+        "4",
+        "--save-dir",
+        str(save),
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--save-interval-updates",
+        "2",
+    ]
     first, r = run_train(argv + ["--max-update", "3", "--restore-file", "x.pt"])
     assert f"No existing checkpoint found {save / 'x.pt'}" in r.stdout
     assert [x["num_updates"] for x in first["train_inner"]] == [1, 2, 3]
@@ -147,13 +215,23 @@ def test_a_restore_file_that_does_not_exist_starts_afresh_only_in_an_empty_save_
     _, r = run_train(argv + ["--max-update", "3", "--restore-file", "x.pt"], check=False)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"train: error: --restore-file x.pt does not exist, and --save-dir {save} holds checkpoint_last: "
-        "fix the path, or drop --restore-file to resume from checkpoint_last"]
+        "fix the path, or drop --restore-file to resume from checkpoint_last"
+    ]
     assert sorted((p.relative_to(save), p.stat().st_mtime_ns) for p in save.rglob("*")) == before
     resumed, r = run_train(argv + ["--max-update", "3", "--restore-file", str(save / "checkpoint_1_2.pt")])
     assert f"loaded checkpoint {save / 'checkpoint_1_2'} (epoch 1 @ 2 updates)" in r.stdout
-    assert resumed["train_inner"] == [dict(first["train_inner"][2], wps=x["wps"], ups=x["ups"], wall=x["wall"],
-                                           train_wall=x["train_wall"], mem_gb=x["mem_gb"], tflops=x["tflops"])
-                                      for x in resumed["train_inner"]]
+    assert resumed["train_inner"] == [
+        dict(
+            first["train_inner"][2],
+            wps=x["wps"],
+            ups=x["ups"],
+            wall=x["wall"],
+            train_wall=x["train_wall"],
+            mem_gb=x["mem_gb"],
+            tflops=x["tflops"],
+        )
+        for x in resumed["train_inner"]
+    ]
 
 
 def test_fairseq_checkpoint_names_and_restore_choices(tmp_path, monkeypatch):
@@ -173,8 +251,9 @@ def test_fairseq_checkpoint_names_and_restore_choices(tmp_path, monkeypatch):
         (save / name / ".metadata").write_bytes(b"")
 
     def choice(restore_file="checkpoint_last", finetune=None, save_dir=save):
-        return restore_choice(SimpleNamespace(save_dir=str(save_dir), restore_file=restore_file,
-                                              finetune_from_model=finetune))
+        return restore_choice(
+            SimpleNamespace(save_dir=str(save_dir), restore_file=restore_file, finetune_from_model=finetune)
+        )
 
     assert choice()[:2] == (save / "checkpoint_last", False)
     assert choice("checkpoint_last.pt")[:2] == (save / "checkpoint_last", False)
@@ -182,8 +261,10 @@ def test_fairseq_checkpoint_names_and_restore_choices(tmp_path, monkeypatch):
     assert choice(str(save / "checkpoint_1_2.pt"))[:2] == (save / "checkpoint_1_2", False)
     monkeypatch.chdir(save)  # the default is --save-dir's checkpoint_last, not one where train started
     assert choice(save_dir=tmp_path / "fresh") == (None, False, tmp_path / "fresh" / "checkpoint_last")
-    assert choice(finetune=str(save / "checkpoint_1_2.pt"), save_dir=tmp_path / "fresh")[:2] == \
-        (save / "checkpoint_1_2", True)
+    assert choice(finetune=str(save / "checkpoint_1_2.pt"), save_dir=tmp_path / "fresh")[:2] == (
+        save / "checkpoint_1_2",
+        True,
+    )
     with pytest.raises(UsageError, match="--finetune-from-model and --restore-file name two checkpoints"):
         choice("checkpoint_1_2.pt", finetune=str(save / "checkpoint_1_2"))
     (tmp_path / "model.pt").write_bytes(b"a fairseq checkpoint")
@@ -200,11 +281,41 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     """Saves every update of a ~12 M-parameter model (≈150 MB per checkpoint); SIGKILL
     lands while the next one is being written; the previous checkpoint_last resumes."""
     save = tmp_path / "ckpt"
-    big = ["--dict-size", "32768", "--decoder-embed-dim", "256", "--decoder-ffn-embed-dim", "1024",
-           "--decoder-attention-heads", "4", "--decoder-layers", "4", "--batch-size", "2"]
-    cmd = [str(Path(sys.executable).with_name("train"))] + SAVE + big + [
-        "--max-update", "200", "--save-dir", str(save), "--save-interval-updates", "1", "--keep-interval-updates", "1",
-        "--ddp-backend", "fully_sharded", "--distributed-world-size", "2", "--log-format", "json"]
+    big = [
+        "--dict-size",
+        "32768",
+        "--decoder-embed-dim",
+        "256",
+        "--decoder-ffn-embed-dim",
+        "1024",
+        "--decoder-attention-heads",
+        "4",
+        "--decoder-layers",
+        "4",
+        "--batch-size",
+        "2",
+    ]
+    cmd = (
+        [str(Path(sys.executable).with_name("train"))]
+        + SAVE
+        + big
+        + [
+            "--max-update",
+            "200",
+            "--save-dir",
+            str(save),
+            "--save-interval-updates",
+            "1",
+            "--keep-interval-updates",
+            "1",
+            "--ddp-backend",
+            "fully_sharded",
+            "--distributed-world-size",
+            "2",
+            "--log-format",
+            "json",
+        ]
+    )
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     tmp = None
     try:
@@ -218,24 +329,65 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
         proc.wait()
     assert tmp is not None, "never caught a save in progress"
     before = json.loads((save / "checkpoint_last" / "trainer_state.json").read_text())["num_updates"]
-    records, r = run_train(SAVE + big + ["--max-update", str(before + 1), "--save-dir", str(save),
-                                         "--ddp-backend", "fully_sharded", "--log-format", "json", "--log-interval", "1"])
+    records, r = run_train(
+        SAVE
+        + big
+        + [
+            "--max-update",
+            str(before + 1),
+            "--save-dir",
+            str(save),
+            "--ddp-backend",
+            "fully_sharded",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+        ]
+    )
     assert f"@ {before} updates" in r.stdout + r.stderr
     assert [rec["num_updates"] for rec in records["train_inner"]] == [before + 1]
 
 
 def test_finetune_from_model_takes_weights_only(tmp_path):
     run_train(SAVE + ["--batch-size", "4", "--max-update", "10", "--save-dir", str(tmp_path / "pre")])
-    records, r = run_train(SAVE + ["--batch-size", "4", "--max-update", "3", "--save-dir", str(tmp_path / "ft"),
-                                   "--finetune-from-model", str(tmp_path / "pre" / "checkpoint_last"),
-                                   "--log-format", "json", "--log-interval", "1"])
+    records, r = run_train(
+        SAVE
+        + [
+            "--batch-size",
+            "4",
+            "--max-update",
+            "3",
+            "--save-dir",
+            str(tmp_path / "ft"),
+            "--finetune-from-model",
+            str(tmp_path / "pre" / "checkpoint_last"),
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+        ]
+    )
     assert [rec["num_updates"] for rec in records["train_inner"]] == [1, 2, 3]
-    fresh, _ = run_train(SAVE + ["--batch-size", "4", "--max-update", "1", "--log-format", "json",
-                                 "--log-interval", "1"])
+    fresh, _ = run_train(
+        SAVE + ["--batch-size", "4", "--max-update", "1", "--log-format", "json", "--log-interval", "1"]
+    )
     assert records["train_inner"][0]["loss"] < fresh["train_inner"][0]["loss"] - 0.1  # it starts trained
-    _, r = run_train(SAVE + ["--batch-size", "4", "--max-update", "3", "--save-dir", str(tmp_path / "ft2"),
-                             "--finetune-from-model", str(tmp_path / "pre" / "checkpoint_last"),
-                             "--reset-optimizer"], check=False)
+    _, r = run_train(
+        SAVE
+        + [
+            "--batch-size",
+            "4",
+            "--max-update",
+            "3",
+            "--save-dir",
+            str(tmp_path / "ft2"),
+            "--finetune-from-model",
+            str(tmp_path / "pre" / "checkpoint_last"),
+            "--reset-optimizer",
+        ],
+        check=False,
+    )
     assert r.returncode != 0 and "--finetune-from-model" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -265,16 +417,38 @@ def test_a_damaged_shard_is_reported_in_one_line(tmp_path):
     _, r = run_train(SAVE + ["--batch-size", "4", "--max-update", "4", "--save-dir", str(save)], check=False)
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines() == [
-        line for line in r.stderr.strip().splitlines() if "could not be read" in line], r.stderr
+        line for line in r.stderr.strip().splitlines() if "could not be read" in line
+    ], r.stderr
 
 
 # A checkpoint written by shardlm at ebbae74 (trainer_state.json format 1): 10 updates of this
 # run on 2 FSDP ranks with fp16 and dropout, stopped mid-epoch after its validation.
 FORMAT_1 = Path(__file__).parent / "fixtures" / "checkpoint_ebbae74"
 FORMAT_1_ARGV = [a for a in DUMMY if a != "--no-save"] + [
-    "--decoder-layers", "1", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--dropout", "0.1",
-    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4", "--required-batch-size-multiple", "1",
-    "--batch-size", "4", "--ddp-backend", "fully_sharded", "--fp16", "--fp16-init-scale", "4", "--clip-norm", "0.5"]
+    "--decoder-layers",
+    "1",
+    "--decoder-embed-dim",
+    "32",
+    "--decoder-ffn-embed-dim",
+    "64",
+    "--dropout",
+    "0.1",
+    "--lr-scheduler",
+    "inverse_sqrt",
+    "--warmup-updates",
+    "4",
+    "--required-batch-size-multiple",
+    "1",
+    "--batch-size",
+    "4",
+    "--ddp-backend",
+    "fully_sharded",
+    "--fp16",
+    "--fp16-init-scale",
+    "4",
+    "--clip-norm",
+    "0.5",
+]
 
 
 def test_a_checkpoint_of_the_previous_format_resumes_exactly(tmp_path):
@@ -291,5 +465,7 @@ def test_a_checkpoint_of_the_previous_format_resumes_exactly(tmp_path):
         assert resumed[n] == pytest.approx(whole[n], rel=1e-6, abs=1e-9), f"update {n}"
     state = json.loads((save / "checkpoint_last" / "trainer_state.json").read_text())
     assert state["format"] == 2 and state["num_updates"] == 13
-    assert state["state"]["loop"]["best_valid_loss"] <= json.loads(
-        (FORMAT_1 / "trainer_state.json").read_text())["best_valid_loss"]
+    assert (
+        state["state"]["loop"]["best_valid_loss"]
+        <= json.loads((FORMAT_1 / "trainer_state.json").read_text())["best_valid_loss"]
+    )

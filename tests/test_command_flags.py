@@ -2,6 +2,7 @@
 each is generated from a field of its dataclass (trainer/config/commands.py) as train's
 are from schema.py, reaches that field as a flag and as a key=value override, and a bad
 value gets one line. And no command's --help says a default twice. No torch needed."""
+
 import re
 import subprocess
 import sys
@@ -12,12 +13,23 @@ import pytest
 
 import cli
 from trainer.config.commands import COMMAND_GROUPS
-from trainer.config.flags import (add_field_flags, build_command_parser, build_parser, command_options,
-                                  flag_name, parse_command, parse_flags)
+from trainer.config.flags import (
+    add_field_flags,
+    build_command_parser,
+    build_parser,
+    command_options,
+    flag_name,
+    parse_command,
+    parse_flags,
+)
 
 # The flags a command needs before it parses anything else (given where a field is not the one under test).
-REQUIRED = {"eval-lm": ["--path", "ckpt"], "generate": ["--path", "ckpt"],
-            "export-model": ["--path", "ckpt", "--out", "out"], "plan": []}
+REQUIRED = {
+    "eval-lm": ["--path", "ckpt"],
+    "generate": ["--path", "ckpt"],
+    "export-model": ["--path", "ckpt", "--out", "out"],
+    "plan": [],
+}
 
 
 def command_fields():
@@ -60,7 +72,7 @@ def _without(argv, name):
     if name not in argv:
         return list(argv)
     i = argv.index(name)
-    return argv[:i] + argv[i + 2:]
+    return argv[:i] + argv[i + 2 :]
 
 
 @pytest.mark.parametrize("prog,f", command_fields(), ids=lambda x: getattr(x, "name", x))
@@ -80,13 +92,22 @@ def test_every_command_flag_reaches_its_field(prog, f):
         assert getattr(parse(prog, REQUIRED[prog]), f.name) == default
 
 
-@pytest.mark.parametrize("prog,f", [(p, f) for p, f in command_fields() if f.type is bool],
-                         ids=lambda x: getattr(x, "name", x))
+@pytest.mark.parametrize(
+    "prog,f", [(p, f) for p, f in command_fields() if f.type is bool], ids=lambda x: getattr(x, "name", x)
+)
 def test_a_switch_is_also_a_true_false_override(prog, f):
     group = COMMAND_GROUPS[prog][0]
     assert getattr(parse(prog, REQUIRED[prog] + [f"{group}.{f.name}=true"]), f.name) is True
-    assert getattr(parse(prog, REQUIRED[prog] + [f.metadata.get("flag", "--" + f.name.replace("_", "-")),
-                                                 f"{group}.{f.name}=false"]), f.name) is False
+    assert (
+        getattr(
+            parse(
+                prog,
+                REQUIRED[prog] + [f.metadata.get("flag", "--" + f.name.replace("_", "-")), f"{group}.{f.name}=false"],
+            ),
+            f.name,
+        )
+        is False
+    )
 
 
 def test_an_override_wins_over_its_flag_and_a_repeated_one_adds():
@@ -132,35 +153,45 @@ def test_no_help_says_a_default_twice(prog, capsys):
     assert not twice, twice
 
 
-@pytest.mark.parametrize("prog,argv,message", [
-    ("eval-lm", ["--batch-size", "0"], "argument --batch-size/--max-sentences: must be at least 1, got 0"),
-    ("eval-lm", ["--max-sentences", "x"], "expected a whole number, got 'x'"),
-    ("eval-lm", ["--num-workers", "-1"], "argument --num-workers: must be >= 0, got -1"),
-    ("eval-lm", ["--context-window", "-1"], "--context-window must be >= 0, got -1"),
-    ("eval-lm", ["--model-overrides", "3"], "--model-overrides '3' is not a dict"),
-    ("eval-lm", ["--model-overrides", "{'decoder_layrs': 2}"], "did you mean decoder_layers?"),
-    ("eval-lm", ["--sample-break-mode", "eos2"], "argument --sample-break-mode: invalid choice: 'eos2'"),
-    ("eval-lm", ["eval_lm.batch_size=0"], "cannot set eval_lm.batch_size='0': must be at least 1, got 0"),
-    ("eval-lm", ["eval_lm.context_window=-1"], "--context-window must be >= 0, got -1"),
-    ("eval-lm", ["eval_lm.cpu=maybe"], "cannot set eval_lm.cpu='maybe': expected true or false"),
-    ("eval-lm", ["eval_lm.contxt_window=3"],
-     "unknown config key eval_lm.contxt_window (did you mean eval_lm.context_window?)"),
-    ("eval-lm", ["context_window=3"], "(did you mean eval_lm.context_window?)"),
-    ("eval-lm", ["--contxt-window", "3"], "unrecognized flag --contxt-window (did you mean --context-window?)"),
-    ("eval-lm", ["a", "b"], "only one DATA directory is accepted"),
-    ("generate", ["--temperature", "-1"], "need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1"),
-    ("generate", ["generate.top_p=0"], "need --temperature >= 0"),
-    ("generate", ["--max-new-tokens", "0"], "argument --max-new-tokens: must be at least 1, got 0"),
-    ("generate", ["--top-k", "1.5"], "argument --top-k: invalid int value: '1.5'"),
-    ("generate", ["prompt"], "unexpected argument 'prompt': options are --flags or key=value"),
-    ("export-model", ["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
-    ("export-model", ["export_model.format=onnx"], "cannot set export_model.format='onnx': expected one of"),
-    ("plan", ["--cpu", "--device-memory-gb", "-5"], "argument --device-memory-gb: must be a positive number"),
-    ("plan", ["--cpu", "plan.host_memory_gb=nan"], "cannot set plan.host_memory_gb='nan': must be a positive number"),
-    ("plan", ["--cpu", "--ranks-per-host", "0"], "argument --ranks-per-host: must be at least 1, got 0"),
-    ("plan", ["--cpu", "plan.ranks_per_host=8"], "--ranks-per-host 8 exceeds the job's 1 rank(s)"),
-    ("plan", ["--cpu", "plan.formt=json"], "unknown config key plan.formt (did you mean plan.format?)"),
-])
+@pytest.mark.parametrize(
+    "prog,argv,message",
+    [
+        ("eval-lm", ["--batch-size", "0"], "argument --batch-size/--max-sentences: must be at least 1, got 0"),
+        ("eval-lm", ["--max-sentences", "x"], "expected a whole number, got 'x'"),
+        ("eval-lm", ["--num-workers", "-1"], "argument --num-workers: must be >= 0, got -1"),
+        ("eval-lm", ["--context-window", "-1"], "--context-window must be >= 0, got -1"),
+        ("eval-lm", ["--model-overrides", "3"], "--model-overrides '3' is not a dict"),
+        ("eval-lm", ["--model-overrides", "{'decoder_layrs': 2}"], "did you mean decoder_layers?"),
+        ("eval-lm", ["--sample-break-mode", "eos2"], "argument --sample-break-mode: invalid choice: 'eos2'"),
+        ("eval-lm", ["eval_lm.batch_size=0"], "cannot set eval_lm.batch_size='0': must be at least 1, got 0"),
+        ("eval-lm", ["eval_lm.context_window=-1"], "--context-window must be >= 0, got -1"),
+        ("eval-lm", ["eval_lm.cpu=maybe"], "cannot set eval_lm.cpu='maybe': expected true or false"),
+        (
+            "eval-lm",
+            ["eval_lm.contxt_window=3"],
+            "unknown config key eval_lm.contxt_window (did you mean eval_lm.context_window?)",
+        ),
+        ("eval-lm", ["context_window=3"], "(did you mean eval_lm.context_window?)"),
+        ("eval-lm", ["--contxt-window", "3"], "unrecognized flag --contxt-window (did you mean --context-window?)"),
+        ("eval-lm", ["a", "b"], "only one DATA directory is accepted"),
+        ("generate", ["--temperature", "-1"], "need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1"),
+        ("generate", ["generate.top_p=0"], "need --temperature >= 0"),
+        ("generate", ["--max-new-tokens", "0"], "argument --max-new-tokens: must be at least 1, got 0"),
+        ("generate", ["--top-k", "1.5"], "argument --top-k: invalid int value: '1.5'"),
+        ("generate", ["prompt"], "unexpected argument 'prompt': options are --flags or key=value"),
+        ("export-model", ["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+        ("export-model", ["export_model.format=onnx"], "cannot set export_model.format='onnx': expected one of"),
+        ("plan", ["--cpu", "--device-memory-gb", "-5"], "argument --device-memory-gb: must be a positive number"),
+        (
+            "plan",
+            ["--cpu", "plan.host_memory_gb=nan"],
+            "cannot set plan.host_memory_gb='nan': must be a positive number",
+        ),
+        ("plan", ["--cpu", "--ranks-per-host", "0"], "argument --ranks-per-host: must be at least 1, got 0"),
+        ("plan", ["--cpu", "plan.ranks_per_host=8"], "--ranks-per-host 8 exceeds the job's 1 rank(s)"),
+        ("plan", ["--cpu", "plan.formt=json"], "unknown config key plan.formt (did you mean plan.format?)"),
+    ],
+)
 def test_a_bad_value_gets_one_line_and_exit_2(prog, argv, message, capsys, monkeypatch):
     monkeypatch.delenv("SHARDLM_DEBUG", raising=False)
     code = cli.COMMANDS[prog](REQUIRED[prog] + argv)
@@ -170,7 +201,9 @@ def test_a_bad_value_gets_one_line_and_exit_2(prog, argv, message, capsys, monke
 
 
 def test_eval_lm_help_answers_without_torch():
-    probe = ("import sys, cli\ntry:\n    cli.eval_lm_main(['--help'])\nexcept SystemExit:\n    pass\n"
-             "print('torch loaded:', 'torch' in sys.modules)")
+    probe = (
+        "import sys, cli\ntry:\n    cli.eval_lm_main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('torch loaded:', 'torch' in sys.modules)"
+    )
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip().endswith("torch loaded: False"), r.stderr

@@ -2,6 +2,7 @@
 CPU) before sharding. The compiled model trains the same model the eager one does, on
 FSDP ranks with activation checkpointing (the full checkpoint → compile → shard order),
 and its checkpoints are those of the eager model: a run resumes with or without it."""
+
 import json
 from pathlib import Path
 
@@ -25,8 +26,9 @@ def _compiled_rank(index, argv, world, port, out):
 
     rdv = Rendezvous(f"tcp://127.0.0.1:{port}", world, rank=index, local_rank=index, local_world_size=world)
     losses, gnorms = update_losses(argv, UPDATES, rdv, with_gnorm=True)
-    Path(f"{out}.{index}").write_text(json.dumps({"losses": losses, "gnorms": gnorms,
-                                                  "graphs": counters["stats"]["unique_graphs"]}))
+    Path(f"{out}.{index}").write_text(
+        json.dumps({"losses": losses, "gnorms": gnorms, "graphs": counters["stats"]["unique_graphs"]})
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,6 @@ def eager_one_process():
 
 def test_compiled_fsdp_with_checkpointing_matches_eager(eager_one_process, tmp_path):
     from helpers import run_ranks
-
     from trainer.rendezvous import free_port
 
     argv = BASE + ["--batch-size", "4", "--ddp-backend", "fully_sharded", "--checkpoint-activations", "--compile"]
@@ -53,10 +54,10 @@ def test_compiled_fsdp_with_checkpointing_matches_eager(eager_one_process, tmp_p
 
 
 def test_compiled_layers_keep_the_bare_state_dict_keys():
+    import torch
+
     from trainer.parallel.ranks import DistEnv
     from trainer.train.main import build
-
-    import torch
 
     env = DistEnv(0, 1, 0, 1, torch.device("cpu"), None)
     eager = build(compose(BASE + ["--batch-size", "8"]), env)[1].model
@@ -86,6 +87,8 @@ def test_compile_without_a_compiler_is_one_line(tmp_path, monkeypatch, capsys):
     code = cli.COMMANDS["train"](BASE + ["--batch-size", "8", "--compile", "--cpu"])
     lines = capsys.readouterr().err.splitlines()
     assert code not in (0, None)
-    assert lines == ["train: error: --compile on a CPU needs a C++ compiler and no-such-c++ is not on PATH; "
-                     "install g++ (or set CXX to one), or drop --compile"]
+    assert lines == [
+        "train: error: --compile on a CPU needs a C++ compiler and no-such-c++ is not on PATH; "
+        "install g++ (or set CXX to one), or drop --compile"
+    ]
     assert list(tmp_path.iterdir()) == []

@@ -176,8 +176,12 @@ def test_shards_are_disjoint_and_cover_the_epoch():
 
 def test_validation_shards_cover_every_batch_with_dummies():
     ds = CountingDataset(np.arange(2, 9))  # 7 items of batch 2: 4 batches for 3 ranks
-    shards = [EpochBatchIterator(ds, batch_size=2, max_tokens=None, seed=1, shuffle=False, num_shards=3,
-                                 shard_id=r, every_batch=True) for r in range(3)]
+    shards = [
+        EpochBatchIterator(
+            ds, batch_size=2, max_tokens=None, seed=1, shuffle=False, num_shards=3, shard_id=r, every_batch=True
+        )
+        for r in range(3)
+    ]
     per_rank = [list(s.next_epoch_itr()) for s in shards]
     assert [len(r) for r in per_rank] == [2, 2, 2]  # every rank runs the same number of forwards
     real = [b for r in per_rank for b in r if not b.get("dummy")]

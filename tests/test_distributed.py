@@ -1,5 +1,6 @@
 """FSDP trains the same model DDP does: per-update loss and gnorm on 2 (and 4) real gloo
 ranks agree with one process holding the whole batch. Plus the ways to launch."""
+
 import json
 from pathlib import Path
 
@@ -19,8 +20,10 @@ FIDELITY = {
     "fsdp_cpu_offload": (2, ["--batch-size", "4", "--ddp-backend", "fully_sharded", "--cpu-offload"]),
     "fsdp_checkpoint": (2, ["--batch-size", "4", "--ddp-backend", "fully_sharded", "--checkpoint-activations"]),
     "fsdp_update_freq": (2, ["--batch-size", "2", "--update-freq", "2", "--ddp-backend", "fully_sharded"]),
-    "fsdp_update_freq_deferred": (2, ["--batch-size", "2", "--update-freq", "2", "--ddp-backend",
-                                      "fully_sharded", "--defer-grad-sync"]),
+    "fsdp_update_freq_deferred": (
+        2,
+        ["--batch-size", "2", "--update-freq", "2", "--ddp-backend", "fully_sharded", "--defer-grad-sync"],
+    ),
     "ddp_update_freq": (2, ["--batch-size", "2", "--update-freq", "2"]),
     "hybrid_shard_2x2": (4, ["--batch-size", "2", "--ddp-backend", "hybrid_shard", "--shard-group-size", "2"]),
 }
@@ -39,8 +42,9 @@ def test_fsdp_root_given_back_after_forward_trains_the_same(model, tmp_path):
     the updates are one process's."""
     argv = BASE + model
     ref_losses, ref_gnorms = update_losses(argv + ["--batch-size", "8"], UPDATES, with_gnorm=True)
-    losses, gnorms = multi_rank_losses(argv + ["--batch-size", "4", "--ddp-backend", "fully_sharded"], 2,
-                                       UPDATES, tmp_path)
+    losses, gnorms = multi_rank_losses(
+        argv + ["--batch-size", "4", "--ddp-backend", "fully_sharded"], 2, UPDATES, tmp_path
+    )
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert gnorms == pytest.approx(ref_gnorms, rel=1e-4)
 
@@ -58,22 +62,23 @@ def test_backend_matches_one_process(name, one_process, tmp_path):
 @pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
 def test_mixed_precision_fsdp_matches_ddp(precision, tmp_path):
     ddp, _ = multi_rank_losses(BASE + ["--batch-size", "4", precision], 2, UPDATES, tmp_path)
-    fsdp, _ = multi_rank_losses(BASE + ["--batch-size", "4", precision, "--ddp-backend", "fully_sharded"],
-                                2, UPDATES, tmp_path)
+    fsdp, _ = multi_rank_losses(
+        BASE + ["--batch-size", "4", precision, "--ddp-backend", "fully_sharded"], 2, UPDATES, tmp_path
+    )
     assert fsdp == pytest.approx(ddp, rel=2e-2)
     assert fsdp[-1] < fsdp[0]
 
 
 def _gather_initial_parameters(index, world, port, out):
     import torch
+
     from helpers import compose
     from trainer.parallel import ranks as distributed
     from trainer.rendezvous import Rendezvous
     from trainer.train.main import build
 
     cfg = compose(BASE + ["--batch-size", "4", "--ddp-backend", "fully_sharded", "--decoder-learned-pos"])
-    rdv = Rendezvous(f"tcp://127.0.0.1:{port}", world, rank=index, local_rank=index,
-                     local_world_size=world)
+    rdv = Rendezvous(f"tcp://127.0.0.1:{port}", world, rank=index, local_rank=index, local_world_size=world)
     env = distributed.init_rank(cfg, rdv, needs_process_group=True)
     try:
         _, trainer, _ = build(cfg, env)
@@ -88,6 +93,7 @@ def _gather_initial_parameters(index, world, port, out):
 
 def test_sharded_init_equals_one_process_exactly(tmp_path):
     import torch
+
     from helpers import compose, run_ranks
     from models.transformer_lm import build_model
     from trainer.rendezvous import free_port
@@ -108,11 +114,12 @@ def _pending_gathers_rank(index, world, port, out):
     """Which FSDP units have an all-gather in flight: after build, after DCP's optimizer-state
     init (it steps the optimizer), and after one update."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     from helpers import compose
     from trainer.parallel import ranks as distributed
+    from trainer.rendezvous import Rendezvous
     from trainer.train.loop import grouped
     from trainer.train.main import build
-    from trainer.rendezvous import Rendezvous
 
     cfg = compose(BASE + ["--batch-size", "4", "--ddp-backend", "fully_sharded"])
     rdv = Rendezvous(f"tcp://127.0.0.1:{port}", world, rank=index, local_rank=index, local_world_size=world)

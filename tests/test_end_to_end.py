@@ -1,5 +1,6 @@
 """`preprocess` → `train` as users type them; fairseq data directories; the embedded
 corpus is learned; a saved config.yaml reruns the same job."""
+
 import re
 import subprocess
 import sys
@@ -22,13 +23,40 @@ def write_corpus(path, lines, seed):
 def test_preprocess_then_train(tmp_path):
     write_corpus(tmp_path / "train.txt", 400, 0)
     write_corpus(tmp_path / "valid.txt", 40, 1)
-    r = subprocess.run([BIN / "preprocess", "--trainpref", tmp_path / "train.txt", "--validpref",
-                        tmp_path / "valid.txt", "--destdir", tmp_path / "bin", "--vocab-size", "64",
-                        "--workers", "2"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            BIN / "preprocess",
+            "--trainpref",
+            tmp_path / "train.txt",
+            "--validpref",
+            tmp_path / "valid.txt",
+            "--destdir",
+            tmp_path / "bin",
+            "--vocab-size",
+            "64",
+            "--workers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
-    records, _ = run_train([str(tmp_path / "bin")] + TINY + ["--batch-size", "4", "--max-update", "30",
-                                                             "--log-format", "json", "--log-interval", "10",
-                                                             "--sample-break-mode", "complete"])
+    records, _ = run_train(
+        [str(tmp_path / "bin")]
+        + TINY
+        + [
+            "--batch-size",
+            "4",
+            "--max-update",
+            "30",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "10",
+            "--sample-break-mode",
+            "complete",
+        ]
+    )
     losses = [rec["loss"] for rec in records["train_inner"]]
     assert losses[-1] < losses[0]
     assert records["valid"][-1]["valid_loss"] < 6
@@ -37,6 +65,7 @@ def test_preprocess_then_train(tmp_path):
 def test_fairseq_preprocessed_directory_trains(tmp_path):
     """dict.txt + MMIDIDX train/valid as fairseq-preprocess writes them, read as they are."""
     from data.indexed_dataset import IndexedDatasetBuilder
+
     symbols = [f"w{i}" for i in range(40)]
     (tmp_path / "dict.txt").write_text("".join(f"{s} {100 - i}\n" for i, s in enumerate(symbols)))
     rng = np.random.default_rng(0)
@@ -45,8 +74,11 @@ def test_fairseq_preprocessed_directory_trains(tmp_path):
         for _ in range(n):  # a sentence of symbol ids (4 + i) ending in </s> = 2
             builder.add_item(np.append(4 + rng.integers(0, 40, size=rng.integers(3, 15)), 2))
         builder.finalize()
-    records, r = run_train([str(tmp_path)] + TINY + ["--batch-size", "4", "--max-update", "20",
-                                                     "--log-format", "json", "--log-interval", "10"])
+    records, r = run_train(
+        [str(tmp_path)]
+        + TINY
+        + ["--batch-size", "4", "--max-update", "20", "--log-format", "json", "--log-interval", "10"]
+    )
     assert "vocabulary 44" in r.stdout
     assert records["valid"][-1]["valid_num_updates"] == 20
 
@@ -55,12 +87,45 @@ def test_embedded_corpus_is_learned_near_its_floor_and_config_reruns(tmp_path):
     save = tmp_path / "ckpt"
     # `make demo`'s model at half its depth, a shorter warm-up and a higher lr: valid loss within
     # 0.16 of the floor at update 200 (the demo's 4 layers at lr 0.002 were 0.14 above it at 300).
-    argv = ["--arch", "transformer_lm_gpt2_tiny", "--decoder-layers", "2", "--decoder-embed-dim", "128",
-            "--decoder-ffn-embed-dim", "512", "--decoder-attention-heads", "4", "--dropout", "0",
-            "--attention-dropout", "0", "--share-decoder-input-output-embed", "--tokens-per-sample", "128",
-            "--batch-size", "16", "--lr", "0.003", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "50",
-            "--clip-norm", "1.0", "--max-update", "200", "--validate-interval-updates", "100",
-            "--log-format", "json", "--log-interval", "10", "--save-dir", str(save)]
+    argv = [
+        "--arch",
+        "transformer_lm_gpt2_tiny",
+        "--decoder-layers",
+        "2",
+        "--decoder-embed-dim",
+        "128",
+        "--decoder-ffn-embed-dim",
+        "512",
+        "--decoder-attention-heads",
+        "4",
+        "--dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--share-decoder-input-output-embed",
+        "--tokens-per-sample",
+        "128",
+        "--batch-size",
+        "16",
+        "--lr",
+        "0.003",
+        "--lr-scheduler",
+        "inverse_sqrt",
+        "--warmup-updates",
+        "50",
+        "--clip-norm",
+        "1.0",
+        "--max-update",
+        "200",
+        "--validate-interval-updates",
+        "100",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "10",
+        "--save-dir",
+        str(save),
+    ]
     records, r = run_train(argv)
     floor = float(re.search(r"the true model's valid loss is ([\d.]+)", r.stdout).group(1))
     assert 2.0 < floor < 2.4  # bits per token of the generating Markov chain
@@ -69,6 +134,15 @@ def test_embedded_corpus_is_learned_near_its_floor_and_config_reruns(tmp_path):
     assert (save / "config.yaml").exists()
     # Another save dir: in this one the same command resumes from checkpoint_last. The first 30
     # updates (3 logged means, in warm-up, clipped) tell a rerun of another job from this one.
-    again, _ = run_train(["--config-dir", str(save), "--config-name", "config", "--no-save",
-                          "optimization.max_update=30", f"checkpoint.save_dir={tmp_path / 'rerun'}"])
+    again, _ = run_train(
+        [
+            "--config-dir",
+            str(save),
+            "--config-name",
+            "config",
+            "--no-save",
+            "optimization.max_update=30",
+            f"checkpoint.save_dir={tmp_path / 'rerun'}",
+        ]
+    )
     assert [r["loss"] for r in again["train_inner"]] == [r["loss"] for r in records["train_inner"][:3]]

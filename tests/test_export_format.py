@@ -1,4 +1,5 @@
 """Export formats: our safetensors reader/writer, and the HF GPT-2 mapping giving the same logits."""
+
 import json
 import struct
 
@@ -36,6 +37,7 @@ def _write(path, tensors, metadata=None):
     def get(name):
         calls.append(name)
         return tensors[name]
+
     write_safetensors(path, specs, get, metadata)
     return calls
 
@@ -60,8 +62,8 @@ def test_header_is_padded_and_offsets_are_contiguous(tmp_path):
     _write(path, tensors)
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    assert n % 8 == 0 and raw[8:8 + n].decode().startswith("{")
-    header = json.loads(raw[8:8 + n])
+    assert n % 8 == 0 and raw[8 : 8 + n].decode().startswith("{")
+    header = json.loads(raw[8 : 8 + n])
     assert header == safetensors_header(path) and "__metadata__" not in header
     assert header["bf16"] == {"dtype": "BF16", "shape": [7], "data_offsets": [60, 74]}
     assert header["scalar"]["shape"] == [] and header["empty"]["shape"] == [0, 4]
@@ -84,15 +86,15 @@ def test_malformed_files_raise_one_line_value_errors(tmp_path):
     _write(path, _sample_tensors())
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     header["f32"]["dtype"] = "F99"
     bad_dtype = json.dumps(header).encode()
     cases = {
         "truncated": (raw[:-3], "truncated"),
         "short": (raw[:5], "shorter than"),
-        "huge header": (struct.pack("<Q", 10 ** 12) + raw[8:], "exceeds the file"),
-        "not json": (raw[:8] + b"x" * n + raw[8 + n:], "not JSON"),
-        "bad dtype": (struct.pack("<Q", len(bad_dtype)) + bad_dtype + raw[8 + n:], "no known dtype"),
+        "huge header": (struct.pack("<Q", 10**12) + raw[8:], "exceeds the file"),
+        "not json": (raw[:8] + b"x" * n + raw[8 + n :], "not JSON"),
+        "bad dtype": (struct.pack("<Q", len(bad_dtype)) + bad_dtype + raw[8 + n :], "no known dtype"),
     }
     for case, (content, message) in cases.items():
         path.write_bytes(content)
@@ -113,11 +115,11 @@ def test_reference_library_reads_our_file(tmp_path):
 # --- HuggingFace GPT-2 ---------------------------------------------------------------
 
 VOCAB, POSITIONS = 96, 32
-TINY = dict(decoder_layers=2, decoder_embed_dim=64, decoder_ffn_embed_dim=128,
-            decoder_attention_heads=2, dropout=0.0)
+TINY = dict(decoder_layers=2, decoder_embed_dim=64, decoder_ffn_embed_dim=128, decoder_attention_heads=2, dropout=0.0)
 VARIANTS = {
-    "learned_tied_gelu": dict(decoder_learned_pos=True, share_decoder_input_output_embed=True,
-                              activation_fn="gelu", no_scale_embedding=True),
+    "learned_tied_gelu": dict(
+        decoder_learned_pos=True, share_decoder_input_output_embed=True, activation_fn="gelu", no_scale_embedding=True
+    ),
     "sinusoidal_scaled_relu_untied": dict(activation_fn="relu"),
     "scaled_tied_no_positions": dict(share_decoder_input_output_embed=True, no_token_positional_embeddings=True),
 }
@@ -159,11 +161,14 @@ def test_hf_gpt2_gives_our_logits(tmp_path, variant):
     assert (ours - theirs).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("option, message", [
-    (dict(decoder_normalize_before=False), "post-norm"),
-    (dict(no_decoder_final_norm=True), "ln_f"),
-    (dict(layernorm_embedding=True), "layernorm_embedding"),
-])
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (dict(decoder_normalize_before=False), "post-norm"),
+        (dict(no_decoder_final_norm=True), "ln_f"),
+        (dict(layernorm_embedding=True), "layernorm_embedding"),
+    ],
+)
 def test_incompatible_models_are_refused(option, message):
     with pytest.raises(UsageError, match=message):
         check_hf_compatible(TransformerLMConfig(**TINY, **option))

@@ -7,6 +7,7 @@ samples, a few updates, 2 ranks where fairseq has 8 GPUs). They run on a data-bi
 written as fairseq-preprocess writes it (dict.txt with its padding symbols, MMIDIDX
 .bin/.idx) from fairseq's own test corpus recipe (tests/utils.py create_dummy_data).
 """
+
 import re
 import shlex
 import subprocess
@@ -15,14 +16,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_fairseq_configs import WIKI103_YAML
 
 from helpers import parse_records
-from test_fairseq_configs import WIKI103_YAML
 
 LETTERS = [chr(c) for c in range(97, 123)]
 # Appended to every training line: the model and the run shrunk, nothing else changed.
-SHRINK = ("--decoder-layers 2 --decoder-embed-dim 32 --decoder-ffn-embed-dim 64 --decoder-attention-heads 2 "
-          "--tokens-per-sample 32 --max-update 8 --log-interval 1")
+SHRINK = (
+    "--decoder-layers 2 --decoder-embed-dim 32 --decoder-ffn-embed-dim 64 --decoder-attention-heads 2 "
+    "--tokens-per-sample 32 --max-update 8 --log-interval 1"
+)
 
 
 def fairseq_data_bin(path, splits=(("train", 600), ("valid", 60), ("valid1", 40), ("test", 60))):
@@ -60,6 +63,7 @@ def _run(line, data_bin, tmp_path, *extra, capsys=None):
     prog, args = argv[0], argv[1:] + shlex.split(" ".join(extra))
     if capsys is not None:
         import cli
+
         assert Path.cwd() == tmp_path  # as the subprocess's cwd below (conftest's chdir)
         capsys.readouterr()
         code = cli.COMMANDS[prog](args)
@@ -101,8 +105,14 @@ LM_README_EVAL = """eval-lm {DATA} \
 
 def test_language_model_readme_trains_and_evaluates(data_bin, tmp_path, capsys):
     # fp16 is slow on a CPU: fewer tokens per update; warmup shortened so the loss moves in 8 updates.
-    records, _ = _run(LM_README, data_bin, tmp_path, SHRINK, "--max-tokens 64 --update-freq 2",
-                      "--distributed-world-size 2 --warmup-updates 2 --log-format json")
+    records, _ = _run(
+        LM_README,
+        data_bin,
+        tmp_path,
+        SHRINK,
+        "--max-tokens 64 --update-freq 2",
+        "--distributed-world-size 2 --warmup-updates 2 --log-format json",
+    )
     _loss_fell(records)
     _, r = _run(LM_README_EVAL, data_bin, tmp_path, "--tokens-per-sample 32 --context-window 16", capsys=capsys)
     assert re.search(r"Loss \(base 2\): [\d.]+, Perplexity: [\d.]+", r.stdout)
@@ -121,10 +131,15 @@ ADAPTIVE_INPUTS = """train --task language_modeling \
 
 def test_adaptive_inputs_readme_trains(data_bin, tmp_path):
     # The vocabulary here is 32 symbols: cutoffs within it; warmup and period shortened.
-    records, _ = _run(ADAPTIVE_INPUTS, data_bin, tmp_path, SHRINK,
-                      "--adaptive-input-cutoff 10,20 --adaptive-softmax-cutoff 10,20 --max-tokens 128",
-                      "--update-freq 1 --warmup-updates 1 --lr-period-updates 16 --distributed-world-size 2 "
-                      "--log-format json --dropout 0 --attention-dropout 0 --activation-dropout 0")
+    records, _ = _run(
+        ADAPTIVE_INPUTS,
+        data_bin,
+        tmp_path,
+        SHRINK,
+        "--adaptive-input-cutoff 10,20 --adaptive-softmax-cutoff 10,20 --max-tokens 128",
+        "--update-freq 1 --warmup-updates 1 --lr-period-updates 16 --distributed-world-size 2 "
+        "--log-format json --dropout 0 --attention-dropout 0 --activation-dropout 0",
+    )
     _loss_fell(records)
 
 
@@ -140,8 +155,14 @@ FSDP_README = """train {DATA} \
 
 
 def test_fsdp_readme_cpu_offload_with_cpu_adam_trains(data_bin, tmp_path):
-    records, _ = _run(FSDP_README, data_bin, tmp_path, SHRINK, "--batch-size 2 --lr 0.003 --warmup-updates 1",
-                      "--distributed-world-size 2")
+    records, _ = _run(
+        FSDP_README,
+        data_bin,
+        tmp_path,
+        SHRINK,
+        "--batch-size 2 --lr 0.003 --warmup-updates 1",
+        "--distributed-world-size 2",
+    )
     _loss_fell(records)
     assert not (tmp_path / "checkpoints").exists()  # --no-save
 
@@ -217,9 +238,16 @@ NORMFORMER = """train {DATA} \
 
 
 def test_normformer_train_lm_sh_trains(data_bin, tmp_path):
-    records, _ = _run(NORMFORMER, data_bin, tmp_path, SHRINK, "--batch-size 2 --warmup-updates 1 --lr 0.003",
-                      "--validate-interval-updates 2 --distributed-world-size 2 --distributed-port -1",
-                      "--save-dir", str(tmp_path / "ck"))
+    records, _ = _run(
+        NORMFORMER,
+        data_bin,
+        tmp_path,
+        SHRINK,
+        "--batch-size 2 --warmup-updates 1 --lr 0.003",
+        "--validate-interval-updates 2 --distributed-world-size 2 --distributed-port -1",
+        "--save-dir",
+        str(tmp_path / "ck"),
+    )
     _loss_fell(records)
     assert records["valid"][0]["valid_num_updates"] == 2
 
@@ -233,14 +261,20 @@ TEST_BINARIES = """train --task language_modeling {DATA} --arch transformer_lm -
 TEST_BINARIES_EVAL = "eval-lm {DATA} --path {CK}/checkpoint_last.pt --no-progress-bar --num-workers 0"
 
 
-@pytest.mark.parametrize("extra", [
-    "--add-bos-token --nval 1",
-    "--add-bos-token --nval 1 --scale-fc --scale-heads --scale-attn --scale-fc",
-    "--add-bos-token --criterion adaptive_loss --adaptive-softmax-cutoff 5,10,15",
-], ids=["transformer_lm", "normformer_lm", "adaptive_softmax"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "--add-bos-token --nval 1",
+        "--add-bos-token --nval 1 --scale-fc --scale-heads --scale-attn --scale-fc",
+        "--add-bos-token --criterion adaptive_loss --adaptive-softmax-cutoff 5,10,15",
+    ],
+    ids=["transformer_lm", "normformer_lm", "adaptive_softmax"],
+)
 def test_fairseq_test_suite_lines_train_and_evaluate(extra, data_bin, tmp_path, capsys):
-    size = "--decoder-layers 2 --decoder-embed-dim 32 --decoder-ffn-embed-dim 64 --decoder-attention-heads 2 " \
-           "--tokens-per-sample 32 --max-tokens 256 --log-format json --log-interval 1"
+    size = (
+        "--decoder-layers 2 --decoder-embed-dim 32 --decoder-ffn-embed-dim 64 --decoder-attention-heads 2 "
+        "--tokens-per-sample 32 --max-tokens 256 --log-format json --log-interval 1"
+    )
     records, _ = _run(TEST_BINARIES, data_bin, tmp_path, extra, size)
     _loss_fell(records)
     assert records["train"][-1]["train_num_updates"] > 0 and records["valid"]
@@ -262,8 +296,14 @@ GPU_SUITE = """train --task language_modeling {DATA} --arch transformer_lm_gpt2_
 
 def test_gpu_suite_resume_from_a_pt_checkpoint_name(data_bin, tmp_path):
     first, _ = _run(GPU_SUITE, data_bin, tmp_path)
-    resumed, _ = _run(GPU_SUITE, data_bin, tmp_path, "--restore-file", str(tmp_path / "checkpoints" / "checkpoint_1_2.pt"),
-                      "--no-save")
+    resumed, _ = _run(
+        GPU_SUITE,
+        data_bin,
+        tmp_path,
+        "--restore-file",
+        str(tmp_path / "checkpoints" / "checkpoint_1_2.pt"),
+        "--no-save",
+    )
     assert resumed["train_inner"][0]["num_updates"] == 3
     assert resumed["train"][-1]["train_loss"] == first["train"][-1]["train_loss"]
 
@@ -278,9 +318,11 @@ HYDRA_CASE_1 = """train \
     optimization.max_update=5000"""
 # docs/hydra_integration.md, "Replace bundled configs with an external config".
 # Its wiki103.yaml, verbatim but for the data path: test_fairseq_configs.WIKI103_YAML.
-HYDRA_SHRINK = ("model.decoder_layers=2 model.decoder_embed_dim=32 model.decoder_ffn_embed_dim=64 "
-                "model.decoder_attention_heads=2 task.tokens_per_sample=32 optimization.max_update=8 "
-                "common.log_interval=1 common.log_format=json checkpoint.no_save=true")
+HYDRA_SHRINK = (
+    "model.decoder_layers=2 model.decoder_embed_dim=32 model.decoder_ffn_embed_dim=64 "
+    "model.decoder_attention_heads=2 task.tokens_per_sample=32 optimization.max_update=8 "
+    "common.log_interval=1 common.log_format=json checkpoint.no_save=true"
+)
 
 
 def test_hydra_integration_docs_lines_train(data_bin, tmp_path):
@@ -289,8 +331,9 @@ def test_hydra_integration_docs_lines_train(data_bin, tmp_path):
     configs = tmp_path / "configs"
     configs.mkdir()
     (configs / "wiki103.yaml").write_text(WIKI103_YAML.replace("/path/to/data", str(data_bin)))
-    records, _ = _run(f"train --config-dir {configs} --config-name wiki103", data_bin, tmp_path, HYDRA_SHRINK,
-                      "optimization.lr=0.003")
+    records, _ = _run(
+        f"train --config-dir {configs} --config-name wiki103", data_bin, tmp_path, HYDRA_SHRINK, "optimization.lr=0.003"
+    )
     _loss_fell(records)
 
 
@@ -299,8 +342,13 @@ def test_the_users_own_line_trains_on_the_embedded_corpus(line, tmp_path):
     """The line shardlm was asked for, and bare `train`: no DATA, no batch size, no lr.
     Shrunk only in the model and the number of updates; the batch (8 sequences) and Adam's
     lr are the embedded corpus's defaults."""
-    records, r = _run(line, None, tmp_path, "--arch transformer_lm_gpt2_tiny --tokens-per-sample 64",
-                      "--max-update 8 --log-interval 1 --log-format json --no-save")
+    records, r = _run(
+        line,
+        None,
+        tmp_path,
+        "--arch transformer_lm_gpt2_tiny --tokens-per-sample 64",
+        "--max-update 8 --log-interval 1 --log-format json --no-save",
+    )
     assert "embedded corpus" in r.stdout
     assert {rec["bsz"] for rec in records["train_inner"]} == {8}
     assert records["train_inner"][0]["lr"] == 0.0005

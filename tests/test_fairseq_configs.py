@@ -1,6 +1,7 @@
 """fairseq-hydra-train's config surface in `train`: fairseq's model YAML files by group path,
 its key aliases and list spellings, docs/hydra_integration.md's three cases, and fairseq's own
 config.yaml, each as real files; the docs' cases and config.yaml as real tiny runs."""
+
 import numpy as np
 import pytest
 import yaml
@@ -10,9 +11,17 @@ from trainer.config.compose import CONF_DIR, KEY_ALIASES, compose_config
 from trainer.config.flags import build_parser, parse_flags
 from trainer.errors import UsageError
 
-FAIRSEQ_MODELS = ["transformer_lm_baevski_gbw", "transformer_lm_baevski_wiki103", "transformer_lm_big",
-                  "transformer_lm_gbw", "transformer_lm_gpt", "transformer_lm_gpt2_big", "transformer_lm_gpt2_medium",
-                  "transformer_lm_gpt2_small", "transformer_lm_wiki103"]
+FAIRSEQ_MODELS = [
+    "transformer_lm_baevski_gbw",
+    "transformer_lm_baevski_wiki103",
+    "transformer_lm_big",
+    "transformer_lm_gbw",
+    "transformer_lm_gpt",
+    "transformer_lm_gpt2_big",
+    "transformer_lm_gpt2_medium",
+    "transformer_lm_gpt2_small",
+    "transformer_lm_wiki103",
+]
 
 # fairseq/config/config.yaml, verbatim.
 FAIRSEQ_CONFIG_YAML = """\
@@ -62,10 +71,19 @@ lr_scheduler:
 """
 
 # Appended to a run's overrides: a tiny model, 2 updates, json records, nothing saved.
-SHRINK = ["model.decoder_layers=2", "model.decoder_embed_dim=64", "model.decoder_input_dim=64",
-          "model.decoder_output_dim=64", "model.decoder_ffn_embed_dim=128", "model.decoder_attention_heads=2",
-          "task.tokens_per_sample=32", "optimization.max_update=2", "checkpoint.no_save=true",
-          "common.log_format=json", "dataset.max_valid_steps=1"]
+SHRINK = [
+    "model.decoder_layers=2",
+    "model.decoder_embed_dim=64",
+    "model.decoder_input_dim=64",
+    "model.decoder_output_dim=64",
+    "model.decoder_ffn_embed_dim=128",
+    "model.decoder_attention_heads=2",
+    "task.tokens_per_sample=32",
+    "optimization.max_update=2",
+    "checkpoint.no_save=true",
+    "common.log_format=json",
+    "dataset.max_valid_steps=1",
+]
 
 
 def compose(argv):
@@ -95,6 +113,7 @@ def model_file(name):
 def data_bin(tmp_path_factory):
     """A tiny data directory as fairseq-preprocess writes it: dict.txt + MMIDIDX train/valid."""
     from data.indexed_dataset import IndexedDatasetBuilder
+
     path = tmp_path_factory.mktemp("data-bin")
     (path / "dict.txt").write_text("".join(f"w{i} {100 - i}\n" for i in range(40)))
     rng = np.random.default_rng(0)
@@ -114,16 +133,27 @@ def test_fairseq_model_files_are_selected_by_group_path(tmp_path):
     # --arch keeps its meaning: the preset of that name, the same shape as fairseq's file.
     arch = compose(["--arch", "transformer_lm_gpt"])
     assert arch.model._name == "transformer_lm_gpt" and arch.model.decoder_input_dim is None
-    assert all(arch.model[k] == gpt.model[k] for k in ("decoder_layers", "decoder_embed_dim", "activation_fn",
-                                                       "decoder_ffn_embed_dim", "decoder_attention_heads"))
+    assert all(
+        arch.model[k] == gpt.model[k]
+        for k in (
+            "decoder_layers",
+            "decoder_embed_dim",
+            "activation_fn",
+            "decoder_ffn_embed_dim",
+            "decoder_attention_heads",
+        )
+    )
     # In a file's defaults list; the file's own keys come after it (Hydra's `_self_` last).
-    write(tmp_path / "exp.yaml", "defaults:\n  - model: transformer_lm/transformer_lm_gpt\n"
-                                 "model:\n  decoder_layers: 3\n")
+    write(
+        tmp_path / "exp.yaml", "defaults:\n  - model: transformer_lm/transformer_lm_gpt\nmodel:\n  decoder_layers: 3\n"
+    )
     cfg = compose(["--config-dir", str(tmp_path), "--config-name", "exp"])
     assert (cfg.model._name, cfg.model.decoder_layers, cfg.model.decoder_embed_dim) == ("transformer_lm_gpt", 3, 768)
     # docs case 3: the user's --config-dir adds model/transformer_lm/2_layers.yaml to the search path.
-    write(tmp_path / "model" / "transformer_lm" / "2_layers.yaml",
-          model_file("transformer_lm_gpt").replace("decoder_layers: 12", "decoder_layers: 2"))
+    write(
+        tmp_path / "model" / "transformer_lm" / "2_layers.yaml",
+        model_file("transformer_lm_gpt").replace("decoder_layers: 12", "decoder_layers: 2"),
+    )
     cfg = compose(["model=transformer_lm/2_layers", "--config-dir", str(tmp_path)])
     assert (cfg.model._name, cfg.model.decoder_layers, cfg.model.decoder_embed_dim) == ("transformer_lm", 2, 768)
     # The user's directory comes first in the search path, as Hydra's --config-dir does.
@@ -150,16 +180,24 @@ def test_every_key_of_fairseqs_model_files_loads(name):
 def test_fairseq_key_aliases_in_files_and_overrides(tmp_path):
     cfg = compose(["model.relu_dropout=0.2", "task.max_target_positions=64", "dataset.max_sentences=3"])
     assert (cfg.model.activation_dropout, cfg.model.max_target_positions, cfg.dataset.batch_size) == (0.2, 64, 3)
-    write(tmp_path / "exp.yaml", "model: {relu_dropout: 0.3, activation_dropout: 0.3}\n"
-                                 "task: {max_target_positions: 128}\ndataset: {max_sentences: 4}\n")
+    write(
+        tmp_path / "exp.yaml",
+        "model: {relu_dropout: 0.3, activation_dropout: 0.3}\n"
+        "task: {max_target_positions: 128}\ndataset: {max_sentences: 4}\n",
+    )
     cfg = compose(["--config-dir", str(tmp_path), "--config-name", "exp"])
     assert (cfg.model.activation_dropout, cfg.model.max_target_positions, cfg.dataset.batch_size) == (0.3, 128, 4)
     # Across sources it is precedence: the override wins over the file.
     cfg = compose(["--config-dir", str(tmp_path), "--config-name", "exp", "model.activation_dropout=0.1"])
     assert cfg.model.activation_dropout == 0.1
     write(tmp_path / "both.yaml", "model: {relu_dropout: 0.3, activation_dropout: 0.1}\n")
-    refused(["--config-dir", str(tmp_path), "--config-name", "both"], "both.yaml", "relu_dropout=0.3",
-            "activation_dropout=0.1", "set only one of them")
+    refused(
+        ["--config-dir", str(tmp_path), "--config-name", "both"],
+        "both.yaml",
+        "relu_dropout=0.3",
+        "activation_dropout=0.1",
+        "set only one of them",
+    )
     refused(["task.max_target_positions=64", "model.max_target_positions=128"], "set only one of them")
     write(tmp_path / "model" / "mine.yaml", "relu_dropout: 0.1\nactivation_dropout: 0.0\n")
     refused(["--config-dir", str(tmp_path), "model=mine"], "mine.yaml", "relu_dropout", "set only one")
@@ -171,7 +209,10 @@ def test_docs_case_2_external_config_composes_and_trains(tmp_path, data_bin):
     argv = ["--config-dir", str(tmp_path / "configs"), "--config-name", "wiki103"]
     cfg = compose(argv)
     assert (cfg.model._name, cfg.distributed_training.distributed_world_size, cfg.dataset.batch_size) == (
-        "transformer_lm", 1, 2)
+        "transformer_lm",
+        1,
+        2,
+    )
     assert (cfg.task._name, cfg.task.data, cfg.task.add_bos_token) == ("language_modeling", str(data_bin), False)
     assert (cfg.model.max_target_positions, cfg.optimization.max_update, cfg.optimization.lr) == (1024, 50000, 0.25)
     assert (cfg.criterion._name, cfg.optimizer._name, cfg.lr_scheduler._name) == ("cross_entropy", "adam", "cosine")
@@ -179,8 +220,9 @@ def test_docs_case_2_external_config_composes_and_trains(tmp_path, data_bin):
     assert records["train"][-1]["train_num_updates"] == 2
     # fairseq's per-epoch lists: one value is a value, more are refused in one line.
     write(tmp_path / "configs" / "epochs.yaml", "optimization:\n  lr: [0.25, 0.1]\n")
-    refused(argv[:2] + ["--config-name", "epochs"], "epochs.yaml", "per-epoch lr lists are not supported",
-            "give one value")
+    refused(
+        argv[:2] + ["--config-name", "epochs"], "epochs.yaml", "per-epoch lr lists are not supported", "give one value"
+    )
     write(tmp_path / "configs" / "one.yaml", "optimization:\n  update_freq: [2]\n")
     assert compose(argv[:2] + ["--config-name", "one"]).optimization.update_freq == 2
     refused(["optimization.update_freq=[1,2]"], "per-epoch update_freq lists are not supported")
@@ -203,8 +245,11 @@ def test_fairseqs_config_yaml_composes(tmp_path):
     base = compose([])
     assert cfg == base  # its null entries select nothing; its others are shardlm's defaults too
     # `_self_` first: the options listed after it override the file's own keys (Hydra's order).
-    write(tmp_path / "self_first.yaml", FAIRSEQ_CONFIG_YAML.replace("lr_scheduler: fixed", "lr_scheduler: cosine")
-          + "lr_scheduler: {_name: inverse_sqrt, warmup_updates: 10}\n")
+    write(
+        tmp_path / "self_first.yaml",
+        FAIRSEQ_CONFIG_YAML.replace("lr_scheduler: fixed", "lr_scheduler: cosine")
+        + "lr_scheduler: {_name: inverse_sqrt, warmup_updates: 10}\n",
+    )
     cfg = compose(["--config-dir", str(tmp_path), "--config-name", "self_first"])
     assert (cfg.lr_scheduler._name, cfg.lr_scheduler.warmup_updates) == ("cosine", 10)
     for old, new, phrases in [
@@ -225,9 +270,14 @@ def test_fairseqs_config_yaml_composes(tmp_path):
 
 
 def test_docs_case_1_overrides_train(tmp_path, data_bin):
-    overrides = ["distributed_training.distributed_world_size=1", "dataset.batch_size=2", f"task.data={data_bin}",
-                 "model=transformer_lm/transformer_lm_gpt", "task=language_modeling",
-                 "optimization.max_update=5000"]
+    overrides = [
+        "distributed_training.distributed_world_size=1",
+        "dataset.batch_size=2",
+        f"task.data={data_bin}",
+        "model=transformer_lm/transformer_lm_gpt",
+        "task=language_modeling",
+        "optimization.max_update=5000",
+    ]
     cfg = compose(overrides)
     assert (cfg.model._name, cfg.model.decoder_layers, cfg.optimization.max_update) == ("transformer_lm_gpt", 12, 5000)
     records, r = run_train(overrides + SHRINK, cwd=tmp_path)
@@ -237,21 +287,46 @@ def test_docs_case_1_overrides_train(tmp_path, data_bin):
 def test_fairseqs_config_yaml_with_a_user_model_file_trains(tmp_path, data_bin):
     """docs case 3 with fairseq's config.yaml in the --config-dir: the full fairseq layout."""
     write(tmp_path / "configs" / "config.yaml", FAIRSEQ_CONFIG_YAML)
-    write(tmp_path / "configs" / "model" / "transformer_lm" / "2_layers.yaml",
-          model_file("transformer_lm_gpt").replace("decoder_layers: 12", "decoder_layers: 2"))
-    argv = ["distributed_training.distributed_world_size=1", "dataset.batch_size=2", f"task.data={data_bin}",
-            "model=transformer_lm/2_layers", "task=language_modeling", "optimization.max_update=5000",
-            "--config-dir", str(tmp_path / "configs")] + SHRINK[1:]  # the file's 2 layers
+    write(
+        tmp_path / "configs" / "model" / "transformer_lm" / "2_layers.yaml",
+        model_file("transformer_lm_gpt").replace("decoder_layers: 12", "decoder_layers: 2"),
+    )
+    argv = [
+        "distributed_training.distributed_world_size=1",
+        "dataset.batch_size=2",
+        f"task.data={data_bin}",
+        "model=transformer_lm/2_layers",
+        "task=language_modeling",
+        "optimization.max_update=5000",
+        "--config-dir",
+        str(tmp_path / "configs"),
+    ] + SHRINK[1:]  # the file's 2 layers
     records, r = run_train(argv, cwd=tmp_path)
     assert records["train"][-1]["train_num_updates"] == 2 and "2 layers" in r.stdout
 
 
 def test_a_sweep_takes_fairseqs_group_paths_and_aliases(tmp_path):
     """`train -m`: Hydra expands the sweep without reading fairseq's files or aliases itself."""
-    records, r = run_train(["--task", "dummy_lm", "--dict-size", "256", "--dataset-size", "64", "--batch-size", "2",
-                            "model=transformer_lm/transformer_lm_gpt", "model.relu_dropout=0.05", "-m",
-                            "optimization.lr=0.125,0.25"] + SHRINK[:7] + ["optimization.max_update=1"] + SHRINK[8:],
-                           cwd=tmp_path)
+    records, r = run_train(
+        [
+            "--task",
+            "dummy_lm",
+            "--dict-size",
+            "256",
+            "--dataset-size",
+            "64",
+            "--batch-size",
+            "2",
+            "model=transformer_lm/transformer_lm_gpt",
+            "model.relu_dropout=0.05",
+            "-m",
+            "optimization.lr=0.125,0.25",
+        ]
+        + SHRINK[:7]
+        + ["optimization.max_update=1"]
+        + SHRINK[8:],
+        cwd=tmp_path,
+    )
     assert sorted(rec["train_lr"] for rec in records["train"]) == [0.125, 0.25]
     assert r.stdout.count("model transformer_lm_gpt, 2 layers") == 2
 
@@ -262,4 +337,3 @@ def test_errors_reach_the_user_in_one_line(tmp_path):
     _, r = run_train(["--config-dir", str(tmp_path)], cwd=tmp_path, check=False)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "bpe=gpt2" in lines[0] and "drop it" in lines[0], r.stderr
-

@@ -2,6 +2,7 @@
 naming it and the same command resumes; a save killed halfway or a full disk keeps the
 previous checkpoint; one save directory takes one run; a save directory that cannot be
 used, or a checkpoint of another model, is refused before anything is written."""
+
 import json
 import os
 import signal
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from helpers import DUMMY, compose, parse_records, run_train
-from trainer.rendezvous import free_port
 from trainer.launch.launcher import launch
+from trainer.rendezvous import free_port
 
 TRAIN = str(Path(sys.executable).with_name("train"))
 SAVE = [a for a in DUMMY if a != "--no-save"] + ["--batch-size", "2", "--log-format", "json", "--log-interval", "1"]
@@ -26,8 +27,14 @@ class Train:
     """`train` running in the background; its stdout lines are read as they come."""
 
     def __init__(self, argv, env=None, limit_s=300):
-        self.proc = subprocess.Popen([TRAIN] + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [TRAIN] + argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         self.lines = []
         self.watchdog = threading.Timer(limit_s, self.kill)  # a hang fails the test, not the suite
         self.watchdog.daemon = True
@@ -71,15 +78,31 @@ def snapshot(path):
 
 def spawned_ranks(train):
     """The local ranks: children of the server `train` forks them from (trainer/launch/local_ranks.py)."""
+
     def children(pid):
-        return [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+        return [
+            int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+        ]
+
     servers = [c for c in children(train.proc.pid) if "forkserver" in Path(f"/proc/{c}/cmdline").read_text()]
     return sorted(rank for server in servers for rank in children(server))  # rank 0 is started first
 
 
 def test_a_killed_spawned_rank_is_named_and_the_same_command_resumes(tmp_path):
-    argv = SAVE + FSDP2 + ["--distributed-world-size", "2", "--max-update", "30", "--save-interval-updates", "10",
-                           "--save-dir", str(tmp_path / "ckpt")]
+    argv = (
+        SAVE
+        + FSDP2
+        + [
+            "--distributed-world-size",
+            "2",
+            "--max-update",
+            "30",
+            "--save-interval-updates",
+            "10",
+            "--save-dir",
+            str(tmp_path / "ckpt"),
+        ]
+    )
     run = Train(argv)
     run.wait_for("Saved checkpoint")
     ranks = spawned_ranks(run)
@@ -88,8 +111,10 @@ def test_a_killed_spawned_rank_is_named_and_the_same_command_resumes(tmp_path):
     start = time.time()
     _, err = run.finish(timeout=60)
     assert run.proc.returncode != 0 and time.time() - start < 30, "the surviving rank hung"
-    assert one_error_line(err) == (f"train: error: rank 1 (pid {ranks[1]}) was killed by SIGKILL; "
-                                   "rerun the same command to resume from checkpoint_last")
+    assert one_error_line(err) == (
+        f"train: error: rank 1 (pid {ranks[1]}) was killed by SIGKILL; "
+        "rerun the same command to resume from checkpoint_last"
+    )
     saved = saved_updates(tmp_path / "ckpt")
     records, r = run_train(argv)
     assert f"@ {saved} updates" in r.stdout
@@ -143,11 +168,27 @@ def test_the_rank_named_is_the_first_to_die_not_a_survivor_that_died_after(capsy
 def test_separately_started_ranks_end_within_the_heartbeat_timeout(fault, tmp_path):
     """Ranks joined by env:// as a cluster launcher starts them. A hung peer (SIGSTOP) ends the
     job after --heartbeat-timeout instead of 30 minutes; a dead one at once."""
-    argv = SAVE + FSDP2 + ["--max-update", "100000", "--save-interval-updates", "10", "--keep-interval-updates", "1",
-                           "--heartbeat-timeout", "10", "--save-dir", str(tmp_path / "ckpt")]
+    argv = (
+        SAVE
+        + FSDP2
+        + [
+            "--max-update",
+            "100000",
+            "--save-interval-updates",
+            "10",
+            "--keep-interval-updates",
+            "1",
+            "--heartbeat-timeout",
+            "10",
+            "--save-dir",
+            str(tmp_path / "ckpt"),
+        ]
+    )
     port = str(free_port())
-    env = [dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r))
-           for r in range(2)]
+    env = [
+        dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r))
+        for r in range(2)
+    ]
     ranks = [Train(argv, env[r]) for r in range(2)]
     try:
         ranks[0].wait_for("Saved checkpoint")
@@ -161,12 +202,16 @@ def test_separately_started_ranks_end_within_the_heartbeat_timeout(fault, tmp_pa
     assert ranks[0].proc.returncode != 0
     if fault == "hang":
         assert 8 < took < 40, f"ended after {took:.0f} s with --heartbeat-timeout 10"
-        assert one_error_line(err) == ("train: error: [rank 0] rank 1 did not answer for 10 s (--heartbeat-timeout): "
-                                       "it died or hangs; rerun the same command to resume from checkpoint_last")
+        assert one_error_line(err) == (
+            "train: error: [rank 0] rank 1 did not answer for 10 s (--heartbeat-timeout): "
+            "it died or hangs; rerun the same command to resume from checkpoint_last"
+        )
     else:
         assert took < 30
-        assert one_error_line(err) == ("train: error: [rank 0] lost rank 1: its connection closed (the process died "
-                                       "or was killed); rerun the same command to resume from checkpoint_last")
+        assert one_error_line(err) == (
+            "train: error: [rank 0] lost rank 1: its connection closed (the process died "
+            "or was killed); rerun the same command to resume from checkpoint_last"
+        )
         return
     # the same command on both ranks resumes (the first new update follows the checkpoint)
     saved = saved_updates(tmp_path / "ckpt")
@@ -224,8 +269,10 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_fails_that_save_and_keeps_the_previous_checkpoint(small_disk, tmp_path):
     save = small_disk / "ckpt"
-    _, r = run_train(SAVE + ["--max-update", "30", "--save-interval-updates", "10", "--save-dir", str(save),
-                             "--disable-validation"], check=False)  # no checkpoint_best beside them
+    _, r = run_train(
+        SAVE + ["--max-update", "30", "--save-interval-updates", "10", "--save-dir", str(save), "--disable-validation"],
+        check=False,
+    )  # no checkpoint_best beside them
     assert r.returncode != 0
     line = one_error_line(r.stderr)
     assert line.startswith(f"train: error: could not save checkpoint_1_20 in {save}: No space left on device")
@@ -233,15 +280,25 @@ def test_a_full_disk_fails_that_save_and_keeps_the_previous_checkpoint(small_dis
     assert sorted(p.name for p in save.iterdir()) == ["checkpoint_1_10", "checkpoint_last", "config.yaml"]
     # the kept checkpoint loads (read from a copy: this disk has no room for the next save)
     subprocess.run(["cp", "-a", str(save / "checkpoint_last"), str(tmp_path / "kept")], check=True)
-    records, r = run_train(SAVE + ["--max-update", "11", "--restore-file", str(tmp_path / "kept"),
-                                   "--save-dir", str(tmp_path / "elsewhere")])
+    records, r = run_train(
+        SAVE
+        + ["--max-update", "11", "--restore-file", str(tmp_path / "kept"), "--save-dir", str(tmp_path / "elsewhere")]
+    )
     assert "@ 10 updates" in r.stdout and [x["num_updates"] for x in records["train_inner"]] == [11]
 
 
 def test_one_save_dir_takes_one_run(tmp_path):
     save = tmp_path / "ckpt"
-    argv = SAVE + ["--max-update", "100000", "--save-interval-updates", "5", "--keep-interval-updates", "1",
-                   "--save-dir", str(save)]
+    argv = SAVE + [
+        "--max-update",
+        "100000",
+        "--save-interval-updates",
+        "5",
+        "--keep-interval-updates",
+        "1",
+        "--save-dir",
+        str(save),
+    ]
     first = Train(argv)
     try:
         first.wait_for("Saved checkpoint")
@@ -249,9 +306,11 @@ def test_one_save_dir_takes_one_run(tmp_path):
         no_save = Train(SAVE + ["--max-update", "2", "--no-save", "--save-dir", str(save)])
         _, err = second.finish(timeout=120)
         assert second.proc.returncode != 0
-        assert one_error_line(err) == (f"train: error: [rank 0] {save} is in use by another train run (pid "
-                                       f"{first.proc.pid} on host {os.uname().nodename}); wait for it or choose "
-                                       "another --save-dir")
+        assert one_error_line(err) == (
+            f"train: error: [rank 0] {save} is in use by another train run (pid "
+            f"{first.proc.pid} on host {os.uname().nodename}); wait for it or choose "
+            "another --save-dir"
+        )
         assert no_save.finish()[1] == "" and no_save.proc.returncode == 0  # --no-save takes no lock
         assert json.loads((save / ".lock").read_text())["pid"] == first.proc.pid  # the refused run wrote nothing
     finally:
@@ -293,5 +352,6 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_flag_and_nothing_is
     assert one_error_line(r.stderr) == (
         f"train: error: checkpoint {save / 'checkpoint_last'} holds a different model: --decoder-embed-dim 64 in "
         "the checkpoint, 32 here (embed_tokens.weight is [256, 64] there and [256, 32] here); pass the model flags "
-        "it was trained with, or another --save-dir")
+        "it was trained with, or another --save-dir"
+    )
     assert snapshot(save) == before  # config.yaml too: it is written only once the restore succeeded

@@ -1,5 +1,6 @@
 """Generation: the KV cache gives the full forward's logits, sampling with and without it
 agrees token for token, seeds repeat, and each cached step runs a layer over one position."""
+
 import pytest
 import torch
 
@@ -11,10 +12,16 @@ VOCAB, MAX_POSITIONS = 50, 32
 
 
 def tiny_model(positions="sinusoidal", **overrides):
-    cfg = TransformerLMConfig(decoder_layers=2, decoder_embed_dim=64, decoder_ffn_embed_dim=128,
-                              decoder_attention_heads=2, dropout=0.0,
-                              decoder_learned_pos=positions == "learned",
-                              no_token_positional_embeddings=positions == "none", **overrides)
+    cfg = TransformerLMConfig(
+        decoder_layers=2,
+        decoder_embed_dim=64,
+        decoder_ffn_embed_dim=128,
+        decoder_attention_heads=2,
+        dropout=0.0,
+        decoder_learned_pos=positions == "learned",
+        no_token_positional_embeddings=positions == "none",
+        **overrides,
+    )
     return build_model(cfg, VOCAB, MAX_POSITIONS, seed=3).eval()
 
 
@@ -22,9 +29,15 @@ def tokens(n, seed=0):
     return torch.randint(2, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("positions,overrides", [
-    ("learned", {}), ("sinusoidal", {}), ("none", {}),
-    ("learned", {"decoder_normalize_before": False, "layernorm_embedding": True})])
+@pytest.mark.parametrize(
+    "positions,overrides",
+    [
+        ("learned", {}),
+        ("sinusoidal", {}),
+        ("none", {}),
+        ("learned", {"decoder_normalize_before": False, "layernorm_embedding": True}),
+    ],
+)
 def test_cached_logits_equal_full_forward(positions, overrides):
     model = tiny_model(positions, **overrides)
     seq = tokens(12)
@@ -33,7 +46,7 @@ def test_cached_logits_equal_full_forward(positions, overrides):
         for chunks in ([1] * 12, [5, 7], [12]):
             cache, pieces, start = KVCache(model), [], 0
             for n in chunks:
-                pieces.append(model(seq[:, start:start + n], cache))
+                pieces.append(model(seq[:, start : start + n], cache))
                 start += n
             assert cache.length == 12
             torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-5)
@@ -52,9 +65,15 @@ def test_cache_offsets_positions():
 
 
 @pytest.mark.parametrize("positions", ["learned", "sinusoidal"])
-@pytest.mark.parametrize("how", [dict(temperature=0), dict(temperature=0.8, top_k=10, seed=5),
-                                 dict(temperature=1.2, top_p=0.9, seed=7),
-                                 dict(top_k=20, top_p=0.8, seed=11)])
+@pytest.mark.parametrize(
+    "how",
+    [
+        dict(temperature=0),
+        dict(temperature=0.8, top_k=10, seed=5),
+        dict(temperature=1.2, top_p=0.9, seed=7),
+        dict(top_k=20, top_p=0.8, seed=11),
+    ],
+)
 def test_sample_with_cache_equals_without(positions, how):
     model = tiny_model(positions)
     prompt = tokens(6)[0].tolist()
@@ -98,7 +117,7 @@ def test_eos_stops_and_empty_prompt_starts_from_bos():
     greedy = sample(model, prompt, 10, temperature=0)
     stop = greedy[3]
     cut = sample(model, prompt, 10, temperature=0, eos=stop)
-    assert cut == greedy[:greedy.index(stop)]
+    assert cut == greedy[: greedy.index(stop)]
     assert sample(model, [], 8, temperature=0, bos=2) == sample(model, [2], 8, temperature=0)
     with pytest.raises(ValueError, match="bos"):
         sample(model, [], 8)

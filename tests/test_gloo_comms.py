@@ -1,6 +1,7 @@
 """FSDP's CPU collectives (trainer/cpu/gloo_comms.py) against gloo's own, on 3 real ranks and a
 2-rank subgroup: the point-to-point reduce-scatter sums exactly what reduce_scatter_tensor
 and all_reduce do, deferred or not."""
+
 import json
 from pathlib import Path
 
@@ -8,6 +9,7 @@ from pathlib import Path
 def _reduce_scatter_rank(index, world, port, out):
     import torch
     import torch.distributed as dist
+
     from trainer.cpu.gloo_comms import ReduceScatterInBackground
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=world)
@@ -42,7 +44,7 @@ def _reduce_scatter_rank(index, world, port, out):
             rs = ReduceScatterInBackground(can_ever_defer=True)
             rs(o, x, pair, dist.ReduceOp.SUM)
             rs.wait()
-            results["pair"] = torch.equal(o, summed[me * n:(me + 1) * n])  # bit for bit: a + b == b + a
+            results["pair"] = torch.equal(o, summed[me * n : (me + 1) * n])  # bit for bit: a + b == b + a
         Path(f"{out}.{index}").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """export-model --format hf for the Llama family: a trained checkpoint becomes a directory
 transformers loads as LlamaForCausalLM / Qwen3ForCausalLM with our logits, sharded as
 save_pretrained shards, with a tokenizer that encodes as preprocess did."""
+
 import json
 import shutil
 
@@ -19,10 +20,33 @@ from trainer.inference.safetensors_file import safetensors_header, write_safeten
 
 transformers = pytest.importorskip("transformers")
 
-SMALL = ["--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "128",
-         "--decoder-attention-heads", "4", "--decoder-kv-heads", "2", "--decoder-head-dim", "16",
-         "--tokens-per-sample", "32", "--batch-size", "4", "--max-update", "3", "--optimizer", "adam",
-         "--lr", "0.003", "--disable-validation", "--log-format", "none"]
+SMALL = [
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "64",
+    "--decoder-ffn-embed-dim",
+    "128",
+    "--decoder-attention-heads",
+    "4",
+    "--decoder-kv-heads",
+    "2",
+    "--decoder-head-dim",
+    "16",
+    "--tokens-per-sample",
+    "32",
+    "--batch-size",
+    "4",
+    "--max-update",
+    "3",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.003",
+    "--disable-validation",
+    "--log-format",
+    "none",
+]
 TOKENS = torch.arange(3, 35).view(1, -1)  # the models' 32 positions
 
 
@@ -32,8 +56,9 @@ def checkpoints(tmp_path_factory):
     FSDP ranks, so its tensors are stitched from both ranks' shards."""
     root = tmp_path_factory.mktemp("hf-export")
     train_updates(["--arch", "llama3_2_1b", *SMALL, "--save-dir", str(root / "llama")], 1, root)
-    train_updates(["--arch", "qwen3_8b", *SMALL, "--save-dir", str(root / "qwen3"),
-                   "--ddp-backend", "fully_sharded"], 2, root)
+    train_updates(
+        ["--arch", "qwen3_8b", *SMALL, "--save-dir", str(root / "qwen3"), "--ddp-backend", "fully_sharded"], 2, root
+    )
     return {name: root / name / "checkpoint_last" for name in ("llama", "qwen3")}
 
 
@@ -60,7 +85,12 @@ def test_llama_export_gives_our_logits(checkpoints, tmp_path, capsys):
     out = tmp_path / "hf"
     assert _export(capsys, "--path", checkpoints["llama"], "--out", out, "--format", "hf") == (0, "")
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+        "config.json",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     config = json.loads((out / "config.json").read_text())
     assert (config["bos_token_id"], config["pad_token_id"], config["eos_token_id"]) == (0, 1, 2)
     assert config["torch_dtype"] == "float32" and config["tie_word_embeddings"]
@@ -71,8 +101,12 @@ def test_llama_export_gives_our_logits(checkpoints, tmp_path, capsys):
     assert _max_diff(checkpoints["llama"], _load_hf(out, "LlamaForCausalLM")) < 1e-5
 
     # --dtype bf16: every tensor and the config say so, and transformers loads it as such.
-    assert _export(capsys, "--path", checkpoints["llama"], "--out", tmp_path / "bf16", "--format", "hf",
-                   "--dtype", "bf16")[0] == 0
+    assert (
+        _export(
+            capsys, "--path", checkpoints["llama"], "--out", tmp_path / "bf16", "--format", "hf", "--dtype", "bf16"
+        )[0]
+        == 0
+    )
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     header = safetensors_header(tmp_path / "bf16" / "model.safetensors")
     assert {h["dtype"] for name, h in header.items() if name != "__metadata__"} == {"BF16"}
@@ -81,8 +115,9 @@ def test_llama_export_gives_our_logits(checkpoints, tmp_path, capsys):
 
 def test_qwen3_export_in_shards(checkpoints, tmp_path, capsys):
     out = tmp_path / "hf"
-    assert _export(capsys, "--path", checkpoints["qwen3"], "--out", out, "--format", "hf",
-                   "--max-shard-size", "100KB") == (0, "")
+    assert _export(
+        capsys, "--path", checkpoints["qwen3"], "--out", out, "--format", "hf", "--max-shard-size", "100KB"
+    ) == (0, "")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in out.glob("model-*.safetensors"))
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
@@ -121,6 +156,7 @@ def test_each_of_our_tensors_is_read_once(tmp_path):
     def get_ours(name):
         reads.append(name)
         return params[name].detach()
+
     write_hf_llama(tmp_path, get_ours, [(n, p.shape) for n, p in params.items()], cfg, 96, 32, torch.float32)
     assert reads == list(params)
 
@@ -134,20 +170,41 @@ def _hf_tokenizer(root):
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|end|>", "pad_token": "<|pad|>",
-         "unk_token": "<unk>"}))
+    (root / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|end|>",
+                "pad_token": "<|pad|>",
+                "unk_token": "<unk>",
+            }
+        )
+    )
 
 
 def _gpt2_export(root):
     """A GPT-style model as our own export format (model.safetensors + config.yaml), a
     --path export-model reads as it reads a checkpoint."""
-    cfg = compose(["--arch", "transformer_lm_gpt2_tiny", "--decoder-attention-heads", "2",
-                   "--decoder-ffn-embed-dim", "128", "--tokens-per-sample", "32"])
+    cfg = compose(
+        [
+            "--arch",
+            "transformer_lm_gpt2_tiny",
+            "--decoder-attention-heads",
+            "2",
+            "--decoder-ffn-embed-dim",
+            "128",
+            "--tokens-per-sample",
+            "32",
+        ]
+    )
     params = dict(build_model(cfg.model, 64, 32, seed=1).named_parameters())
     root.mkdir()
-    write_safetensors(root / "model.safetensors", [(n, p.shape, p.dtype) for n, p in params.items()],
-                      lambda n: params[n].detach(), {"format": "pt"})
+    write_safetensors(
+        root / "model.safetensors",
+        [(n, p.shape, p.dtype) for n, p in params.items()],
+        lambda n: params[n].detach(),
+        {"format": "pt"},
+    )
     (root / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     _hf_tokenizer(root)
     return root
@@ -193,8 +250,10 @@ def test_refusals_are_one_line_and_write_nothing(checkpoints, tmp_path, capsys):
     assert code == 2 and "already holds tokenizer.json" in err
     assert [p.name for p in taken.iterdir()] == ["tokenizer.json"]
 
-    for argv, message in ((["--max-shard-size", "5 parsecs", "--format", "hf"], "give a positive size"),
-                          (["--max-shard-size", "1GB"], "splits a --format hf export")):
+    for argv, message in (
+        (["--max-shard-size", "5 parsecs", "--format", "hf"], "give a positive size"),
+        (["--max-shard-size", "1GB"], "splits a --format hf export"),
+    ):
         code, err = _export(capsys, "--path", checkpoints["llama"], "--out", tmp_path / "out2", *argv)
         assert code == 2 and message in err and err.count("\n") == 1
     assert not (tmp_path / "out2").exists()

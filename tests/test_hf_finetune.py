@@ -7,6 +7,7 @@ written.
 The models are tiny and random (every parameter drawn, norms included, so a weight left at
 its initial value shows), the data exactly BLOCKS blocks: one update's batch is all of it,
 so transformers scores the same batch."""
+
 import json
 import random
 import shutil
@@ -25,9 +26,17 @@ def save_hf_model(path, tok, kind, vocab_size, max_shard_size):
     import torch
     import transformers
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  eos_token_id=tok.token_to_id("<|eos|>"), pad_token_id=tok.token_to_id("<|pad|>"))
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=tok.token_to_id("<|eos|>"),
+        pad_token_id=tok.token_to_id("<|pad|>"),
+    )
     if kind == "llama":  # grouped-query attention, untied output
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=False))
     else:  # q/k norms, heads wider than hidden/heads, tied, a vocabulary padded past the tokenizer's
@@ -63,17 +72,45 @@ def hf(tmp_path_factory):
     save_hf_model(root / "llama", tok, "llama", tok.get_vocab_size(), "40KB")  # a dozen shard files
     save_hf_model(root / "qwen3", tok, "qwen3", tok.get_vocab_size() + 12, "5GB")
     assert len(list((root / "llama").glob("model-*.safetensors"))) > 4
-    preprocess(build_parser().parse_args(["--trainpref", str(root / "train.txt"), "--destdir", str(root / "data"),
-                                          "--tokenizer", str(root / "llama")]))
+    preprocess(
+        build_parser().parse_args(
+            [
+                "--trainpref",
+                str(root / "train.txt"),
+                "--destdir",
+                str(root / "data"),
+                "--tokenizer",
+                str(root / "llama"),
+            ]
+        )
+    )
     return root
 
 
 def argv(hf, model, *extra, batch_size=BLOCKS):
     """train's command line for the model dir hf/model (or the dir `model`)."""
-    return [str(hf / "data"), "--finetune-from-model", str(hf / model), "--tokens-per-sample",
-            str(TOKENS_PER_SAMPLE), "--batch-size", str(batch_size), "--required-batch-size-multiple", "1",
-            "--optimizer", "adam", "--lr", "0.002", "--clip-norm", "0.5", "--max-update", str(UPDATES),
-            "--no-save", "--disable-validation", *extra]
+    return [
+        str(hf / "data"),
+        "--finetune-from-model",
+        str(hf / model),
+        "--tokens-per-sample",
+        str(TOKENS_PER_SAMPLE),
+        "--batch-size",
+        str(batch_size),
+        "--required-batch-size-multiple",
+        "1",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.002",
+        "--clip-norm",
+        "0.5",
+        "--max-update",
+        str(UPDATES),
+        "--no-save",
+        "--disable-validation",
+        *extra,
+    ]
 
 
 def transformers_loss(hf, model):
@@ -87,15 +124,17 @@ def transformers_loss(hf, model):
     from data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(hf / "data")
-    blocks = TokenBlockDataset(IndexedDataset(str(hf / "data" / "train")), TOKENS_PER_SAMPLE, "none",
-                               pad=tokenizer.pad, eos=tokenizer.eos)
+    blocks = TokenBlockDataset(
+        IndexedDataset(str(hf / "data" / "train")), TOKENS_PER_SAMPLE, "none", pad=tokenizer.pad, eos=tokenizer.eos
+    )
     assert len(blocks) == BLOCKS
     batch = collate([blocks[i] for i in range(len(blocks))], tokenizer.pad)
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf / model, dtype=torch.float32)
     with torch.no_grad():
         logits = reference(batch["src_tokens"]).logits  # right-padded: causal, pads come last
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["target"].flatten(),
-                                             ignore_index=tokenizer.pad, reduction="sum")
+    loss = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch["target"].flatten(), ignore_index=tokenizer.pad, reduction="sum"
+    )
     return loss.item() / batch["ntokens"]
 
 
@@ -126,16 +165,20 @@ def test_first_loss_is_transformers(hf, one_process, model):
 def test_fsdp_matches_one_process(hf, one_process, tmp_path, model, flags):
     """2 FSDP ranks, each reading only its rows of the HF files, train as one process does
     (test_distributed.py's tolerances)."""
-    sharded = train_updates(argv(hf, model, "--ddp-backend", "fully_sharded", *flags, batch_size=BLOCKS // 2), 2,
-                            tmp_path)
+    sharded = train_updates(
+        argv(hf, model, "--ddp-backend", "fully_sharded", *flags, batch_size=BLOCKS // 2), 2, tmp_path
+    )
     assert losses(sharded) == pytest.approx(losses(one_process[model]), rel=1e-5)
     assert gnorms(sharded) == pytest.approx(gnorms(one_process[model]), rel=1e-5)
 
 
 def test_bf16_fsdp_matches_one_process(hf, tmp_path):
     ref = losses(train_updates(argv(hf, "llama", "--bf16"), 1, tmp_path))
-    sharded = losses(train_updates(argv(hf, "llama", "--bf16", "--ddp-backend", "fully_sharded",
-                                        batch_size=BLOCKS // 2), 2, tmp_path))
+    sharded = losses(
+        train_updates(
+            argv(hf, "llama", "--bf16", "--ddp-backend", "fully_sharded", batch_size=BLOCKS // 2), 2, tmp_path
+        )
+    )
     assert sharded == pytest.approx(ref, rel=2e-2)
     assert sharded[-1] < sharded[0]
 
@@ -173,8 +216,10 @@ def refused(capsys, argv_):
 def test_contradicting_model_flag_refused(hf, capsys, tmp_path):
     save = ["--save-dir", str(tmp_path / "ck")]
     code, err = refused(capsys, argv(hf, "llama", "--decoder-layers", "4", *save))
-    assert code == 2 and err == (f"train: error: --decoder-layers 4 contradicts {hf / 'llama' / 'config.json'}'s "
-                                 "num_hidden_layers 2; drop the flag")
+    assert code == 2 and err == (
+        f"train: error: --decoder-layers 4 contradicts {hf / 'llama' / 'config.json'}'s "
+        "num_hidden_layers 2; drop the flag"
+    )
     code, err = refused(capsys, argv(hf, "qwen3", "model.qk_norm=false", *save))
     assert code == 2 and "--qk-norm false contradicts" in err and "model_type 'qwen3'" in err
     assert not (tmp_path / "ck").exists()
@@ -192,11 +237,14 @@ def test_data_of_another_tokenizer_refused(hf, capsys, tmp_path):
 
     save = ["--save-dir", str(tmp_path / "ck")]
     spm = tmp_path / "spm"
-    preprocess(build_parser().parse_args(["--trainpref", str(hf / "train.txt"), "--destdir", str(spm),
-                                          "--vocab-size", "60"]))
+    preprocess(
+        build_parser().parse_args(["--trainpref", str(hf / "train.txt"), "--destdir", str(spm), "--vocab-size", "60"])
+    )
     code, err = refused(capsys, [str(spm)] + argv(hf, "llama", *save)[1:])
-    assert code == 2 and err == (f"train: error: DATA {spm} was made by sentencepiece (vocabulary 60); the model's "
-                                 f"vocabulary is 282: preprocess with --tokenizer {hf / 'llama'}")
+    assert code == 2 and err == (
+        f"train: error: DATA {spm} was made by sentencepiece (vocabulary 60); the model's "
+        f"vocabulary is 282: preprocess with --tokenizer {hf / 'llama'}"
+    )
     other = tmp_path / "other"  # the same model with one more special token in its tokenizer
     shutil.copytree(hf / "qwen3", other)
     tok = json.loads((other / "tokenizer.json").read_text())
@@ -207,8 +255,9 @@ def test_data_of_another_tokenizer_refused(hf, capsys, tmp_path):
     small = tmp_path / "small"  # config.json's vocabulary smaller than the data's ids
     small.mkdir()
     shutil.copy(hf / "llama" / "tokenizer.json", small)
-    (small / "config.json").write_text(json.dumps({**json.loads((hf / "llama" / "config.json").read_text()),
-                                                   "vocab_size": 200}))
+    (small / "config.json").write_text(
+        json.dumps({**json.loads((hf / "llama" / "config.json").read_text()), "vocab_size": 200})
+    )
     code, err = refused(capsys, argv(hf, small, *save))
     assert code == 2 and "has a vocabulary of 282, more than the model's 200" in err
     assert not (tmp_path / "ck").exists()
@@ -253,14 +302,17 @@ def test_import_train_export_round_trip(hf, tmp_path, capsys, model):
         save, out = tmp_path / f"ck-{lr}", tmp_path / f"hf-{lr}"
         run = [a for a in argv(hf, model, "--ddp-backend", "fully_sharded", batch_size=BLOCKS // 2) if a != "--no-save"]
         train_updates(run + ["--lr", lr, "--max-update", updates, "--save-dir", str(save)], 2, tmp_path)
-        assert cli.export_model_main(["--path", str(save / "checkpoint_last"), "--out", str(out), "--format", "hf"]) == 0
+        assert (
+            cli.export_model_main(["--path", str(save / "checkpoint_last"), "--out", str(out), "--format", "hf"]) == 0
+        )
         exported = _hf_tensors(out)
         assert sorted(exported) == sorted(source)
         if lr == "0":
             assert all(torch.equal(exported[name], source[name]) for name in source)
             continue
-        assert not torch.equal(exported["model.layers.0.mlp.gate_proj.weight"],
-                               source["model.layers.0.mlp.gate_proj.weight"])  # it trained
+        assert not torch.equal(
+            exported["model.layers.0.mlp.gate_proj.weight"], source["model.layers.0.mlp.gate_proj.weight"]
+        )  # it trained
         theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
         ours, _, _ = load_model(save / "checkpoint_last")
         tokens = torch.randint(0, 280, (2, TOKENS_PER_SAMPLE), generator=torch.Generator().manual_seed(0))

@@ -2,6 +2,7 @@
 Qwen3ForCausalLM) loads with transformers' logits, eval-lm reports the loss transformers
 computes on the same blocks, greedy generate gives transformers' tokens, and a bad
 directory gets one line naming the file and the tensor."""
+
 import json
 import math
 import shutil
@@ -26,13 +27,31 @@ from trainer.inference.load import load_model
 
 transformers = pytest.importorskip("transformers")
 
-TEXT = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps all day", "",
-        "quick foxes and lazy dogs never meet", "the end of the story"]
+TEXT = [
+    "the quick brown fox jumps over the lazy dog",
+    "a lazy dog sleeps all day",
+    "",
+    "quick foxes and lazy dogs never meet",
+    "the end of the story",
+]
 # llama3 scaling stretches the wavelengths past 16 positions: the 48-token inputs below need it.
-ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 2.0, "original_max_position_embeddings": 16}
-SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
-             max_position_embeddings=64, rope_parameters=ROPE)
+ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 2.0,
+    "original_max_position_embeddings": 16,
+}
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    head_dim=16,
+    max_position_embeddings=64,
+    rope_parameters=ROPE,
+)
 
 
 def _save(path, model_type, tokenizer, tie, kv_heads, extra_vocab=0):
@@ -40,10 +59,19 @@ def _save(path, model_type, tokenizer, tie, kv_heads, extra_vocab=0):
     beside its tokenizer; config.json's pad_token_id is its eos, as often published."""
     tokenizer.save_pretrained(path)
     eos = tokenizer.eos_token_id
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[model_type]
-    config = cls[0](vocab_size=len(tokenizer) + extra_vocab, num_key_value_heads=kv_heads, tie_word_embeddings=tie,
-                    bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos, **SMALL)
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[model_type]
+    config = cls[0](
+        vocab_size=len(tokenizer) + extra_vocab,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=tie,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        **SMALL,
+    )
     torch.manual_seed(len(str(path)))
     model = cls[1](config)
     with torch.no_grad():
@@ -62,19 +90,37 @@ def hf(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-import")
     llama_specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>"]
     llama_tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=byte_level_tokenizer(TEXT * 5, llama_specials, llama_specials[0]), bos_token=llama_specials[0],
-        eos_token=llama_specials[1])
+        tokenizer_object=byte_level_tokenizer(TEXT * 5, llama_specials, llama_specials[0]),
+        bos_token=llama_specials[0],
+        eos_token=llama_specials[1],
+    )
     qwen_tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=byte_level_tokenizer(TEXT * 5, ["<|endoftext|>", "<|vision_pad|>"]), eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>")
-    models = {"llama": _save(root / "llama", "llama", llama_tok, False, 2),
-              "llama_tied": _save(root / "llama_tied", "llama", llama_tok, True, 4),
-              "qwen3": _save(root / "qwen3", "qwen3", qwen_tok, False, 4, extra_vocab=9),
-              "qwen3_tied": _save(root / "qwen3_tied", "qwen3", qwen_tok, True, 2)}
+        tokenizer_object=byte_level_tokenizer(TEXT * 5, ["<|endoftext|>", "<|vision_pad|>"]),
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    models = {
+        "llama": _save(root / "llama", "llama", llama_tok, False, 2),
+        "llama_tied": _save(root / "llama_tied", "llama", llama_tok, True, 4),
+        "qwen3": _save(root / "qwen3", "qwen3", qwen_tok, False, 4, extra_vocab=9),
+        "qwen3_tied": _save(root / "qwen3_tied", "qwen3", qwen_tok, True, 2),
+    }
     (root / "valid.txt").write_text("\n".join(TEXT * 4) + "\n")
-    data = {name: preprocess(build_parser().parse_args(["--tokenizer", str(root / name), "--validpref",
-                                                        str(root / "valid.txt"), "--destdir", str(root / f"data-{name}")]))
-            for name in ("llama", "qwen3")}
+    data = {
+        name: preprocess(
+            build_parser().parse_args(
+                [
+                    "--tokenizer",
+                    str(root / name),
+                    "--validpref",
+                    str(root / "valid.txt"),
+                    "--destdir",
+                    str(root / f"data-{name}"),
+                ]
+            )
+        )
+        for name in ("llama", "qwen3")
+    }
     return SimpleNamespace(root=root, models=models, data=data)
 
 
@@ -110,7 +156,7 @@ def _reference_loss(model, stream, T):
     targets, nll = 0, 0.0
     with torch.no_grad():
         for start in range(0, len(stream) - 1, T):
-            item = torch.from_numpy(stream[start:start + T + 1])[None]
+            item = torch.from_numpy(stream[start : start + T + 1])[None]
             logits = model(item[:, :-1]).logits
             nll += torch.nn.functional.cross_entropy(logits[0], item[0, 1:], reduction="sum").item()
             targets += item.shape[1] - 1
@@ -130,9 +176,18 @@ def test_eval_lm_reports_transformers_loss(hf):
             tok = HFTokenizer(hf.root / name)
             stream = IndexedDataset(hf.data[name] / "valid").tokens.astype(np.int64)
             assert tok.pad not in stream and tok.eos in stream
-            args = SimpleNamespace(path=hf.root / name, data=str(hf.data[name]), gen_subset="valid",
-                                   tokens_per_sample=24, context_window=0, sample_break_mode=None, batch_size=4,
-                                   max_tokens=None, num_workers=0, no_progress_bar=True)
+            args = SimpleNamespace(
+                path=hf.root / name,
+                data=str(hf.data[name]),
+                gen_subset="valid",
+                tokens_per_sample=24,
+                context_window=0,
+                sample_break_mode=None,
+                batch_size=4,
+                max_tokens=None,
+                num_workers=0,
+                no_progress_bar=True,
+            )
             loss = eval_lm(args, env)
             assert loss * math.log(2) == pytest.approx(_reference_loss(hf.models[name], stream, 24), rel=1e-5)
         # Another model's tokenizer is refused (qwen3's embedding would hold llama's ids).
@@ -147,26 +202,59 @@ def test_greedy_generate_is_transformers(hf):
     Llama one (its tokenizer starts the prompt with <|begin_of_text|>)."""
     ours, _, tok = load_model(hf.root / "qwen3")
     ids = tok.encode("the lazy dog")
-    expected = hf.models["qwen3"].generate(torch.tensor([ids]), do_sample=False, max_new_tokens=30,
-                                           eos_token_id=tok.eos)[0, len(ids):].tolist()
+    expected = (
+        hf.models["qwen3"]
+        .generate(torch.tensor([ids]), do_sample=False, max_new_tokens=30, eos_token_id=tok.eos)[0, len(ids) :]
+        .tolist()
+    )
     assert sample(ours, ids, 30, temperature=0, eos=tok.eos) == [t for t in expected if t != tok.eos]
     # An empty prompt: Qwen's template adds no <s>, and it has none; its eos starts the text.
-    assert generate(SimpleNamespace(path=hf.root / "qwen3", prompt=[""], max_new_tokens=3, temperature=0.0, top_k=0,
-                                    top_p=1.0, seed=1, no_kv_cache=False)) == 0
+    assert (
+        generate(
+            SimpleNamespace(
+                path=hf.root / "qwen3",
+                prompt=[""],
+                max_new_tokens=3,
+                temperature=0.0,
+                top_k=0,
+                top_p=1.0,
+                seed=1,
+                no_kv_cache=False,
+            )
+        )
+        == 0
+    )
 
     tok = HFTokenizer(hf.root / "llama")
     ids = tok.encode("the quick fox")
     assert ids[0] == tok.bos
-    new = hf.models["llama"].generate(torch.tensor([ids]), do_sample=False, max_new_tokens=30,
-                                      eos_token_id=tok.eos)[0, len(ids):].tolist()
-    r = subprocess.run([str(Path(sys.executable).with_name("generate")), "--path", str(hf.root / "llama"),
-                        "--prompt", "the quick fox", "--temperature", "0", "--max-new-tokens", "30"],
-                       capture_output=True, text=True, timeout=300)
+    new = (
+        hf.models["llama"]
+        .generate(torch.tensor([ids]), do_sample=False, max_new_tokens=30, eos_token_id=tok.eos)[0, len(ids) :]
+        .tolist()
+    )
+    r = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("generate")),
+            "--path",
+            str(hf.root / "llama"),
+            "--prompt",
+            "the quick fox",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout == tok.decode(ids + [t for t in new if t != tok.eos]) + "\n"
 
 
 # ------------------------------------------------------------------ bad directories
+
 
 def _sharded(hf, tmp_path):
     """llama saved again in shards of a few tensors, with model.safetensors.index.json."""
@@ -219,16 +307,33 @@ def test_bad_directories_get_one_line(hf, tmp_path, capsys):
     cases = [  # (directory, what its one line must say)
         (sharded, [f"missing shard {sharded / shard}", held]),
         (_cut(hf, tmp_path, "cut", lambda n: n - 7), ["model.safetensors is cut short", f"tensor {last} ends"]),
-        (_cut(hf, tmp_path, "cut_header", lambda n: header_bytes - 40),
-         ["model.safetensors is not a readable safetensors file"]),
-        (_rewritten(hf, tmp_path, "shape", lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(
-            64, 64)})), ["model.safetensors: tensor model.layers.0.self_attn.k_proj.weight is [64, 64]", "[32, 64]"]),
-        (_rewritten(hf, tmp_path, "int", lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)})),
-         ["model.safetensors: tensor model.norm.weight is I32, not a float type"]),
-        (_rewritten(hf, tmp_path, "missing", lambda t: t.pop("model.layers.1.self_attn.q_proj.weight")),
-         ["has no tensor model.layers.1.self_attn.q_proj.weight"]),
-        (_config(hf, tmp_path, "gpt2", json.dumps({**config, "model_type": "gpt2"})),
-         ["config.json: model_type 'gpt2' is not supported"]),
+        (
+            _cut(hf, tmp_path, "cut_header", lambda n: header_bytes - 40),
+            ["model.safetensors is not a readable safetensors file"],
+        ),
+        (
+            _rewritten(
+                hf,
+                tmp_path,
+                "shape",
+                lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)}),
+            ),
+            ["model.safetensors: tensor model.layers.0.self_attn.k_proj.weight is [64, 64]", "[32, 64]"],
+        ),
+        (
+            _rewritten(
+                hf, tmp_path, "int", lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)})
+            ),
+            ["model.safetensors: tensor model.norm.weight is I32, not a float type"],
+        ),
+        (
+            _rewritten(hf, tmp_path, "missing", lambda t: t.pop("model.layers.1.self_attn.q_proj.weight")),
+            ["has no tensor model.layers.1.self_attn.q_proj.weight"],
+        ),
+        (
+            _config(hf, tmp_path, "gpt2", json.dumps({**config, "model_type": "gpt2"})),
+            ["config.json: model_type 'gpt2' is not supported"],
+        ),
         (_config(hf, tmp_path, "json", json.dumps(config)[:-20]), ["config.json is not valid JSON"]),
     ]
     data = str(hf.data["llama"])

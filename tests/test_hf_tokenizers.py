@@ -2,6 +2,7 @@
 a model's own tokenizer.json, and `write_hf_tokenizer` turns a data dir's sentencepiece
 model (or fairseq dict.txt) into a tokenizer.json that `transformers` encodes exactly as
 preprocess did."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,8 @@ from data.hf_convert import write_hf_tokenizer
 from data.hf_tokenizer import HFTokenizer
 from data.indexed_dataset import IndexedDataset
 from data.preprocess import build_parser, preprocess
-from helpers import byte_level_tokenizer
 from data.tokenizer import SentencePieceTokenizer, file_sha256, load_tokenizer, tokenizer_identity
+from helpers import byte_level_tokenizer
 
 BIN = Path(sys.executable).parent
 LINES = [
@@ -48,22 +49,36 @@ def hf_dirs(tmp_path_factory):
     with <|vision_pad|> (Qwen3 base); bare/: pad = eos and nothing else to fall back to."""
     transformers = pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("hf")
-    llama = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-             "<|finetune_right_pad_id|>", "<|reserved_special_token_3|>", "<|eot_id|>"]
+    llama = [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|reserved_special_token_0|>",
+        "<|reserved_special_token_1|>",
+        "<|finetune_right_pad_id|>",
+        "<|reserved_special_token_3|>",
+        "<|eot_id|>",
+    ]
     made = {
         "llama": (llama, "<|begin_of_text|>", dict(bos_token=llama[0], eos_token=llama[1])),
-        "llama30": ([t for t in llama if "pad" not in t], "<|begin_of_text|>",
-                    dict(bos_token=llama[0], eos_token=llama[1])),
-        "qwen": (["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_pad|>", "<|image_pad|>"], None,
-                 dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>")),
+        "llama30": (
+            [t for t in llama if "pad" not in t],
+            "<|begin_of_text|>",
+            dict(bos_token=llama[0], eos_token=llama[1]),
+        ),
+        "qwen": (
+            ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_pad|>", "<|image_pad|>"],
+            None,
+            dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>"),
+        ),
         "bare": (["<|endoftext|>", "<|im_start|>"], None, dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>")),
     }
     for name, (specials, bos, config) in made.items():
         tok = byte_level_tokenizer(LINES * 5, specials, bos, vocab_size=320)
         transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **config).save_pretrained(root / name)
     # Qwen's repositories also ship special_tokens_map.json, whose entries win over tokenizer_config.json's.
-    (root / "qwen" / "special_tokens_map.json").write_text(json.dumps(
-        {"eos_token": {"content": "<|endoftext|>", "special": True}, "pad_token": "<|endoftext|>"}))
+    (root / "qwen" / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": {"content": "<|endoftext|>", "special": True}, "pad_token": "<|endoftext|>"})
+    )
     text = root / "text"
     text.mkdir()
     (text / "train.txt").write_text("\n".join(LINES) + "\n", encoding="utf-8")
@@ -76,8 +91,16 @@ def test_preprocess_with_llama3_like_tokenizer(hf_dirs, tmp_path):
     from transformers import AutoTokenizer
 
     src = hf_dirs / "llama"
-    out = run_preprocess("--tokenizer", src, "--trainpref", hf_dirs / "text/train.txt",
-                         "--validpref", hf_dirs / "text/valid.txt", "--destdir", tmp_path / "bin")
+    out = run_preprocess(
+        "--tokenizer",
+        src,
+        "--trainpref",
+        hf_dirs / "text/train.txt",
+        "--validpref",
+        hf_dirs / "text/valid.txt",
+        "--destdir",
+        tmp_path / "bin",
+    )
     own, hf = Tokenizer.from_file(str(src / "tokenizer.json")), AutoTokenizer.from_pretrained(src)
     bos, eos, pad = (own.token_to_id(t) for t in ("<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>"))
     meta = json.loads((out / "metadata.json").read_text())
@@ -101,11 +124,24 @@ def test_preprocess_with_llama3_like_tokenizer(hf_dirs, tmp_path):
     assert isinstance(tok, HFTokenizer) and tok.special_ids() == meta["special_ids"]
     assert tok.encode(LINES[0]) == rows(out / "train")[0][:-1]
     assert [tok.decode(ids) for ids in rows(out / "train")] == [line if line.strip() else "" for line in LINES]
-    assert tokenizer_identity(out) == tokenizer_identity(src) == dict(
-        kind="hf", sha256=meta["tokenizer_sha256"], vocab_size=meta["vocab_size"])
+    assert (
+        tokenizer_identity(out)
+        == tokenizer_identity(src)
+        == dict(kind="hf", sha256=meta["tokenizer_sha256"], vocab_size=meta["vocab_size"])
+    )
     # Several workers write the same bytes (each worker loads the copied tokenizer.json).
-    again = run_preprocess("--tokenizer", src / "tokenizer.json", "--trainpref", hf_dirs / "text/train.txt",
-                           "--validpref", hf_dirs / "text/valid.txt", "--destdir", tmp_path / "bin2", "--workers", "2")
+    again = run_preprocess(
+        "--tokenizer",
+        src / "tokenizer.json",
+        "--trainpref",
+        hf_dirs / "text/train.txt",
+        "--validpref",
+        hf_dirs / "text/valid.txt",
+        "--destdir",
+        tmp_path / "bin2",
+        "--workers",
+        "2",
+    )
     for name in ("train.bin", "train.idx", "valid.bin", "tokenizer.json", "tokenizer_config.json"):
         assert (again / name).read_bytes() == (out / name).read_bytes()
 
@@ -123,16 +159,21 @@ def test_pad_rule(hf_dirs, tmp_path):
     qwen = HFTokenizer(hf_dirs / "qwen")
     assert qwen.bos is None and qwen.special_tokens() == dict(pad="<|vision_pad|>", eos="<|endoftext|>")
     assert pad_of(hf_dirs / "qwen") == "<|vision_pad|>"
-    out = run_preprocess("--tokenizer", hf_dirs / "qwen", "--validpref", hf_dirs / "text/valid.txt",
-                         "--destdir", tmp_path / "qwen")
+    out = run_preprocess(
+        "--tokenizer", hf_dirs / "qwen", "--validpref", hf_dirs / "text/valid.txt", "--destdir", tmp_path / "qwen"
+    )
     assert (out / "special_tokens_map.json").is_file()
     # Qwen's template adds nothing: the rows are the text's ids and eos.
     own = Tokenizer.from_file(str(hf_dirs / "qwen" / "tokenizer.json"))
     assert rows(out / "valid")[0] == own.encode("the lazy fox").ids + [qwen.eos]
-    with pytest.raises(DataError, match=r"has no pad token \(its pad_token '<\|endoftext\|>' is its eos or bos\).*"
-                                        r'add "pad_token"') as e:
-        run_preprocess("--tokenizer", hf_dirs / "bare", "--validpref", hf_dirs / "text/valid.txt",
-                       "--destdir", tmp_path / "bare")
+    with pytest.raises(
+        DataError,
+        match=r"has no pad token \(its pad_token '<\|endoftext\|>' is its eos or bos\).*"
+        r'add "pad_token"',
+    ) as e:
+        run_preprocess(
+            "--tokenizer", hf_dirs / "bare", "--validpref", hf_dirs / "text/valid.txt", "--destdir", tmp_path / "bare"
+        )
     assert "\n" not in str(e.value) and not (tmp_path / "bare").exists()
     # The fix the message names works.
     config = json.loads((hf_dirs / "bare" / "tokenizer_config.json").read_text())
@@ -143,24 +184,35 @@ def test_pad_rule(hf_dirs, tmp_path):
     assert pad_of(fixed) == "<|im_start|>"
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--vocab-size", "100"], "leave out --spm-model, --vocab-size, --spm-model-type and --seed"),
-    (["--spm-model-type", "unigram"], "leave out --spm-model"),
-    (["--seed", "3"], "leave out --spm-model"),
-    (["--spm-model", "x.model"], "leave out --spm-model"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--vocab-size", "100"], "leave out --spm-model, --vocab-size, --spm-model-type and --seed"),
+        (["--spm-model-type", "unigram"], "leave out --spm-model"),
+        (["--seed", "3"], "leave out --spm-model"),
+        (["--spm-model", "x.model"], "leave out --spm-model"),
+    ],
+)
 def test_tokenizer_excludes_sentencepiece_flags(hf_dirs, tmp_path, extra, message):
     with pytest.raises(DataError, match=message):
-        run_preprocess("--tokenizer", hf_dirs / "llama", "--validpref", hf_dirs / "text/valid.txt",
-                       "--destdir", tmp_path / "out", *extra)
+        run_preprocess(
+            "--tokenizer",
+            hf_dirs / "llama",
+            "--validpref",
+            hf_dirs / "text/valid.txt",
+            "--destdir",
+            tmp_path / "out",
+            *extra,
+        )
     assert not (tmp_path / "out").exists()
 
 
 def test_bad_tokenizer_dirs_are_refused(hf_dirs, tmp_path):
     def refused(path, match):
         with pytest.raises(DataError, match=match) as e:
-            run_preprocess("--tokenizer", path, "--validpref", hf_dirs / "text/valid.txt",
-                           "--destdir", tmp_path / "out")
+            run_preprocess(
+                "--tokenizer", path, "--validpref", hf_dirs / "text/valid.txt", "--destdir", tmp_path / "out"
+            )
         assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
 
     refused(tmp_path / "missing", r"missing does not exist; pass a Hugging Face model or tokenizer directory")
@@ -177,8 +229,19 @@ def test_bad_tokenizer_dirs_are_refused(hf_dirs, tmp_path):
 
 
 def test_cli_refusal_is_one_line(hf_dirs, tmp_path):
-    r = subprocess.run([BIN / "preprocess", "--tokenizer", hf_dirs / "bare", "--validpref", hf_dirs / "text/valid.txt",
-                        "--destdir", tmp_path / "out"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            BIN / "preprocess",
+            "--tokenizer",
+            hf_dirs / "bare",
+            "--validpref",
+            hf_dirs / "text/valid.txt",
+            "--destdir",
+            tmp_path / "out",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1 and r.stderr.startswith("preprocess: error: ") and r.stderr.count("\n") == 1, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
 
@@ -195,8 +258,24 @@ def test_checkpoints_and_exports_carry_the_tokenizer_files(hf_dirs, tmp_path):
 # ------------------------------------------------------- sentencepiece -> tokenizer.json
 
 EDGE = [
-    "", " ", "   ", "\n", "a", " leading", "trailing ", "  two  spaces  ", "inner\nnewline", "\nstarts", "ends\n",
-    "a\n\nb", "a \n b", "tab\there", "unseen Q X 😀 characters", "unseen😀😀run", "▁literal", " ▁x",
+    "",
+    " ",
+    "   ",
+    "\n",
+    "a",
+    " leading",
+    "trailing ",
+    "  two  spaces  ",
+    "inner\nnewline",
+    "\nstarts",
+    "ends\n",
+    "a\n\nb",
+    "a \n b",
+    "tab\there",
+    "unseen Q X 😀 characters",
+    "unseen😀😀run",
+    "▁literal",
+    " ▁x",
     "<s> </s> <pad> <unk> literal specials",
 ]
 
@@ -215,8 +294,18 @@ def unigram_dir(tmp_path_factory):
     for split, lines in texts.items():
         with open(root / f"{split}.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps({"text": text}) + "\n" for text in lines)
-    out = run_preprocess("--trainpref", root / "train.jsonl", "--validpref", root / "valid.jsonl",
-                         "--destdir", root / "bin", "--vocab-size", "300", "--spm-model-type", "unigram")
+    out = run_preprocess(
+        "--trainpref",
+        root / "train.jsonl",
+        "--validpref",
+        root / "valid.jsonl",
+        "--destdir",
+        root / "bin",
+        "--vocab-size",
+        "300",
+        "--spm-model-type",
+        "unigram",
+    )
     return out, texts["train"] + texts["valid"], rows(out / "train") + rows(out / "valid")
 
 
@@ -270,8 +359,16 @@ def test_unigram_tokenizer_json_encodes_as_preprocess_did(unigram_dir, tmp_path)
     assert "unseen😀😀run" in texts and load_tokenizer(data).unk in written[texts.index("unseen😀😀run")]
     assert_same_ids(data, texts, written, tmp_path)
     # And back: preprocess --tokenizer with the converted files writes the same token files.
-    again = run_preprocess("--tokenizer", tmp_path / "hf", "--trainpref", data.parent / "train.jsonl",
-                           "--validpref", data.parent / "valid.jsonl", "--destdir", tmp_path / "again")
+    again = run_preprocess(
+        "--tokenizer",
+        tmp_path / "hf",
+        "--trainpref",
+        data.parent / "train.jsonl",
+        "--validpref",
+        data.parent / "valid.jsonl",
+        "--destdir",
+        tmp_path / "again",
+    )
     for name in ("train.bin", "train.idx", "valid.bin", "valid.idx"):
         assert (again / name).read_bytes() == (data / name).read_bytes()
     assert load_tokenizer(again).special_ids() == load_tokenizer(data).special_ids()
@@ -314,9 +411,13 @@ def test_comparison_catches_a_wrong_tokenizer(unigram_dir, tmp_path, breakage):
     else:
         steps[:] = [s for s in steps if s["type"] != "Prepend"]
         if breakage == "metaspace prefix":  # skips the prefix for a text that starts with a space
-            spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-                {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False},
-                spec["pre_tokenizer"]]}
+            spec["pre_tokenizer"] = {
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False},
+                    spec["pre_tokenizer"],
+                ],
+            }
     (out / "tokenizer.json").write_text(json.dumps(spec))
     wrong = sum(a != b for a, b in zip(hf_ids(out, texts), written))
     assert wrong > (0 if breakage in ("metaspace prefix", "control scores") else len(texts) // 2)
@@ -327,8 +428,16 @@ def test_fairseq_dict_tokenizer_json(tmp_path):
 
     (tmp_path / "dict.txt").write_text("hello 10\nworld 7\nof 3\ntokens 2\nworld 1 #fairseq:overwrite\n")
     dictionary = Dictionary.load(tmp_path / "dict.txt")
-    texts = ["hello world", "", "  ", "world of tokens hello", "an unknown word", "a\x1cb hello\u3000world",
-             " lead  two\n\nlines ", "<s> </s> hello"]
+    texts = [
+        "hello world",
+        "",
+        "  ",
+        "world of tokens hello",
+        "an unknown word",
+        "a\x1cb hello\u3000world",
+        " lead  two\n\nlines ",
+        "<s> </s> hello",
+    ]
     written = [[dictionary.index(w) for w in t.split()] + [dictionary.eos()] for t in texts]  # fairseq's binarizer
     pytest.importorskip("transformers")
     out = write_hf_tokenizer(tmp_path, tmp_path / "hf")
@@ -337,8 +446,9 @@ def test_fairseq_dict_tokenizer_json(tmp_path):
 
 
 def test_hf_data_dir_tokenizer_is_copied(hf_dirs, tmp_path):
-    out = run_preprocess("--tokenizer", hf_dirs / "qwen", "--validpref", hf_dirs / "text/valid.txt",
-                         "--destdir", tmp_path / "bin")
+    out = run_preprocess(
+        "--tokenizer", hf_dirs / "qwen", "--validpref", hf_dirs / "text/valid.txt", "--destdir", tmp_path / "bin"
+    )
     written = write_hf_tokenizer(out, tmp_path / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert (written / name).read_bytes() == (hf_dirs / "qwen" / name).read_bytes()

@@ -1,6 +1,7 @@
 """`--host-allocator caching` (trainer/cpu/host_allocator.cpp), built with this machine's
 compiler and installed in fresh processes: the allocator is process-wide, and each case
 must see it from its first tensor."""
+
 import json
 import os
 import subprocess
@@ -27,8 +28,9 @@ def hwm_mb():
 
 
 def run_probe(body):
-    out = subprocess.run([sys.executable, "-c", PRELUDE + body], capture_output=True, text=True, cwd=ROOT,
-                         timeout=300)  # a deadlocked probe fails its test instead of hanging the suite
+    out = subprocess.run(
+        [sys.executable, "-c", PRELUDE + body], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )  # a deadlocked probe fails its test instead of hanging the suite
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -140,19 +142,37 @@ print(json.dumps({"codes": codes}))
 def test_fsdp_trains_the_same_with_either_host_allocator(tmp_path):
     # Layers of 4 MiB weights and 2 MiB activations: the gathers, gradients and
     # activations all come from the caching allocator, moved and split pages included.
-    argv = DUMMY + ["--decoder-embed-dim", "512", "--decoder-ffn-embed-dim", "2048", "--tokens-per-sample", "256",
-                    "--batch-size", "2", "--ddp-backend", "fully_sharded", "--clip-norm", "0.5"]
+    argv = DUMMY + [
+        "--decoder-embed-dim",
+        "512",
+        "--decoder-ffn-embed-dim",
+        "2048",
+        "--tokens-per-sample",
+        "256",
+        "--batch-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+        "--clip-norm",
+        "0.5",
+    ]
     caching = multi_rank_losses(argv + ["--host-allocator", "caching"], 2, 4, tmp_path)
     glibc = multi_rank_losses(argv + ["--host-allocator", "glibc"], 2, 4, tmp_path)
     assert caching == glibc
 
 
-@pytest.mark.parametrize("env, why", [({"CXX": "/no/such/g++"}, "cannot run the C++ compiler /no/such/g++"),
-                                      ({"SHARDLM_CACHE": "/proc/shardlm"}, "cannot write to /proc/shardlm")])
+@pytest.mark.parametrize(
+    "env, why",
+    [
+        ({"CXX": "/no/such/g++"}, "cannot run the C++ compiler /no/such/g++"),
+        ({"SHARDLM_CACHE": "/proc/shardlm"}, "cannot write to /proc/shardlm"),
+    ],
+)
 def test_without_a_compiler_or_a_writable_cache_training_says_so_and_uses_glibc(env, why, tmp_path):
     env = {"SHARDLM_CACHE": str(tmp_path / "cache"), **env}  # nothing built there yet
-    records, done = run_train(DUMMY + ["--batch-size", "4", "--max-update", "2", "--log-format", "json",
-                                       "--log-interval", "1"], env=env)
+    records, done = run_train(
+        DUMMY + ["--batch-size", "4", "--max-update", "2", "--log-format", "json", "--log-interval", "1"], env=env
+    )
     warning = [line for line in (done.stdout + done.stderr).splitlines() if "--host-allocator caching" in line]
     assert len(warning) == 1 and why in warning[0] and warning[0].endswith("using glibc's"), warning
     assert len(records["train_inner"]) == 2

@@ -14,6 +14,7 @@ What may be read, and how often:
   flags posted one update earlier (AsyncHostSum.result, host memory over gloo);
 - nothing else, and nothing at all between the first forward and the optimizer step.
 """
+
 import json
 import sys
 import traceback
@@ -40,7 +41,6 @@ def _site():
 
 
 def _counting_rank(index, argv, world, port, out):
-    from trainer.rendezvous import Rendezvous
     from trainer.train import main
     from trainer.train.trainer import Trainer
 
@@ -52,6 +52,7 @@ def _counting_rank(index, argv, world, port, out):
             if where["update"] > 0:
                 reads.append([where["update"], where["phase"], name, _site()])
             return original(self, *args, **kwargs)
+
         return read
 
     train_step, step = Trainer.train_step, Trainer.step
@@ -75,8 +76,10 @@ def _counting_rank(index, argv, world, port, out):
     Trainer.train_step, Trainer.step = phased_train_step, phased_step
     try:
         from trainer.rendezvous import Rendezvous as R
-        rdv = R(f"tcp://127.0.0.1:{port}" if world > 1 else "", world, rank=index, local_rank=index,
-                local_world_size=world)
+
+        rdv = R(
+            f"tcp://127.0.0.1:{port}" if world > 1 else "", world, rank=index, local_rank=index, local_world_size=world
+        )
         main.run(compose(argv), rdv)
     finally:
         for name, original in originals.items():
@@ -94,13 +97,26 @@ def host_reads(argv, world, tmp_path):
     return json.loads(Path(f"{out}.0").read_text())
 
 
-ARGV = DUMMY + ["--batch-size", "2", "--max-update", str(UPDATES), "--log-interval", str(INTERVAL),
-                "--log-format", "json", "--disable-validation", "--clip-norm", "0.5"]
+ARGV = DUMMY + [
+    "--batch-size",
+    "2",
+    "--max-update",
+    str(UPDATES),
+    "--log-interval",
+    str(INTERVAL),
+    "--log-format",
+    "json",
+    "--disable-validation",
+    "--clip-norm",
+    "0.5",
+]
 
 
-@pytest.mark.parametrize("extra,world", [([], 1), (["--bf16"], 1),
-                                          (["--ddp-backend", "fully_sharded", "--distributed-world-size", "2"], 2)],
-                         ids=["fp32_1_rank", "bf16_1_rank", "fsdp_2_ranks"])
+@pytest.mark.parametrize(
+    "extra,world",
+    [([], 1), (["--bf16"], 1), (["--ddp-backend", "fully_sharded", "--distributed-world-size", "2"], 2)],
+    ids=["fp32_1_rank", "bf16_1_rank", "fsdp_2_ranks"],
+)
 def test_an_update_reads_nothing_on_the_host_before_its_step(extra, world, tmp_path):
     reads = host_reads(ARGV + extra, world, tmp_path)
     # Nothing between an update's first forward and its optimizer step, nor in the step.

@@ -1,5 +1,6 @@
 """What a trained checkpoint is for: eval-lm gives training's valid perplexity, export
 gives one file whose logits equal the sharded model's, generate samples reproducibly."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -8,14 +9,28 @@ import pytest
 
 from helpers import TINY, compose, run_train
 
-TRAIN = [a for a in TINY if a != "--no-save"] + ["--tokens-per-sample", "64", "--batch-size", "8",
-                                                 "--share-decoder-input-output-embed", "--decoder-learned-pos",
-                                                 "--max-update", "20", "--log-format", "json"]
+TRAIN = [a for a in TINY if a != "--no-save"] + [
+    "--tokens-per-sample",
+    "64",
+    "--batch-size",
+    "8",
+    "--share-decoder-input-output-embed",
+    "--decoder-learned-pos",
+    "--max-update",
+    "20",
+    "--log-format",
+    "json",
+]
 
 
 def _run(cmd, *args, check=True, stdin=None):
-    r = subprocess.run([str(Path(sys.executable).with_name(cmd))] + [str(a) for a in args], capture_output=True,
-                       text=True, input=stdin, timeout=600)
+    r = subprocess.run(
+        [str(Path(sys.executable).with_name(cmd))] + [str(a) for a in args],
+        capture_output=True,
+        text=True,
+        input=stdin,
+        timeout=600,
+    )
     if check:
         assert r.returncode == 0, r.stderr
     return r
@@ -36,8 +51,9 @@ def _in_process(capsys, cmd, *args):
 def trained(tmp_path_factory):
     """A model trained on 2 FSDP ranks on the embedded corpus, with its last valid record."""
     save = tmp_path_factory.mktemp("run") / "ckpt"
-    records, _ = run_train(TRAIN + ["--save-dir", str(save), "--ddp-backend", "fully_sharded",
-                                    "--distributed-world-size", "2"])
+    records, _ = run_train(
+        TRAIN + ["--save-dir", str(save), "--ddp-backend", "fully_sharded", "--distributed-world-size", "2"]
+    )
     return save / "checkpoint_last", records["valid"][-1]
 
 
@@ -55,7 +71,7 @@ def test_eval_lm_equals_training_valid_loss(trained, capsys):
     r = _run("eval-lm", "--path", ckpt, "--gen-subset", "valid", "--batch-size", "8")
     loss, ppl = _loss(r.stdout)
     assert loss == pytest.approx(valid["valid_loss"], abs=6e-4)
-    assert ppl == pytest.approx(2 ** loss, rel=1e-3)
+    assert ppl == pytest.approx(2**loss, rel=1e-3)
     # Two ranks, and a context window: the same tokens are scored, each with more history.
     r2 = _run("eval-lm", "--path", ckpt, "--gen-subset", "valid", "--batch-size", "8", "--distributed-world-size", "2")
     assert _loss(r2.stdout)[0] == pytest.approx(loss, abs=1e-4) and _tokens(r2.stdout) == _tokens(r.stdout)
@@ -100,9 +116,10 @@ def test_softmax_batch_scores_that_many_tokens_at_a_time():
 
 def _sharded_logits(index, argv, port, out):
     import torch
+
+    from trainer.checkpoint.checkpointer import Checkpointer
     from trainer.parallel import ranks as distributed
     from trainer.rendezvous import Rendezvous
-    from trainer.checkpoint.checkpointer import Checkpointer
     from trainer.train.main import build
 
     cfg = compose(argv)
@@ -122,9 +139,10 @@ def _sharded_logits(index, argv, port, out):
 
 def test_export_logits_equal_the_sharded_model(trained, tmp_path):
     import torch
+
     from helpers import run_ranks
-    from trainer.rendezvous import free_port
     from trainer.inference.load import load_model
+    from trainer.rendezvous import free_port
 
     ckpt, _ = trained
     argv = TRAIN + ["--save-dir", str(ckpt.parent), "--ddp-backend", "fully_sharded"]
@@ -132,10 +150,16 @@ def test_export_logits_equal_the_sharded_model(trained, tmp_path):
     sharded = torch.load(tmp_path / "logits.pt")
     _run("export-model", "--path", ckpt, "--out", tmp_path / "export")
     assert sorted(p.name for p in (tmp_path / "export").iterdir()) == [
-        "config.yaml", "metadata.json", "model.safetensors", "tokenizer.model"]
+        "config.yaml",
+        "metadata.json",
+        "model.safetensors",
+        "tokenizer.model",
+    ]
     # A fresh process, no torch.distributed: our safetensors reader and the model alone.
-    code = ("import torch, sys; from trainer.inference.load import load_model; m, _, _ = load_model(sys.argv[1]); "
-            "torch.save(m(torch.arange(3, 40).view(1, -1)).detach(), sys.argv[2])")
+    code = (
+        "import torch, sys; from trainer.inference.load import load_model; m, _, _ = load_model(sys.argv[1]); "
+        "torch.save(m(torch.arange(3, 40).view(1, -1)).detach(), sys.argv[2])"
+    )
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "export"), str(tmp_path / "single.pt")], check=True)
     assert torch.allclose(torch.load(tmp_path / "single.pt"), sharded, atol=1e-5, rtol=1e-5)
     # Refuses to overwrite an export
@@ -148,6 +172,7 @@ def test_export_logits_equal_the_sharded_model(trained, tmp_path):
 def test_export_hf_loads_in_transformers_with_the_same_logits(trained, tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
+
     from trainer.inference.load import load_model
 
     ckpt, _ = trained
@@ -189,8 +214,10 @@ def test_bad_paths_get_one_line(tmp_path, capsys):
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "neither a checkpoint" in r.stderr
     # The others' entry points in this process (an exception escaping them fails the test).
-    for cmd, args in (("generate", ["--path", tmp_path, "--prompt", "x"]),
-                      ("export-model", ["--path", tmp_path, "--out", tmp_path / "o"])):
+    for cmd, args in (
+        ("generate", ["--path", tmp_path, "--prompt", "x"]),
+        ("export-model", ["--path", tmp_path, "--out", tmp_path / "o"]),
+    ):
         code, _, err = _in_process(capsys, cmd, *args)
         assert code != 0 and "Traceback" not in err, err
         assert len(err.strip().splitlines()) == 1 and "neither a checkpoint" in err

@@ -1,6 +1,7 @@
 """The import graph of trainer/, models/ and data/: no cycles (function-level imports
 included, where a cycle would otherwise hide), and trainer/'s rooms import only rooms
 below them, so a newcomer can read the code from cli.py downwards."""
+
 import ast
 from pathlib import Path
 
@@ -9,8 +10,17 @@ PACKAGES = ("trainer", "models", "data")
 # trainer/'s rooms, top first: a room may import itself and the rooms after it. train,
 # inference and plan sit side by side (none imports another); rendezvous, host and
 # errors are torch-free modules every room may use.
-ROOMS = ["launch", {"train", "inference", "plan"}, "checkpoint", "parallel", "cpu", "config",
-         {"rendezvous", "host"}, "errors", {"models", "data"}]
+ROOMS = [
+    "launch",
+    {"train", "inference", "plan"},
+    "checkpoint",
+    "parallel",
+    "cpu",
+    "config",
+    {"rendezvous", "host"},
+    "errors",
+    {"models", "data"},
+]
 
 
 def modules():
@@ -33,8 +43,9 @@ def imports_of(path, known):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             # `from trainer.checkpoint import files` imports the module trainer.checkpoint.files
-            targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
-                       for a in node.names]
+            targets = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names
+            ]
         else:
             continue
         out += [(t, node.lineno, id(node) in top) for t in targets if t in known]
@@ -55,7 +66,7 @@ def find_cycle(edges):
         stack.append(node)
         for succ in edges.get(node, ()):
             if state.get(succ) == "open":
-                return stack[stack.index(succ):] + [succ]
+                return stack[stack.index(succ) :] + [succ]
             if succ not in state:
                 cycle = visit(succ)
                 if cycle:
@@ -121,7 +132,7 @@ def test_every_function_level_import_of_our_modules_says_why():
     known = modules()
     for path in known.values():
         lines = path.read_text().splitlines()
-        for target, lineno, at_top in imports_of(path, known):
+        for _target, lineno, at_top in imports_of(path, known):
             line, above = lines[lineno - 1], lines[lineno - 2].strip()
             if not at_top and "#" not in line and not above.startswith("#"):
                 silent.append(f"{path.relative_to(ROOT)}:{lineno}")

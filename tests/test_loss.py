@@ -1,4 +1,5 @@
 """The fused output projection + cross-entropy against the plain two-step form."""
+
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,6 @@ def test_without_gradients_only_the_loss_is_computed():
     assert fused.item() == pytest.approx(plain.item(), rel=1e-6)
 
 
-
 def _resident_mb(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
@@ -77,7 +77,7 @@ def test_forward_holds_one_chunk_of_logits_at_a_time(monkeypatch):
     are gone before the next chunk's are made. Chunks of 40 MiB are above the 1 MiB mmap
     threshold that FSDP ranks set, so the peak resident set sees how many are alive at once."""
     V, d, rows = 10240, 16, 1024
-    chunk_mb = 4 * V * rows / 2 ** 20
+    chunk_mb = 4 * V * rows / 2**20
     extra = _forward_peak_mb(monkeypatch, V, d, rows, torch.float32)
     assert chunk_mb * 0.9 <= extra < chunk_mb * 1.5, f"{extra:.0f} MiB at the peak for {chunk_mb:.0f} MiB chunks"
 
@@ -90,6 +90,6 @@ def test_bf16_forward_peak_is_what_plan_counts(monkeypatch):
     was 20 MiB more here). The memory planner counts exactly these (trainer/plan/ledger.py)."""
     V, d, rows = 10240, 512, 1024
     extra = _forward_peak_mb(monkeypatch, V, d, rows, torch.bfloat16)
-    kept = (3 * rows * d * 2 + V * d * 4) / 2 ** 20  # grad_x (bf16), grad_w (fp32)
-    transient = (rows * V * (4 + 2) + V * d * 2) / 2 ** 20
+    kept = (3 * rows * d * 2 + V * d * 4) / 2**20  # grad_x (bf16), grad_w (fp32)
+    transient = (rows * V * (4 + 2) + V * d * 2) / 2**20
     assert extra == pytest.approx(kept + transient, rel=0.08), f"{extra:.0f} MiB at the peak"

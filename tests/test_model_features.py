@@ -2,6 +2,7 @@
 --decoder-layers-to-keep, NormFormer, relu_squared and embeddings/outputs of another
 width, and the Llama family's pieces. Each trains the same on FSDP and DDP ranks as in one process, resumes exactly,
 and a LayerDrop-trained checkpoint evaluates with fewer layers."""
+
 import pytest
 import torch
 
@@ -21,16 +22,37 @@ FEATURES = {
     # the Llama family's pieces: 2 query heads of width 24 on 1 key/value head, rotary
     # embeddings scaled as Llama 3.1's (an original context of 16 < 32 tokens, so the
     # scaling acts), gated feed-forward, RMSNorm, Qwen3's q/k norms, no biases
-    "llama": ["--norm-type", "rmsnorm", "--gated-ffn", "--decoder-kv-heads", "1", "--decoder-head-dim", "24",
-              "--no-bias", "--qk-norm", "--rope", "--rope-scaling", "llama3", "--rope-original-max-positions", "16"],
+    "llama": [
+        "--norm-type",
+        "rmsnorm",
+        "--gated-ffn",
+        "--decoder-kv-heads",
+        "1",
+        "--decoder-head-dim",
+        "24",
+        "--no-bias",
+        "--qk-norm",
+        "--rope",
+        "--rope-scaling",
+        "llama3",
+        "--rope-original-max-positions",
+        "16",
+    ],
 }
 EVERY = [a for flags in FEATURES.values() for a in flags]  # all at once: 4 runs of 2 ranks, not 16
 BACKENDS = {  # 2 ranks; one process runs the same micro-batches with twice the sequences
     "ddp": ["--batch-size", "4"],
     "fsdp": ["--batch-size", "4", "--ddp-backend", "fully_sharded"],
     "legacy_ddp": ["--batch-size", "4", "--ddp-backend", "legacy_ddp"],
-    "fsdp_update_freq_checkpoint": ["--batch-size", "2", "--update-freq", "2", "--ddp-backend", "fully_sharded",
-                                    "--checkpoint-activations"],
+    "fsdp_update_freq_checkpoint": [
+        "--batch-size",
+        "2",
+        "--update-freq",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+        "--checkpoint-activations",
+    ],
 }
 _one_process = {}
 
@@ -40,7 +62,9 @@ def one_process(update_freq):
     if update_freq not in _one_process:
         _one_process[update_freq] = update_losses(
             BASE + EVERY + ["--batch-size", str(8 // update_freq), "--update-freq", str(update_freq)],
-            UPDATES, with_gnorm=True)
+            UPDATES,
+            with_gnorm=True,
+        )
     return _one_process[update_freq]
 
 
@@ -66,6 +90,7 @@ def test_normformer_and_widths_are_placed_as_in_fairseq():
     import math
 
     import torch.nn.functional as F
+
     from models.transformer_lm import build_model, sinusoidal_positions
 
     cfg = compose(BASE + FEATURES["normformer"] + FEATURES["widths"] + FEATURES["relu_squared"] + ["--batch-size", "4"])
@@ -99,6 +124,7 @@ def _gathers_rank(index, world, port, out):
     from pathlib import Path
 
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
     from trainer.parallel import ranks
     from trainer.rendezvous import Rendezvous
     from trainer.train.loop import grouped
@@ -220,8 +246,9 @@ def test_a_pruned_model_is_the_layers_it_keeps(tmp_path):
     from trainer.train.main import build
 
     save = tmp_path / "ckpt"
-    train_updates(SAVE + FEATURES["layerdrop"] + ["--batch-size", "4", "--max-update", "3", "--save-dir", str(save)],
-                  1, tmp_path)
+    train_updates(
+        SAVE + FEATURES["layerdrop"] + ["--batch-size", "4", "--max-update", "3", "--save-dir", str(save)], 1, tmp_path
+    )
     full, _, _ = load_model(save / "checkpoint_last")
     # In any order: fairseq sorts the ids too.
     pruned, _, _ = load_model(save / "checkpoint_last", model_overrides={"decoder_layers_to_keep": "2,0"})
@@ -237,8 +264,18 @@ def test_a_pruned_model_is_the_layers_it_keeps(tmp_path):
         assert torch.equal(pruned(tokens), two(tokens))
         assert not torch.equal(pruned(tokens), full(tokens))
 
-    ft = compose(BASE + FEATURES["layerdrop"] + ["--decoder-layers-to-keep", "0,2", "--batch-size", "4",
-                                                 "--finetune-from-model", str(save / "checkpoint_last")])
+    ft = compose(
+        BASE
+        + FEATURES["layerdrop"]
+        + [
+            "--decoder-layers-to-keep",
+            "0,2",
+            "--batch-size",
+            "4",
+            "--finetune-from-model",
+            str(save / "checkpoint_last"),
+        ]
+    )
     env = ranks.init_rank(ft, Rendezvous("", 1), needs_process_group=False)
     try:
         task, trainer, _ = build(ft, env)
@@ -249,13 +286,16 @@ def test_a_pruned_model_is_the_layers_it_keeps(tmp_path):
         ranks.teardown()
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--decoder-layers-to-keep", "0,4"], "names a layer outside 0-3"),
-    (["--decoder-layers-to-keep", "1,1"], "names a layer twice"),
-    (["--decoder-layers-to-keep", "0;2"], "is not a comma-separated list"),
-    (["--decoder-layerdrop", "1"], "--decoder-layerdrop must be in [0, 1)"),
-    (["--share-decoder-input-output-embed", "--decoder-input-dim", "32"], "must be equal"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--decoder-layers-to-keep", "0,4"], "names a layer outside 0-3"),
+        (["--decoder-layers-to-keep", "1,1"], "names a layer twice"),
+        (["--decoder-layers-to-keep", "0;2"], "is not a comma-separated list"),
+        (["--decoder-layerdrop", "1"], "--decoder-layerdrop must be in [0, 1)"),
+        (["--share-decoder-input-output-embed", "--decoder-input-dim", "32"], "must be equal"),
+    ],
+)
 def test_bad_model_features_are_refused(flags, message):
     with pytest.raises(UsageError, match=None) as e:
         compose(DUMMY + ["--decoder-layers", "4", "--batch-size", "4"] + flags)

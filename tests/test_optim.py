@@ -2,6 +2,7 @@
 NAG against a hand-written step, the option checks, the weight-decay parameter groups, and
 AdamW and the gradient norm on FSDP2's shards (2 real gloo ranks). Training with them:
 test_optim_train.py."""
+
 import json
 import math
 from pathlib import Path
@@ -13,6 +14,7 @@ from helpers import compose
 
 def schedule(*argv):
     from trainer.train.optim import LRSchedule
+
     return LRSchedule(compose(["--batch-size", "1"] + list(argv)))
 
 
@@ -23,8 +25,18 @@ def test_inverse_sqrt_warms_up_then_decays_as_one_over_sqrt():
 
 
 def test_polynomial_decay_reaches_end_lr():
-    s = schedule("--lr-scheduler", "polynomial_decay", "--lr", "0.01", "--warmup-updates", "10",
-                 "--max-update", "110", "--end-learning-rate", "0.001")
+    s = schedule(
+        "--lr-scheduler",
+        "polynomial_decay",
+        "--lr",
+        "0.01",
+        "--warmup-updates",
+        "10",
+        "--max-update",
+        "110",
+        "--end-learning-rate",
+        "0.001",
+    )
     assert s.lr(10) == pytest.approx(0.01) and s.lr(60) == pytest.approx(0.0055)
     assert s.lr(110) == pytest.approx(0.001) and s.lr(500) == pytest.approx(0.001)
 
@@ -39,8 +51,24 @@ def test_cosine_cycles_grow_by_t_mult_and_shrink_by_lr_shrink_after_warmup():
     """fairseq's cosine step_update. Warmup from --min-lr (its --warmup-init-lr default) by
     (0.01 - 0.001) / 5 per update; then cycles of 10, 20, 40 updates whose max and min lr
     are halved each cycle."""
-    s = schedule("--lr-scheduler", "cosine", "--lr", "0.01", "--min-lr", "0.001", "--warmup-updates", "5",
-                 "--lr-period-updates", "10", "--t-mult", "2", "--lr-shrink", "0.5", "--max-update", "200")
+    s = schedule(
+        "--lr-scheduler",
+        "cosine",
+        "--lr",
+        "0.01",
+        "--min-lr",
+        "0.001",
+        "--warmup-updates",
+        "5",
+        "--lr-period-updates",
+        "10",
+        "--t-mult",
+        "2",
+        "--lr-shrink",
+        "0.5",
+        "--max-update",
+        "200",
+    )
     assert s.lr(0) == pytest.approx(0.001) and s.lr(3) == pytest.approx(0.001 + 3 * 0.0018)
     assert s.lr(5) == pytest.approx(0.01)  # cycle 0 starts at --lr
     assert s.lr(10) == pytest.approx(0.001 + 0.5 * 0.009)  # halfway through cycle 0 (10 updates)
@@ -51,12 +79,23 @@ def test_cosine_cycles_grow_by_t_mult_and_shrink_by_lr_shrink_after_warmup():
 
 
 def test_cosine_restarts_each_period_with_t_mult_1():
-    s = schedule("--lr-scheduler", "cosine", "--lr", "0.01", "--lr-period-updates", "10", "--lr-shrink", "0.1",
-                 "--max-update", "100")
+    s = schedule(
+        "--lr-scheduler",
+        "cosine",
+        "--lr",
+        "0.01",
+        "--lr-period-updates",
+        "10",
+        "--lr-shrink",
+        "0.1",
+        "--max-update",
+        "100",
+    )
     assert [s.lr(n) for n in (0, 5, 10, 15, 25)] == pytest.approx([0.01, 0.005, 0.001, 0.0005, 0.00005])
     # without --lr-period-updates the one cycle is --max-update minus warmup
-    s = schedule("--lr-scheduler", "cosine", "--lr", "0.01", "--min-lr", "0.001", "--warmup-updates", "5",
-                 "--max-update", "25")
+    s = schedule(
+        "--lr-scheduler", "cosine", "--lr", "0.01", "--min-lr", "0.001", "--warmup-updates", "5", "--max-update", "25"
+    )
     assert s.lr(15) == pytest.approx(0.0055) and s.lr(25) == pytest.approx(0.01 * 0.1)
 
 
@@ -108,20 +147,24 @@ def test_reduce_lr_on_plateau_warmup_maximize_and_smallest_step():
 def nag_reference(p, g, buf, lr, lr_old, momentum, weight_decay):
     """fairseq/optim/nag.py's step for one parameter, element by element."""
     lr_correct = lr / lr_old if lr_old > 0 else lr
-    new_p = [x * (1 - lr * weight_decay) + momentum * momentum * lr_correct * b - (1 + momentum) * lr * d
-             for x, b, d in zip(p, buf, g)]
+    new_p = [
+        x * (1 - lr * weight_decay) + momentum * momentum * lr_correct * b - (1 + momentum) * lr * d
+        for x, b, d in zip(p, buf, g)
+    ]
     new_buf = [momentum * lr_correct * b - lr * d for b, d in zip(buf, g)]
     return new_p, new_buf
 
 
 def test_nag_step_is_fairseqs():
     import torch
+
     from trainer.train.optim import NAG
 
     torch.manual_seed(0)
     decayed, plain = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
-    opt = NAG([{"params": [decayed], "weight_decay": 0.01}, {"params": [plain], "weight_decay": 0.0}],
-              lr=0.1, momentum=0.9)
+    opt = NAG(
+        [{"params": [decayed], "weight_decay": 0.01}, {"params": [plain], "weight_decay": 0.0}], lr=0.1, momentum=0.9
+    )
     ref = {id(t): (t.flatten().tolist(), [0.0] * t.numel()) for t in (decayed, plain)}
     lr_old = 0.1
     for lr in (0.1, 0.05, 0.05, 0.2):  # lr changes: the buffer is rescaled by lr / lr_old
@@ -144,6 +187,7 @@ def test_nag_momentum_default_and_checkpoint_api_step_changes_nothing():
     state with lr 0 to create it (before a load): that must not move a weight."""
     import torch
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     from trainer.train.optim import NAG, build_optimizer
 
     cfg = compose(["--batch-size", "1", "--optimizer", "nag", "--weight-decay", "0.1"])
@@ -166,46 +210,87 @@ def test_nag_momentum_default_and_checkpoint_api_step_changes_nothing():
     assert [type(s["lr_old"]) for s in opt.state.values()] == [float] * 2  # state_dict() left them floats
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--optimizer", "cpu_adam"], "add --cpu-offload"),
-    (["--optimizer", "adam", "--momentum", "0.9"], "--momentum is read by --optimizer sgd or nag only"),
-    (["--optimizer", "nag", "--adam-betas", "(0.9, 0.98)"], "--adam-betas is read by --optimizer adam"),
-    (["--lr-scheduler", "inverse_sqrt", "--min-lr", "1e-9"], "--stop-min-lr"),
-    (["--lr-scheduler", "fixed", "--lr-patience", "2"], "reduce_lr_on_plateau only"),
-    (["--lr-scheduler", "fixed", "--t-mult", "2"], "--t-mult is read by --lr-scheduler cosine only"),
-    (["--lr-scheduler", "cosine", "--max-update", "10", "--t-mult", "0"], "--t-mult must be positive"),
-    (["--lr-scheduler", "cosine", "--max-update", "100", "--t-mult", "0.5", "--lr-period-updates", "10"],
-     "shrinks the cosine cycles to 20 updates"),
-    (["--lr-scheduler", "cosine"], "needs --lr-period-updates or --max-update"),
-    (["--lr-scheduler", "cosine", "--max-update", "10", "--lr-period-updates", "0"], "--lr-period-updates must"),
-    (["--lr-scheduler", "cosine", "--max-update", "10", "--lr-shrink", "0"], "--lr-shrink must be positive"),
-    (["--lr-scheduler", "reduce_lr_on_plateau", "--lr-shrink", "1"], r"--lr-shrink must be in \(0, 1\)"),
-    (["--lr-scheduler", "reduce_lr_on_plateau", "--lr-patience", "-1"], "lr_patience must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--optimizer", "cpu_adam"], "add --cpu-offload"),
+        (["--optimizer", "adam", "--momentum", "0.9"], "--momentum is read by --optimizer sgd or nag only"),
+        (["--optimizer", "nag", "--adam-betas", "(0.9, 0.98)"], "--adam-betas is read by --optimizer adam"),
+        (["--lr-scheduler", "inverse_sqrt", "--min-lr", "1e-9"], "--stop-min-lr"),
+        (["--lr-scheduler", "fixed", "--lr-patience", "2"], "reduce_lr_on_plateau only"),
+        (["--lr-scheduler", "fixed", "--t-mult", "2"], "--t-mult is read by --lr-scheduler cosine only"),
+        (["--lr-scheduler", "cosine", "--max-update", "10", "--t-mult", "0"], "--t-mult must be positive"),
+        (
+            ["--lr-scheduler", "cosine", "--max-update", "100", "--t-mult", "0.5", "--lr-period-updates", "10"],
+            "shrinks the cosine cycles to 20 updates",
+        ),
+        (["--lr-scheduler", "cosine"], "needs --lr-period-updates or --max-update"),
+        (["--lr-scheduler", "cosine", "--max-update", "10", "--lr-period-updates", "0"], "--lr-period-updates must"),
+        (["--lr-scheduler", "cosine", "--max-update", "10", "--lr-shrink", "0"], "--lr-shrink must be positive"),
+        (["--lr-scheduler", "reduce_lr_on_plateau", "--lr-shrink", "1"], r"--lr-shrink must be in \(0, 1\)"),
+        (["--lr-scheduler", "reduce_lr_on_plateau", "--lr-patience", "-1"], "lr_patience must be >= 0"),
+    ],
+)
 def test_optimizer_and_schedule_options_are_checked(argv, message):
     from trainer.errors import UsageError
+
     with pytest.raises(UsageError, match=message):
         compose(["--batch-size", "1"] + argv)
 
 
 def test_optimizer_and_schedule_options_in_their_pairings_are_accepted():
     compose(["--batch-size", "1", "--optimizer", "cpu_adam", "--cpu-offload", "--ddp-backend", "fully_sharded"])
-    compose(["--batch-size", "1", "--optimizer", "nag", "--momentum", "0.9", "--lr-scheduler", "cosine",
-             "--max-update", "100", "--t-mult", "0.5", "--lr-period-updates", "60", "--lr-shrink", "0.5"])
-    compose(["--batch-size", "1", "--lr-scheduler", "reduce_lr_on_plateau", "--lr-shrink", "0.5",
-             "--lr-patience", "2", "--lr-threshold", "0.01", "--stop-min-lr", "1e-6"])
+    compose(
+        [
+            "--batch-size",
+            "1",
+            "--optimizer",
+            "nag",
+            "--momentum",
+            "0.9",
+            "--lr-scheduler",
+            "cosine",
+            "--max-update",
+            "100",
+            "--t-mult",
+            "0.5",
+            "--lr-period-updates",
+            "60",
+            "--lr-shrink",
+            "0.5",
+        ]
+    )
+    compose(
+        [
+            "--batch-size",
+            "1",
+            "--lr-scheduler",
+            "reduce_lr_on_plateau",
+            "--lr-shrink",
+            "0.5",
+            "--lr-patience",
+            "2",
+            "--lr-threshold",
+            "0.01",
+            "--stop-min-lr",
+            "1e-6",
+        ]
+    )
 
 
 def test_no_weight_decay_on_biases_norms_and_embeddings():
     from models.transformer_lm import build_model
     from trainer.train.optim import param_groups
+
     cfg = compose(["--batch-size", "1", "--arch", "transformer_lm_gpt2_tiny", "--decoder-learned-pos"])
     model = build_model(cfg.model, 100, 16)
     decay, rest = param_groups(model, 0.1)
     decayed = {id(p) for p in decay["params"]}
     names = {n for n, p in model.named_parameters() if id(p) in decayed}
-    assert names and all(n.endswith(("qkv_proj.weight", "out_proj.weight", "fc1.weight", "fc2.weight",
-                                      "output_projection.weight")) for n in names)
+    assert names and all(
+        n.endswith(("qkv_proj.weight", "out_proj.weight", "fc1.weight", "fc2.weight", "output_projection.weight"))
+        for n in names
+    )
     assert decay["weight_decay"] == 0.1 and rest["weight_decay"] == 0.0
 
 
@@ -218,6 +303,7 @@ def _shard_local_rank(index, world, port, out):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
+
     from trainer.train.optim import ShardLocalAdamW
     from trainer.train.trainer import global_grad_norm
 
@@ -237,8 +323,10 @@ def _shard_local_rank(index, world, port, out):
             if name == "first":
                 params = list(model.parameters())
 
+                # Reads this iteration's `before`, assigned below, when the step calls it.
                 def callback():
-                    moved_at_callback.append([not torch.equal(p.to_local(), b) for p, b in zip(params, before)])
+                    moved = [not torch.equal(p.to_local(), b) for p, b in zip(params, before)]  # noqa: B023
+                    moved_at_callback.append(moved)  # noqa: B023
 
                 step_kwargs = dict(first={id(p) for p in model[0].parameters()}, then=callback)
             else:
@@ -259,8 +347,10 @@ def _shard_local_rank(index, world, port, out):
             results[name] = {
                 "params": [p.full_tensor().flatten().tolist() for p in model.parameters()],
                 "exp_avg_sq": state["exp_avg_sq"].full_tensor().flatten().tolist(),
-                "state_is_dtensor": isinstance(state["exp_avg"], DTensor), "norms": norms,
-                "moved_at_callback": moved_at_callback}
+                "state_is_dtensor": isinstance(state["exp_avg"], DTensor),
+                "norms": norms,
+                "moved_at_callback": moved_at_callback,
+            }
         Path(f"{out}.{index}").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
@@ -296,6 +386,7 @@ def _clipping_rank(index, world, ports, out):
     --clip-norm CLIP: each rank's shard of every parameter moved by -lr*g, and by -lr*g
     scaled by CLIP / (|g| + 1e-6), |g| the norm of the whole gradient over all ranks."""
     import torch
+
     from helpers import DUMMY
     from trainer.parallel import ranks
     from trainer.rendezvous import Rendezvous
@@ -306,10 +397,10 @@ def _clipping_rank(index, world, ports, out):
     moves, gnorms = [], []
     # A port per run: the first run's store may still be closing when the second one meets.
     for clip, port in zip(("0", str(CLIP)), ports):
-        rdv = Rendezvous(f"tcp://127.0.0.1:{port}" if world > 1 else "", world, rank=index, local_rank=index,
-                         local_world_size=world)
-        cfg = compose(DUMMY + fsdp + ["--optimizer", "sgd", "--lr", "0.5", "--batch-size", "4",
-                                      "--clip-norm", clip])
+        rdv = Rendezvous(
+            f"tcp://127.0.0.1:{port}" if world > 1 else "", world, rank=index, local_rank=index, local_world_size=world
+        )
+        cfg = compose(DUMMY + fsdp + ["--optimizer", "sgd", "--lr", "0.5", "--batch-size", "4", "--clip-norm", clip])
         env = ranks.init_rank(cfg, rdv, needs_process_group=world > 1)
         try:
             task, trainer, _ = build(cfg, env)
@@ -321,13 +412,15 @@ def _clipping_rank(index, world, ports, out):
             moves.append(torch.cat([(t.detach() - b).flatten() for t, b in zip(local, before)]))
         finally:
             ranks.teardown()
-    Path(f"{out}.{index}").write_text(json.dumps({"gnorms": gnorms, "free": moves[0].tolist(),
-                                                  "clipped": moves[1].tolist()}))
+    Path(f"{out}.{index}").write_text(
+        json.dumps({"gnorms": gnorms, "free": moves[0].tolist(), "clipped": moves[1].tolist()})
+    )
 
 
 @pytest.mark.parametrize("world", [1, 2], ids=["1_process", "fsdp_2_ranks"])
 def test_clip_norm_scales_the_step_by_clip_over_the_norm(world, tmp_path):
     import torch
+
     from helpers import run_ranks
     from trainer.rendezvous import free_port
 

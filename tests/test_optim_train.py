@@ -1,5 +1,6 @@
 """Training with nag, cpu_adam, reduce_lr_on_plateau and --stop-min-lr: on 2 FSDP ranks as
 in one process, and through a checkpoint as without one (real `train` loops over gloo)."""
+
 import json
 from pathlib import Path
 
@@ -14,12 +15,17 @@ FSDP = ["--ddp-backend", "fully_sharded"]
 CPU_ADAM = FSDP + ["--optimizer", "cpu_adam", "--cpu-offload"]
 
 
-@pytest.mark.parametrize("optimizer,reference", [
-    (["--optimizer", "nag", "--weight-decay", "0.01", "--lr", "1.0"],
-     ["--optimizer", "nag", "--weight-decay", "0.01", "--lr", "1.0"]),
-    # cpu_adam is adam stepped on the host: the same numbers as adam in one process
-    (["--optimizer", "cpu_adam", "--cpu-offload", "--weight-decay", "0.01"], ["--weight-decay", "0.01"]),
-])
+@pytest.mark.parametrize(
+    "optimizer,reference",
+    [
+        (
+            ["--optimizer", "nag", "--weight-decay", "0.01", "--lr", "1.0"],
+            ["--optimizer", "nag", "--weight-decay", "0.01", "--lr", "1.0"],
+        ),
+        # cpu_adam is adam stepped on the host: the same numbers as adam in one process
+        (["--optimizer", "cpu_adam", "--cpu-offload", "--weight-decay", "0.01"], ["--weight-decay", "0.01"]),
+    ],
+)
 def test_two_fsdp_ranks_match_one_process(optimizer, reference, tmp_path):
     ref_losses, ref_gnorms = update_losses(BASE + reference + ["--batch-size", "8"], UPDATES, with_gnorm=True)
     losses, gnorms = multi_rank_losses(BASE + optimizer + FSDP + ["--batch-size", "4"], 2, UPDATES, tmp_path)
@@ -33,10 +39,36 @@ def test_cpu_adam_checkpoint_resumes_with_adam_and_back(tmp_path):
     cpu_adam, 3-4 resumed with adam (no offload), 5-6 resumed with cpu_adam again."""
     common = SAVE + ["--batch-size", "8", "--save-interval-updates", "2", "--disable-validation"]
     whole = train_updates(common + CPU_ADAM + ["--max-update", "6", "--save-dir", str(tmp_path / "a")], 1, tmp_path)
-    adam = train_updates(common + FSDP + ["--optimizer", "adam", "--max-update", "4", "--save-dir", str(tmp_path / "b"),
-                                          "--restore-file", str(tmp_path / "a" / "checkpoint_1_2")], 1, tmp_path)
-    back = train_updates(common + CPU_ADAM + ["--max-update", "6", "--save-dir", str(tmp_path / "c"),
-                                              "--restore-file", str(tmp_path / "b" / "checkpoint_1_4")], 1, tmp_path)
+    adam = train_updates(
+        common
+        + FSDP
+        + [
+            "--optimizer",
+            "adam",
+            "--max-update",
+            "4",
+            "--save-dir",
+            str(tmp_path / "b"),
+            "--restore-file",
+            str(tmp_path / "a" / "checkpoint_1_2"),
+        ],
+        1,
+        tmp_path,
+    )
+    back = train_updates(
+        common
+        + CPU_ADAM
+        + [
+            "--max-update",
+            "6",
+            "--save-dir",
+            str(tmp_path / "c"),
+            "--restore-file",
+            str(tmp_path / "b" / "checkpoint_1_4"),
+        ],
+        1,
+        tmp_path,
+    )
     assert sorted(adam) == [3, 4] and sorted(back) == [5, 6]
     for n, (loss, gnorm) in {**adam, **back}.items():
         assert (loss, gnorm) == pytest.approx(whole[n], rel=1e-6), f"update {n}"
@@ -45,12 +77,37 @@ def test_cpu_adam_checkpoint_resumes_with_adam_and_back(tmp_path):
 def test_nag_resumes_on_another_number_of_ranks(tmp_path):
     """NAG's momentum buffers (and the lr of the step before the save, which rescales them
     while the lr changes) are saved sharded on 2 FSDP ranks and loaded by one process."""
-    common = SAVE + ["--optimizer", "nag", "--lr", "0.5", "--lr-scheduler", "cosine", "--warmup-updates", "2",
-                     "--max-update", "5", "--disable-validation"]
-    whole = train_updates(common + FSDP + ["--batch-size", "4", "--save-interval-updates", "3",
-                                           "--save-dir", str(tmp_path / "a")], 2, tmp_path)
-    resumed = train_updates(common + ["--batch-size", "8", "--save-dir", str(tmp_path / "b"),
-                                      "--restore-file", str(tmp_path / "a" / "checkpoint_1_3")], 1, tmp_path)
+    common = SAVE + [
+        "--optimizer",
+        "nag",
+        "--lr",
+        "0.5",
+        "--lr-scheduler",
+        "cosine",
+        "--warmup-updates",
+        "2",
+        "--max-update",
+        "5",
+        "--disable-validation",
+    ]
+    whole = train_updates(
+        common + FSDP + ["--batch-size", "4", "--save-interval-updates", "3", "--save-dir", str(tmp_path / "a")],
+        2,
+        tmp_path,
+    )
+    resumed = train_updates(
+        common
+        + [
+            "--batch-size",
+            "8",
+            "--save-dir",
+            str(tmp_path / "b"),
+            "--restore-file",
+            str(tmp_path / "a" / "checkpoint_1_3"),
+        ],
+        1,
+        tmp_path,
+    )
     assert sorted(resumed) == [4, 5]
     for n, (loss, gnorm) in resumed.items():
         assert (loss, gnorm) == pytest.approx(whole[n], rel=1e-5), f"update {n}"
@@ -83,8 +140,10 @@ def lr_updates(argv, tmp_path, name):
     return {n: (lr, loss) for n, lr, loss in json.loads(out.read_text())}, log.read_text()
 
 
-STOP_LINE = ("stopping training because current learning rate ({}) is smaller than or equal to minimum "
-             "learning rate (--stop-min-lr=5e-05)")
+STOP_LINE = (
+    "stopping training because current learning rate ({}) is smaller than or equal to minimum "
+    "learning rate (--stop-min-lr=5e-05)"
+)
 
 
 def test_plateau_shrinks_the_lr_survives_a_resume_and_stop_min_lr_stops(tmp_path):
@@ -93,9 +152,28 @@ def test_plateau_shrinks_the_lr_survives_a_resume_and_stop_min_lr_stops(tmp_path
     1-2, 0.0003 for epoch 3, then 3e-5 <= --stop-min-lr, and training stops before epoch 4
     (fairseq's test, before each epoch) with fairseq's line. Resumed from the end of epoch
     2, a run continues the same lr and losses; with --reset-lr-scheduler it starts at --lr."""
-    argv = SAVE + ["--batch-size", "8", "--dataset-size", "32", "--valid-subset", "train", "--log-format", "json",
-                   "--lr-scheduler", "reduce_lr_on_plateau", "--lr-shrink", "0.1", "--lr-threshold", "0.5",
-                   "--stop-min-lr", "5e-5", "--max-epoch", "6", "--save-interval", "2"]  # saves after epoch 2
+    argv = SAVE + [
+        "--batch-size",
+        "8",
+        "--dataset-size",
+        "32",
+        "--valid-subset",
+        "train",
+        "--log-format",
+        "json",
+        "--lr-scheduler",
+        "reduce_lr_on_plateau",
+        "--lr-shrink",
+        "0.1",
+        "--lr-threshold",
+        "0.5",
+        "--stop-min-lr",
+        "5e-5",
+        "--max-epoch",
+        "6",
+        "--save-interval",
+        "2",
+    ]  # saves after epoch 2
     whole, log = lr_updates(argv + ["--save-dir", str(tmp_path / "a")], tmp_path, "whole")
     assert sorted(whole) == list(range(1, 13))
     assert [whole[n][0] for n in (1, 8, 9, 12)] == pytest.approx([0.003, 0.003, 0.0003, 0.0003])
@@ -108,6 +186,9 @@ def test_plateau_shrinks_the_lr_survives_a_resume_and_stop_min_lr_stops(tmp_path
         assert lr == pytest.approx(whole[n][0]) and loss == pytest.approx(whole[n][1], rel=1e-6), f"update {n}"
     assert STOP_LINE.format(0.003 * 0.1 * 0.1) in log
 
-    reset, _ = lr_updates(argv + epoch2 + ["--max-epoch", "3", "--reset-lr-scheduler", "--save-dir",
-                                           str(tmp_path / "c")], tmp_path, "reset")
+    reset, _ = lr_updates(
+        argv + epoch2 + ["--max-epoch", "3", "--reset-lr-scheduler", "--save-dir", str(tmp_path / "c")],
+        tmp_path,
+        "reset",
+    )
     assert sorted(reset) == list(range(9, 13)) and {lr for lr, _ in reset.values()} == {0.003}

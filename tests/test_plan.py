@@ -1,6 +1,7 @@
 """The memory planner: each component's arithmetic, the published cases (fairseq's README,
 the FSDP paper), the `plan` command, `train --auto-tune`, and one prediction against a
 measured run. bench/bench_plan.py compares predictions with measurements on more."""
+
 import json
 import subprocess
 import sys
@@ -10,20 +11,45 @@ from pathlib import Path
 import pytest
 
 import cli
-from trainer.plan.search import model_shape
-from trainer.config.compose import compose_config
 from models import chunks
 from models.chunks import loss_chunk_rows
+from trainer.config.compose import compose_config
 from trainer.plan.ledger import GB, ModelShape, Setup, comm_bytes, layer_activation_bytes, predict, simulate
+from trainer.plan.search import model_shape
 
 BIN = Path(sys.executable).parent
-SHAPE = ModelShape(layers=4, dim=256, ffn=1024, heads=4, vocab=5000, learned_positions=128, tied=True,
-                   norms_outside_layers=1, activation_fn="gelu", dropout=0.0, attention_dropout=0.0,
-                   activation_dropout=0.0)
-SETUP = Setup(device="cpu", world=4, ranks_per_host=4, backend="fully_sharded", shard=4, reshard_after_forward=True,
-              checkpoint_activations=False, offload_activations=False, cpu_offload=False, defer_grad_sync=False,
-              update_freq=1, sequences=4, seq_len=128, precision="fp32", fp32_reduce_scatter=False,
-              optimizer_states=2)
+SHAPE = ModelShape(
+    layers=4,
+    dim=256,
+    ffn=1024,
+    heads=4,
+    vocab=5000,
+    learned_positions=128,
+    tied=True,
+    norms_outside_layers=1,
+    activation_fn="gelu",
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+)
+SETUP = Setup(
+    device="cpu",
+    world=4,
+    ranks_per_host=4,
+    backend="fully_sharded",
+    shard=4,
+    reshard_after_forward=True,
+    checkpoint_activations=False,
+    offload_activations=False,
+    cpu_offload=False,
+    defer_grad_sync=False,
+    update_freq=1,
+    sequences=4,
+    seq_len=128,
+    precision="fp32",
+    fp32_reduce_scatter=False,
+    optimizer_states=2,
+)
 
 
 def at_peak(shape, setup, component):
@@ -38,22 +64,50 @@ def plan_json(capsys, *argv):
 
 def cfg_of(*flags):
     from trainer.config.flags import build_parser, parse_flags
+
     _, settings, overrides = parse_flags(build_parser(), list(flags))
     return compose_config(settings, overrides)
 
 
-@pytest.mark.parametrize("flags", [
-    ["--arch", "transformer_lm_gpt2_tiny"],
-    ["--decoder-learned-pos", "--share-decoder-input-output-embed", "--activation-fn", "gelu"],
-    ["--no-token-positional-embeddings", "--layernorm-embedding", "--no-decoder-final-norm"],
-    ["--decoder-layers", "3", "--decoder-embed-dim", "96", "--decoder-ffn-embed-dim", "200",
-     "--decoder-attention-heads", "3", "--max-target-positions", "300", "--decoder-learned-pos"],
-    ["--scale-attn", "--scale-fc", "--scale-heads", "--scale-resids", "--decoder-input-dim", "48",
-     "--decoder-output-dim", "80", "--decoder-layers", "3", "--decoder-layers-to-keep", "0,2"],
-    ["--share-decoder-input-output-embed", "--decoder-input-dim", "48", "--decoder-output-dim", "48"],
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--arch", "transformer_lm_gpt2_tiny"],
+        ["--decoder-learned-pos", "--share-decoder-input-output-embed", "--activation-fn", "gelu"],
+        ["--no-token-positional-embeddings", "--layernorm-embedding", "--no-decoder-final-norm"],
+        [
+            "--decoder-layers",
+            "3",
+            "--decoder-embed-dim",
+            "96",
+            "--decoder-ffn-embed-dim",
+            "200",
+            "--decoder-attention-heads",
+            "3",
+            "--max-target-positions",
+            "300",
+            "--decoder-learned-pos",
+        ],
+        [
+            "--scale-attn",
+            "--scale-fc",
+            "--scale-heads",
+            "--scale-resids",
+            "--decoder-input-dim",
+            "48",
+            "--decoder-output-dim",
+            "80",
+            "--decoder-layers",
+            "3",
+            "--decoder-layers-to-keep",
+            "0,2",
+        ],
+        ["--share-decoder-input-output-embed", "--decoder-input-dim", "48", "--decoder-output-dim", "48"],
+    ],
+)
 def test_parameter_count_is_the_models(flags):
     from models.transformer_lm import build_model, num_parameters
+
     cfg = cfg_of("--task", "dummy_lm", "--dict-size", "777", "--tokens-per-sample", "64", *flags)
     model = build_model(cfg.model, 777, cfg.model.max_target_positions or 64, device="meta")
     assert model_shape(cfg, 777).params == num_parameters(model)
@@ -85,7 +139,8 @@ def test_ddp_keeps_gradients_twice():
     tied_grad = 4 * big.vocab * big.dim
     assert p.components["gradients"] == pytest.approx(round((8 * big.params + tied_grad) / GB, 3), abs=0.002)
     assert predict(big, replace(ddp, world=1)).components["gradients"] == pytest.approx(
-        round((4 * big.params + tied_grad) / GB, 3), abs=0.002)
+        round((4 * big.params + tied_grad) / GB, 3), abs=0.002
+    )
     untied = replace(big, tied=False)
     assert predict(untied, ddp).components["gradients"] == pytest.approx(round(8 * untied.params / GB, 3), abs=0.002)
 
@@ -116,13 +171,14 @@ def test_the_planner_follows_the_kernels_chunk_sizes(monkeypatch):
     bf16 = replace(SETUP, precision="bf16", seq_len=1024)
     before = simulate(SHAPE, bf16)[0].most["activations"]
     monkeypatch.setattr(chunks, "ATTENTION_SCORES_BYTES", chunks.ATTENTION_SCORES_BYTES * 4)
-    assert simulate(SHAPE, bf16)[0].most["activations"] - before == 3 * (16 - 4) * 1024 ** 2 * 2
+    assert simulate(SHAPE, bf16)[0].most["activations"] - before == 3 * (16 - 4) * 1024**2 * 2
 
 
 def test_the_planner_reads_checkpointing_as_composition_resolved_it():
     """One rule (trainer/config/implied.py) makes --offload-activations imply checkpointing:
     in the composed config the planner reads, and in every candidate its search builds."""
     from trainer.plan.search import flag_sets, flags_of, setup_of
+
     given = setup_of(cfg_of("--offload-activations", "--ddp-backend", "fully_sharded"), "cuda", 8)
     assert given.checkpoint_activations and given.offload_activations
     for label, s in flag_sets(replace(given, offload_activations=False, checkpoint_activations=False)):
@@ -132,6 +188,7 @@ def test_the_planner_reads_checkpointing_as_composition_resolved_it():
     assert "--checkpoint-activations" in flags_of(replace(SETUP, checkpoint_activations=True), SETUP)
     # --auto-tune writes its choice into the composed config: as resolved, the implied flag set
     from trainer.launch.auto_tune import apply_choice
+
     cfg = cfg_of("--ddp-backend", "fully_sharded")
     offload = next(s for label, s in flag_sets(setup_of(cfg, "cuda", 8)) if label == "+ offload activations")
     model = apply_choice(cfg, offload).model
@@ -155,12 +212,20 @@ def test_activation_arithmetic():
     assert ckpt < full / 2
 
 
-@pytest.mark.parametrize("variant", [
-    {}, {"activation_fn": "relu"}, {"dropout": 0.1}, {"activation_dropout": 0.1},
-    {"activation_fn": "relu", "activation_dropout": 0.1}, {"attention_dropout": 0.1},
-    {"precision": "bf16"}, {"precision": "bf16", "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1},
-    {"normalize_before": False},
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"activation_fn": "relu"},
+        {"dropout": 0.1},
+        {"activation_dropout": 0.1},
+        {"activation_fn": "relu", "activation_dropout": 0.1},
+        {"attention_dropout": 0.1},
+        {"precision": "bf16"},
+        {"precision": "bf16", "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1},
+        {"normalize_before": False},
+    ],
+)
 def test_activation_bytes_are_what_autograd_saves_on_the_real_layer(variant):
     """The planner's count of one layer's saved activations against the tensors autograd
     actually saves for backward on models/transformer_lm.py's DecoderLayer (its input
@@ -169,14 +234,22 @@ def test_activation_bytes_are_what_autograd_saves_on_the_real_layer(variant):
     from omegaconf import OmegaConf
 
     from models.transformer_lm import DecoderLayer
+
     v = dict(variant)
     precision, pre_ln = v.pop("precision", "fp32"), v.pop("normalize_before", True)
     shape = replace(SHAPE, **v)
-    cfg = OmegaConf.create(dict(decoder_embed_dim=shape.dim, decoder_ffn_embed_dim=shape.ffn,
-                                decoder_attention_heads=shape.heads, decoder_normalize_before=pre_ln,
-                                activation_fn=shape.activation_fn, dropout=shape.dropout,
-                                attention_dropout=shape.attention_dropout,
-                                activation_dropout=shape.activation_dropout))
+    cfg = OmegaConf.create(
+        dict(
+            decoder_embed_dim=shape.dim,
+            decoder_ffn_embed_dim=shape.ffn,
+            decoder_attention_heads=shape.heads,
+            decoder_normalize_before=pre_ln,
+            activation_fn=shape.activation_fn,
+            dropout=shape.dropout,
+            attention_dropout=shape.attention_dropout,
+            activation_dropout=shape.activation_dropout,
+        )
+    )
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     layer = DecoderLayer(cfg).to(dtype).train()
     x = torch.randn(SETUP.sequences, SETUP.seq_len, shape.dim, dtype=dtype, requires_grad=True)
@@ -194,7 +267,8 @@ def test_activation_bytes_are_what_autograd_saves_on_the_real_layer(variant):
     # bf16 norms keep their mean and rstd in bf16, where the planner counts fp32: 8 bytes a token
     slack = 8 * SETUP.tokens if precision == "bf16" else 0
     assert sum(saved.values()) == pytest.approx(
-        layer_activation_bytes(shape, replace(SETUP, precision=precision)), abs=slack)
+        layer_activation_bytes(shape, replace(SETUP, precision=precision)), abs=slack
+    )
 
 
 def test_gathered_layers_and_prefetch():
@@ -224,19 +298,39 @@ def test_communication_bytes():
     assert sum(comm_bytes(SHAPE, replace(SETUP, world=1, shard=1)).values()) == 0
 
 
-GPT3_13 = ["--task", "dummy_lm", "--dict-size", "50272", "--arch", "transformer_lm_gpt3_13",
-           "--tokens-per-sample", "2048", "--fp16", "--ddp-backend", "fully_sharded"]
+GPT3_13 = [
+    "--task",
+    "dummy_lm",
+    "--dict-size",
+    "50272",
+    "--arch",
+    "transformer_lm_gpt3_13",
+    "--tokens-per-sample",
+    "2048",
+    "--fp16",
+    "--ddp-backend",
+    "fully_sharded",
+]
 
 
 def test_fairseq_readme_13b_on_8_v100s_fits_at_batch_1_with_checkpointing(capsys):
     """fairseq's FSDP README: transformer_lm_gpt3_13 on 8 x 32 GB V100 without offload fits at batch 1."""
-    argv = GPT3_13 + ["--distributed-world-size", "8", "--device-memory-gb", "32", "--host-memory-gb", "512",
-                      "--batch-size", "1"]
+    argv = GPT3_13 + [
+        "--distributed-world-size",
+        "8",
+        "--device-memory-gb",
+        "32",
+        "--host-memory-gb",
+        "512",
+        "--batch-size",
+        "1",
+    ]
     ckpt = plan_json(capsys, *argv, "--checkpoint-activations")
     assert ckpt["fits"] and 24 < ckpt["per_rank_gb"] < 32  # fits, with little to spare
     # 16 bytes per parameter (fp32 shard, gradient, Adam's two moments) over 8 ranks: 24 GiB of 32
     assert ckpt["components"]["parameters"] + ckpt["components"]["optimizer_state"] == pytest.approx(
-        12 * 12_853_463_040 / 8 / GB, abs=0.01)
+        12 * 12_853_463_040 / 8 / GB, abs=0.01
+    )
     plain = plan_json(capsys, *argv)
     assert not plain["fits"] and plain["recommended"] == "--checkpoint-activations"
     assert not plan_json(capsys, *argv[:-1], "4", "--checkpoint-activations", "--distributed-world-size", "4")["fits"]
@@ -253,9 +347,23 @@ def test_fairseq_readme_13b_on_one_v100_needs_cpu_offload_and_256gb_host(capsys)
 
 def test_fsdp_paper_175b_on_128_a100s_full_shard_checkpointing_bf16(capsys):
     """FSDP paper (Zhao et al., 2023): GPT-175B on 128 x 80 GB A100, full sharding, checkpointing, bf16."""
-    argv = ["--task", "dummy_lm", "--dict-size", "50272", "--arch", "transformer_lm_gpt3_175",
-            "--tokens-per-sample", "2048", "--batch-size", "1", "--bf16", "--device-memory-gb", "80",
-            "--host-memory-gb", "1024"]
+    argv = [
+        "--task",
+        "dummy_lm",
+        "--dict-size",
+        "50272",
+        "--arch",
+        "transformer_lm_gpt3_175",
+        "--tokens-per-sample",
+        "2048",
+        "--batch-size",
+        "1",
+        "--bf16",
+        "--device-memory-gb",
+        "80",
+        "--host-memory-gb",
+        "1024",
+    ]
     fsdp = plan_json(capsys, *argv, "--ddp-backend", "fully_sharded", "--distributed-world-size", "128")
     assert not fsdp["fits"] and fsdp["recommended"] == "--checkpoint-activations"
     assert fsdp["candidates"][0]["flags"] == "--no-reshard-after-forward" and not fsdp["candidates"][0]["fits"]
@@ -270,11 +378,20 @@ def test_planning_other_gpus_does_not_judge_their_host_by_this_ones_ram(capsys, 
     memory is reported, not checked against this machine's RAM (the 13B's offloaded states
     need ~230 GB on the GPUs' host, more than a laptop or CI runner has)."""
     import trainer.host
-    argv = GPT3_13 + ["--distributed-world-size", "8", "--device-memory-gb", "80", "--batch-size", "1",
-                      "--checkpoint-activations", "--cpu-offload"]
+
+    argv = GPT3_13 + [
+        "--distributed-world-size",
+        "8",
+        "--device-memory-gb",
+        "80",
+        "--batch-size",
+        "1",
+        "--checkpoint-activations",
+        "--cpu-offload",
+    ]
     answers = []
     for ram_here in (16.0, 4096.0):
-        monkeypatch.setattr(trainer.host, "host_memory_gb", lambda: ram_here)
+        monkeypatch.setattr(trainer.host, "host_memory_gb", lambda ram_here=ram_here: ram_here)
         answers.append(plan_json(capsys, *argv))
     assert answers[0] == answers[1]  # the same answer whatever this host has
     p = answers[0]
@@ -286,8 +403,23 @@ def test_planning_other_gpus_does_not_judge_their_host_by_this_ones_ram(capsys, 
 
 
 def test_plan_json_and_text(capsys):
-    argv = ["--task", "dummy_lm", "--dict-size", "1000", "--arch", "transformer_lm_gpt2_tiny", "--batch-size", "4",
-            "--tokens-per-sample", "64", "--cpu", "--distributed-world-size", "2", "--ddp-backend", "fully_sharded"]
+    argv = [
+        "--task",
+        "dummy_lm",
+        "--dict-size",
+        "1000",
+        "--arch",
+        "transformer_lm_gpt2_tiny",
+        "--batch-size",
+        "4",
+        "--tokens-per-sample",
+        "64",
+        "--cpu",
+        "--distributed-world-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+    ]
     p = plan_json(capsys, *argv)
     assert {"fits", "per_rank_gb", "host_gb", "components", "comm_gb_per_update", "recommended"} <= set(p)
     assert sum(p["components"].values()) == pytest.approx(p["per_rank_gb"], abs=0.01)
@@ -297,12 +429,15 @@ def test_plan_json_and_text(capsys):
     assert "gathered layers" in text and "recommended:" in text and "all-gather" in text
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--device-memory-gb", "-1"], "must be a positive number"),
-    (["--format", "yaml"], "invalid choice"),
-    (["--decoder-layrs", "2"], "did you mean --decoder-layers"),
-    (["/no/such/data", "--batch-size", "2"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--device-memory-gb", "-1"], "must be a positive number"),
+        (["--format", "yaml"], "invalid choice"),
+        (["--decoder-layrs", "2"], "did you mean --decoder-layers"),
+        (["/no/such/data", "--batch-size", "2"], "does not exist"),
+    ],
+)
 def test_plan_bad_input_is_one_line(argv, message):
     r = subprocess.run([str(BIN / "plan"), "--cpu"] + argv, capture_output=True, text=True)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -312,21 +447,62 @@ def test_plan_bad_input_is_one_line(argv, message):
 def test_train_auto_tune_picks_what_fits_and_trains_with_it(tmp_path, capsys):
     """A budget below the plan as given: train --auto-tune prints the flags `plan` recommends
     for that budget, saves a config that has them, and trains."""
-    model = ["--task", "dummy_lm", "--dict-size", "2000", "--tokens-per-sample", "128", "--batch-size", "8",
-             "--decoder-layers", "4", "--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "512",
-             "--decoder-attention-heads", "4", "--dropout", "0", "--distributed-world-size", "2",
-             "--ddp-backend", "fully_sharded", "--cpu"]
+    model = [
+        "--task",
+        "dummy_lm",
+        "--dict-size",
+        "2000",
+        "--tokens-per-sample",
+        "128",
+        "--batch-size",
+        "8",
+        "--decoder-layers",
+        "4",
+        "--decoder-embed-dim",
+        "128",
+        "--decoder-ffn-embed-dim",
+        "512",
+        "--decoder-attention-heads",
+        "4",
+        "--dropout",
+        "0",
+        "--distributed-world-size",
+        "2",
+        "--ddp-backend",
+        "fully_sharded",
+        "--cpu",
+    ]
     p = plan_json(capsys, *model)
     plain, ckpt = (c["per_rank_gb"] for c in p["candidates"][1:3])
     budget = round((plain + ckpt) / 2, 3)
     expected = plan_json(capsys, *model, "--device-memory-gb", str(budget))
     assert not expected["fits"] and expected["recommended"] and expected["recommended_per_rank_gb"] <= budget
-    r = subprocess.run([str(BIN / "train")] + model + ["--auto-tune", "--memory-budget-gb", str(budget),
-                       "--max-update", "3", "--log-format", "json", "--log-interval", "1", "--disable-validation",
-                       "--save-dir", str(tmp_path / "ck")], capture_output=True, text=True, cwd=tmp_path)
+    r = subprocess.run(
+        [str(BIN / "train")]
+        + model
+        + [
+            "--auto-tune",
+            "--memory-budget-gb",
+            str(budget),
+            "--max-update",
+            "3",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+            "--disable-validation",
+            "--save-dir",
+            str(tmp_path / "ck"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
-    assert (f"auto-tune: {expected['recommended']} (predicted {expected['recommended_per_rank_gb']:.2f} GB per rank "
-            f"of a {budget:.2f} GB budget") in r.stderr
+    assert (
+        f"auto-tune: {expected['recommended']} (predicted {expected['recommended_per_rank_gb']:.2f} GB per rank "
+        f"of a {budget:.2f} GB budget"
+    ) in r.stderr
     saved = (tmp_path / "ck" / "config.yaml").read_text()
     rec = expected["recommended"]
     assert ("no_reshard_after_forward: true" in saved) == ("--no-reshard-after-forward" in rec)
@@ -340,17 +516,48 @@ def test_train_auto_tune_picks_what_fits_and_trains_with_it(tmp_path, capsys):
 def test_prediction_matches_a_measured_run(tmp_path, capsys):
     """Predicted vs measured peak resident memory per rank (bench/bench_plan.py does more
     configurations): 2 FSDP ranks with checkpointing, activations larger than the model."""
-    model = ["--task", "dummy_lm", "--dict-size", "8192", "--tokens-per-sample", "256", "--batch-size", "16",
-             "--decoder-layers", "4", "--decoder-embed-dim", "384", "--decoder-ffn-embed-dim", "1536",
-             "--decoder-attention-heads", "6", "--decoder-learned-pos", "--share-decoder-input-output-embed",
-             "--activation-fn", "gelu", "--dropout", "0", "--ddp-backend", "fully_sharded",
-             "--distributed-world-size", "2", "--checkpoint-activations"]
+    model = [
+        "--task",
+        "dummy_lm",
+        "--dict-size",
+        "8192",
+        "--tokens-per-sample",
+        "256",
+        "--batch-size",
+        "16",
+        "--decoder-layers",
+        "4",
+        "--decoder-embed-dim",
+        "384",
+        "--decoder-ffn-embed-dim",
+        "1536",
+        "--decoder-attention-heads",
+        "6",
+        "--decoder-learned-pos",
+        "--share-decoder-input-output-embed",
+        "--activation-fn",
+        "gelu",
+        "--dropout",
+        "0",
+        "--ddp-backend",
+        "fully_sharded",
+        "--distributed-world-size",
+        "2",
+        "--checkpoint-activations",
+    ]
     predicted = plan_json(capsys, *model, "--cpu")["per_rank_gb"]
-    r = subprocess.run([str(BIN / "train")] + model + ["--max-update", "3", "--no-save", "--disable-validation",
-                       "--log-format", "json", "--log-interval", "1"], capture_output=True, text=True, cwd=tmp_path)
+    r = subprocess.run(
+        [str(BIN / "train")]
+        + model
+        + ["--max-update", "3", "--no-save", "--disable-validation", "--log-format", "json", "--log-interval", "1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
-    measured = max(json.loads(line[line.index("{"):])["mem_gb"] for line in r.stdout.splitlines()
-                   if "| train_inner |" in line)
+    measured = max(
+        json.loads(line[line.index("{") :])["mem_gb"] for line in r.stdout.splitlines() if "| train_inner |" in line
+    )
     assert predicted == pytest.approx(measured, rel=0.10)
 
 
@@ -371,9 +578,22 @@ def test_runtime_of_spawned_ranks_and_of_a_process_of_its_own():
     """Local ranks are forked by the launcher and start smaller than a process that imports
     torch itself (one rank, or --distributed-no-spawn)."""
     from trainer.plan.search import setup_of
+
     assert setup_of(cfg_of("--distributed-world-size", "2", "--batch-size", "4"), "cpu", 2).spawned
     assert not setup_of(cfg_of("--batch-size", "4"), "cpu", 1).spawned
-    assert not setup_of(cfg_of("--distributed-world-size", "2", "--distributed-no-spawn", "--distributed-init-method", "tcp://127.0.0.1:29500", "--batch-size", "4"), "cpu", 2).spawned
+    assert not setup_of(
+        cfg_of(
+            "--distributed-world-size",
+            "2",
+            "--distributed-no-spawn",
+            "--distributed-init-method",
+            "tcp://127.0.0.1:29500",
+            "--batch-size",
+            "4",
+        ),
+        "cpu",
+        2,
+    ).spawned
     own, spawned = predict(SHAPE, SETUP), predict(SHAPE, replace(SETUP, spawned=True))
     assert own.components["runtime"] - spawned.components["runtime"] == pytest.approx(0.045, abs=0.001)
 
@@ -390,6 +610,7 @@ def test_cpu_attention_backward_holds_what_plan_counts(monkeypatch, scores_bytes
 
     import models.cpu_attention as cpu_attention
     import trainer.plan.ledger as memory_plan
+
     if scores_bytes:  # one number, read by the kernel and the planner alike
         monkeypatch.setattr(chunks, "ATTENTION_SCORES_BYTES", scores_bytes)
     B, H, T = SETUP.sequences, SHAPE.heads, SETUP.seq_len
@@ -401,8 +622,11 @@ def test_cpu_attention_backward_holds_what_plan_counts(monkeypatch, scores_bytes
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            self.live += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-                          and t.is_floating_point() and t.shape[-2:] == (T, T)]
+            self.live += [
+                weakref.ref(t)
+                for t in tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape[-2:] == (T, T)
+            ]
             alive = [t for t in (ref() for ref in self.live) if t is not None]
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}
             self.peak = max(self.peak, sum(storages.values()))
@@ -421,17 +645,50 @@ def test_cpu_attention_backward_holds_what_plan_counts(monkeypatch, scores_bytes
 
 # The Llama family's layer at test size: 4 query heads over 2 kv heads, RoPE, SwiGLU, no
 # biases, RMSNorm; Qwen3's also with q/k norms and heads wider than dim / heads.
-LLAMA_LAYER = ["--arch", "llama3_2_1b", "--decoder-embed-dim", "256", "--decoder-ffn-embed-dim", "688",
-               "--decoder-attention-heads", "4", "--decoder-kv-heads", "2", "--decoder-head-dim", "64"]
-QWEN3_LAYER = ["--arch", "qwen3_0_6b", "--decoder-embed-dim", "256", "--decoder-ffn-embed-dim", "688",
-               "--decoder-attention-heads", "4", "--decoder-kv-heads", "2", "--decoder-head-dim", "96"]
+LLAMA_LAYER = [
+    "--arch",
+    "llama3_2_1b",
+    "--decoder-embed-dim",
+    "256",
+    "--decoder-ffn-embed-dim",
+    "688",
+    "--decoder-attention-heads",
+    "4",
+    "--decoder-kv-heads",
+    "2",
+    "--decoder-head-dim",
+    "64",
+]
+QWEN3_LAYER = [
+    "--arch",
+    "qwen3_0_6b",
+    "--decoder-embed-dim",
+    "256",
+    "--decoder-ffn-embed-dim",
+    "688",
+    "--decoder-attention-heads",
+    "4",
+    "--decoder-kv-heads",
+    "2",
+    "--decoder-head-dim",
+    "96",
+]
 
 
-@pytest.mark.parametrize("flags", [LLAMA_LAYER, QWEN3_LAYER, ["--arch", "llama3_1_8b"], ["--arch", "qwen3_8b"],
-                                   LLAMA_LAYER + ["--norm-type", "layernorm", "--scale-attn", "--scale-fc"],
-                                   LLAMA_LAYER + ["--no-bias", "false", "--decoder-layers", "3"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        LLAMA_LAYER,
+        QWEN3_LAYER,
+        ["--arch", "llama3_1_8b"],
+        ["--arch", "qwen3_8b"],
+        LLAMA_LAYER + ["--norm-type", "layernorm", "--scale-attn", "--scale-fc"],
+        LLAMA_LAYER + ["--no-bias", "false", "--decoder-layers", "3"],
+    ],
+)
 def test_parameter_count_of_the_llama_family_is_the_models(flags):
     from models.transformer_lm import build_model, num_parameters
+
     cfg = cfg_of("--task", "dummy_lm", "--dict-size", "777", "--tokens-per-sample", "64", *flags)
     model = build_model(cfg.model, 777, 64, device="meta")
     assert model_shape(cfg, 777).params == num_parameters(model)
@@ -449,11 +706,15 @@ def test_llama_family_activation_bytes_are_what_autograd_saves_on_the_real_layer
 
     from models.transformer_lm import DecoderLayer, rope_inverse_frequencies, rope_tables
     from trainer.plan.ledger import rope_table_bytes
+
     cfg = cfg_of("--task", "dummy_lm", "--dict-size", "777", "--tokens-per-sample", str(SETUP.seq_len), *flags)
     shape = model_shape(cfg, 777)
     autocast = precision == "autocast"
-    setup = replace(SETUP, precision="fp32" if precision == "fp32" else "bf16",
-                    **(dict(backend="pytorch_ddp", shard=1) if autocast else {}))
+    setup = replace(
+        SETUP,
+        precision="fp32" if precision == "fp32" else "bf16",
+        **(dict(backend="pytorch_ddp", shard=1) if autocast else {}),
+    )
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     layer = DecoderLayer(cfg.model).to(dtype).train()
     x = torch.randn(setup.sequences, setup.seq_len, shape.dim, dtype=dtype, requires_grad=True)
@@ -468,8 +729,10 @@ def test_llama_family_activation_bytes_are_what_autograd_saves_on_the_real_layer
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+    ):
         layer(x, rope=rope)
     # the rope tables are the model's, one pair for all layers: the ledger counts them once
     assert sum(saved.values()) == layer_activation_bytes(shape, setup) + rope_table_bytes(shape, setup)
@@ -485,9 +748,19 @@ def test_flops_per_token_is_the_count_of_the_matmuls_of_grouped_query_attention(
 
     from models.transformer_lm import build_model, num_parameters
     from trainer.train.meters import flops_per_token
+
     T, V = 64, 300
-    cfg = cfg_of("--task", "dummy_lm", "--dict-size", str(V), "--tokens-per-sample", str(T), *QWEN3_LAYER,
-                 "--decoder-layers", "2")
+    cfg = cfg_of(
+        "--task",
+        "dummy_lm",
+        "--dict-size",
+        str(V),
+        "--tokens-per-sample",
+        str(T),
+        *QWEN3_LAYER,
+        "--decoder-layers",
+        "2",
+    )
     model = build_model(cfg.model, V, T).to(torch.bfloat16)
     with FlopCounterMode(display=False) as counted:
         model(torch.randint(0, V, (1, T)))
@@ -497,8 +770,19 @@ def test_flops_per_token_is_the_count_of_the_matmuls_of_grouped_query_attention(
     assert fpt == 3 * counted.get_total_flops() / T + 6 * vectors
 
 
-LLAMA_8B_ON_8_H100 = ["--device-memory-gb", "80", "--distributed-world-size", "8", "--bf16", "--ddp-backend",
-                      "fully_sharded", "--tokens-per-sample", "8192", "--batch-size", "1"]
+LLAMA_8B_ON_8_H100 = [
+    "--device-memory-gb",
+    "80",
+    "--distributed-world-size",
+    "8",
+    "--bf16",
+    "--ddp-backend",
+    "fully_sharded",
+    "--tokens-per-sample",
+    "8192",
+    "--batch-size",
+    "1",
+]
 
 
 def test_plan_answers_for_the_published_llama_shapes_with_their_vocabularies(capsys):
@@ -516,8 +800,9 @@ def test_plan_answers_for_the_published_llama_shapes_with_their_vocabularies(cap
     assert cli.plan_main(["--arch", "llama3_1_8b", *LLAMA_8B_ON_8_H100]) == 0
     assert "vocabulary 128256: llama3_1_8b's published vocabulary (no DATA given)" in capsys.readouterr().out
     # DATA's (here dummy_lm's) vocabulary wins over the published one
-    dummy = plan_json(capsys, "--arch", "llama3_1_8b", "--task", "dummy_lm", "--dict-size", "32000",
-                      *LLAMA_8B_ON_8_H100)
+    dummy = plan_json(
+        capsys, "--arch", "llama3_1_8b", "--task", "dummy_lm", "--dict-size", "32000", *LLAMA_8B_ON_8_H100
+    )
     assert (dummy["vocab"], dummy["vocab_source"]) == (32000, None)
 
 
@@ -527,8 +812,17 @@ def test_plan_path_plans_for_a_hugging_face_model_directory(tmp_path, capsys):
     a one-line error."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False)
+
+    config = Qwen3Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        tie_word_embeddings=False,
+    )
     config.save_pretrained(tmp_path / "qwen")
     with torch.device("meta"):
         hf_params = sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
@@ -536,16 +830,32 @@ def test_plan_path_plans_for_a_hugging_face_model_directory(tmp_path, capsys):
     assert (p["params"], p["vocab"], p["model"]) == (hf_params, 300, str(tmp_path / "qwen"))
     assert p["vocab_source"] == f"from {tmp_path / 'qwen' / 'config.json'}"
     # train --finetune-from-model HF_DIR plans with the model's embedding rows, not the data's
-    tuned = plan_json(capsys, "--finetune-from-model", str(tmp_path / "qwen"), "--task", "dummy_lm", "--dict-size",
-                      "200", "--cpu", "--batch-size", "2", "--tokens-per-sample", "64")
+    tuned = plan_json(
+        capsys,
+        "--finetune-from-model",
+        str(tmp_path / "qwen"),
+        "--task",
+        "dummy_lm",
+        "--dict-size",
+        "200",
+        "--cpu",
+        "--batch-size",
+        "2",
+        "--tokens-per-sample",
+        "64",
+    )
     assert (tuned["params"], tuned["vocab"]) == (hf_params, 300)
     (tmp_path / "empty").mkdir()
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    for name, message in (("empty", "has no config.json"), ("bad", "config.json is not valid JSON"),
-                          ("gpt2", "model_type 'gpt2' is not supported"), ("missing", "no such directory")):
+    for name, message in (
+        ("empty", "has no config.json"),
+        ("bad", "config.json is not valid JSON"),
+        ("gpt2", "model_type 'gpt2' is not supported"),
+        ("missing", "no such directory"),
+    ):
         assert cli.plan_main(["--path", str(tmp_path / name), "--cpu"]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err

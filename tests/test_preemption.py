@@ -1,6 +1,7 @@
 """SIGUSR1 / SIGTERM outside SLURM, and Ctrl-C: every rank finishes its update,
 checkpoint_last is saved, the job exits cleanly (130 after Ctrl-C), and the same command
 resumes the same curve; a second signal stops at once."""
+
 import json
 import os
 import signal
@@ -13,8 +14,16 @@ import pytest
 
 from helpers import DUMMY, parse_records, run_train
 
-ARGV = [a for a in DUMMY if a != "--no-save"] + ["--batch-size", "4", "--max-update", "40", "--log-format", "json",
-                                                 "--log-interval", "1"]
+ARGV = [a for a in DUMMY if a != "--no-save"] + [
+    "--batch-size",
+    "4",
+    "--max-update",
+    "40",
+    "--log-format",
+    "json",
+    "--log-interval",
+    "1",
+]
 
 
 def _signal_after(argv, sig, after_update, cwd, whole_group=False):
@@ -22,8 +31,9 @@ def _signal_after(argv, sig, after_update, cwd, whole_group=False):
     to every process of the job (as SLURM and `kill -SIG -PGID` do); returns (rc, stdout,
     stderr)."""
     cmd = [str(Path(sys.executable).with_name("train"))] + argv
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                            start_new_session=whole_group)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, start_new_session=whole_group
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -46,10 +56,11 @@ def uninterrupted(extra):
     return _uninterrupted[key]
 
 
-@pytest.mark.parametrize("sig,extra,whole_group", [(signal.SIGUSR1, FSDP_2_RANKS, False),
-                                                   (signal.SIGTERM, FSDP_2_RANKS, True),
-                                                   (signal.SIGTERM, [], False)],
-                         ids=["usr1_fsdp_2_ranks", "term_fsdp_2_ranks_whole_group", "term_1_rank"])
+@pytest.mark.parametrize(
+    "sig,extra,whole_group",
+    [(signal.SIGUSR1, FSDP_2_RANKS, False), (signal.SIGTERM, FSDP_2_RANKS, True), (signal.SIGTERM, [], False)],
+    ids=["usr1_fsdp_2_ranks", "term_fsdp_2_ranks_whole_group", "term_1_rank"],
+)
 def test_signal_saves_stops_and_the_same_command_resumes(sig, extra, whole_group, tmp_path):
     argv = ARGV + extra + ["--save-dir", str(tmp_path / "ckpt")]
     whole = uninterrupted(extra)
@@ -66,7 +77,9 @@ def test_signal_saves_stops_and_the_same_command_resumes(sig, extra, whole_group
 
 
 def test_signal_with_no_save_stops_without_writing(tmp_path):
-    rc, out, err = _signal_after(ARGV + ["--no-save", "--save-dir", str(tmp_path / "ckpt")], signal.SIGTERM, 3, tmp_path)
+    rc, out, err = _signal_after(
+        ARGV + ["--no-save", "--save-dir", str(tmp_path / "ckpt")], signal.SIGTERM, 3, tmp_path
+    )
     assert rc == 0, err
     assert "--no-save: nothing saved at update" in out + err and not (tmp_path / "ckpt").exists()
 
@@ -78,8 +91,16 @@ def test_a_second_sigterm_a_second_later_kills_at_once(tmp_path):
     inside it when the second signal comes."""
     from trainer.train.preemption import SAME_SIGNAL_S
 
-    argv = [a for a in DUMMY if a != "--no-save"] + ["--batch-size", "4", "--dataset-size", "100000",
-                                                   "--update-freq", "3000", "--save-dir", str(tmp_path / "ckpt")]
+    argv = [a for a in DUMMY if a != "--no-save"] + [
+        "--batch-size",
+        "4",
+        "--dataset-size",
+        "100000",
+        "--update-freq",
+        "3000",
+        "--save-dir",
+        str(tmp_path / "ckpt"),
+    ]
     cmd = [str(Path(sys.executable).with_name("train"))] + argv
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     try:
@@ -119,8 +140,9 @@ class _Terminal:
 
     def __init__(self, argv, cwd):
         cmd = [str(Path(sys.executable).with_name("train"))] + argv
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, start_new_session=True
+        )
         self.out = []
 
     def wait_for(self, text):
@@ -169,8 +191,10 @@ def _stopped_at_once(job, start, save_dir):
     assert time.monotonic() - start < 20, "the second Ctrl-C did not stop the job at once"
     assert rc == 130, out[-2000:] + err
     # One line, which says what --save-dir holds.
-    assert err.strip() == (f"train: interrupted again: stopped at once, not waiting for a save; nothing was saved in "
-                           f"{save_dir}; rerun the same command")
+    assert err.strip() == (
+        f"train: interrupted again: stopped at once, not waiting for a save; nothing was saved in "
+        f"{save_dir}; rerun the same command"
+    )
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
     assert not left, f"processes {left} outlived train"
 
@@ -181,7 +205,15 @@ def test_a_second_ctrl_c_stops_one_rank_at_once_in_one_line(tmp_path):
     from trainer.train.preemption import SAME_SIGNAL_S
 
     argv = [a for a in DUMMY if a != "--no-save"] + [
-        "--batch-size", "4", "--dataset-size", "100000", "--update-freq", "3000", "--save-dir", str(tmp_path / "ckpt")]
+        "--batch-size",
+        "4",
+        "--dataset-size",
+        "100000",
+        "--update-freq",
+        "3000",
+        "--save-dir",
+        str(tmp_path / "ckpt"),
+    ]
     job = _Terminal(argv, tmp_path)
     job.wait_for("No existing checkpoint found")  # logged once training's handlers are in place
     job.ctrl_c()
@@ -198,9 +230,24 @@ def test_a_second_ctrl_c_kills_the_ranks_at_once_in_one_line(tmp_path):
     micro-batches (seconds). The ranks agree on a signal one update after it is posted
     (trainer/train/preemption.py): a Ctrl-C after update 1's record stops the job after
     update 2 at the earliest, a whole update after the second Ctrl-C, so nothing is saved."""
-    argv = [a for a in DUMMY if a != "--no-save"] + FSDP_2_RANKS + [
-        "--batch-size", "4", "--dataset-size", "100000", "--update-freq", "60", "--log-format", "json",
-        "--log-interval", "1", "--save-dir", str(tmp_path / "ckpt")]
+    argv = (
+        [a for a in DUMMY if a != "--no-save"]
+        + FSDP_2_RANKS
+        + [
+            "--batch-size",
+            "4",
+            "--dataset-size",
+            "100000",
+            "--update-freq",
+            "60",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+            "--save-dir",
+            str(tmp_path / "ckpt"),
+        ]
+    )
     job = _Terminal(argv, tmp_path)
     job.wait_for('"num_updates": 1,')  # every rank is in the loop, with its handlers
     job.ctrl_c()
@@ -216,12 +263,28 @@ def test_a_signal_during_validation_ends_it_saves_and_exits(extra, whole_group, 
     --max-update and began validating stops at the next batch when signalled (no partial
     valid record), saves checkpoint_last at its last update and exits 0, in seconds."""
     cut = DUMMY.index("--max-valid-steps")
-    argv = [a for a in DUMMY[:cut] + DUMMY[cut + 2:] if a != "--no-save"] + extra + [
-        "--batch-size", "4", "--dataset-size", "100000", "--max-update", "3", "--log-format", "json",
-        "--log-interval", "1", "--save-dir", str(tmp_path / "ckpt")]
+    argv = (
+        [a for a in DUMMY[:cut] + DUMMY[cut + 2 :] if a != "--no-save"]
+        + extra
+        + [
+            "--batch-size",
+            "4",
+            "--dataset-size",
+            "100000",
+            "--max-update",
+            "3",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+            "--save-dir",
+            str(tmp_path / "ckpt"),
+        ]
+    )
     cmd = [str(Path(sys.executable).with_name("train"))] + argv
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True
+    )
     lines = []
     try:
         for line in proc.stdout:

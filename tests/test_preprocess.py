@@ -53,8 +53,14 @@ def text_corpus(tmp_path_factory):
     (root / "train.txt").write_text("\n".join(train) + "\n", encoding="utf-8")
     (root / "valid.txt").write_text("\n".join(valid) + "\n", encoding="utf-8")
     out = run_preprocess(
-        "--trainpref", str(root / "train.txt"), "--validpref", str(root / "valid.txt"),
-        "--destdir", str(root / "bin1"), "--vocab-size", "120",
+        "--trainpref",
+        str(root / "train.txt"),
+        "--validpref",
+        str(root / "valid.txt"),
+        "--destdir",
+        str(root / "bin1"),
+        "--vocab-size",
+        "120",
     )
     return root, out, train, valid
 
@@ -86,8 +92,16 @@ def test_text_round_trip_and_metadata(text_corpus):
 def test_workers_give_identical_files(text_corpus):
     root, out, _, _ = text_corpus
     out2 = run_preprocess(
-        "--trainpref", str(root / "train.txt"), "--validpref", str(root / "valid.txt"),
-        "--destdir", str(root / "bin2"), "--vocab-size", "120", "--workers", "2",
+        "--trainpref",
+        str(root / "train.txt"),
+        "--validpref",
+        str(root / "valid.txt"),
+        "--destdir",
+        str(root / "bin2"),
+        "--vocab-size",
+        "120",
+        "--workers",
+        "2",
     )
     # tokenizer.model included: sentencepiece training is deterministic too.
     assert dir_bytes(out2) == dir_bytes(out)
@@ -116,11 +130,20 @@ def test_text_and_gzipped_text_give_identical_files(text_corpus, tmp_path):
     root, out, _, _ = text_corpus
     (tmp_path / "train.txt.gz").write_bytes(gzip.compress((root / "train.txt").read_bytes()))
     model = str(out / "tokenizer.model")
-    plain = run_preprocess("--trainpref", str(root / "train.txt"), "--spm-model", model, "--destdir", str(tmp_path / "a"))
-    gzipped = run_preprocess(  # read through datasets, which decompresses
-        "--trainpref", str(tmp_path / "train.txt.gz"), "--spm-model", model, "--destdir", str(tmp_path / "b"),
+    plain = run_preprocess(
+        "--trainpref", str(root / "train.txt"), "--spm-model", model, "--destdir", str(tmp_path / "a")
     )
-    assert (plain / "train.bin").read_bytes() == (gzipped / "train.bin").read_bytes() == (out / "train.bin").read_bytes()
+    gzipped = run_preprocess(  # read through datasets, which decompresses
+        "--trainpref",
+        str(tmp_path / "train.txt.gz"),
+        "--spm-model",
+        model,
+        "--destdir",
+        str(tmp_path / "b"),
+    )
+    assert (
+        (plain / "train.bin").read_bytes() == (gzipped / "train.bin").read_bytes() == (out / "train.bin").read_bytes()
+    )
     assert (plain / "train.idx").read_bytes() == (gzipped / "train.idx").read_bytes()
 
 
@@ -140,9 +163,16 @@ def test_jsonl_round_trip_and_splits(tmp_path):
     for name in ("v0.jsonl", "v1.jsonl"):
         (tmp_path / name).write_text(json.dumps({"id": 0, "body": docs[0]}) + "\n", encoding="utf-8")
     out = run_preprocess(
-        "--trainpref", str(tmp_path / "train.jsonl"),
-        "--validpref", f"{tmp_path / 'v0.jsonl'},{tmp_path / 'v1.jsonl'}",
-        "--text-column", "body", "--destdir", str(tmp_path / "bin"), "--vocab-size", "60",
+        "--trainpref",
+        str(tmp_path / "train.jsonl"),
+        "--validpref",
+        f"{tmp_path / 'v0.jsonl'},{tmp_path / 'v1.jsonl'}",
+        "--text-column",
+        "body",
+        "--destdir",
+        str(tmp_path / "bin"),
+        "--vocab-size",
+        "60",
     )
     tokenizer = load_tokenizer(out)
     assert [tokenizer.decode(ids) for ids in sequences(out / "train")] == docs * 20
@@ -166,7 +196,12 @@ def test_parquet_glob_round_trip(tmp_path):
     pq.write_table(pa.table({"text": texts[:120]}), tmp_path / "part-0.parquet")
     pq.write_table(pa.table({"text": texts[120:]}), tmp_path / "part-1.parquet")
     out = run_preprocess(
-        "--trainpref", str(tmp_path / "part-*.parquet"), "--destdir", str(tmp_path / "bin"), "--vocab-size", "100",
+        "--trainpref",
+        str(tmp_path / "part-*.parquet"),
+        "--destdir",
+        str(tmp_path / "bin"),
+        "--vocab-size",
+        "100",
     )
     tokenizer = load_tokenizer(out)
     assert [tokenizer.decode(ids) for ids in sequences(out / "train")] == texts
@@ -180,8 +215,12 @@ def test_csv_and_saved_dataset_together(tmp_path):
     (tmp_path / "a.csv").write_text('id,text\n1,hello there\n2,\n3,"quoted, text"\n', encoding="utf-8")
     datasets.Dataset.from_dict({"text": ["saved row", "another saved row"]}).save_to_disk(str(tmp_path / "saved"))
     out = run_preprocess(
-        "--trainpref", f"{tmp_path / 'a.csv'},{tmp_path / 'saved'}", "--destdir", str(tmp_path / "bin"),
-        "--vocab-size", "40",
+        "--trainpref",
+        f"{tmp_path / 'a.csv'},{tmp_path / 'saved'}",
+        "--destdir",
+        str(tmp_path / "bin"),
+        "--vocab-size",
+        "40",
     )
     tokenizer = load_tokenizer(out)
     decoded = [tokenizer.decode(ids) for ids in sequences(out / "train")]
@@ -191,15 +230,25 @@ def test_csv_and_saved_dataset_together(tmp_path):
 def test_spm_model_reuse(text_corpus, tmp_path):
     root, out, _, valid = text_corpus
     reused = run_preprocess(
-        "--validpref", str(root / "valid.txt"), "--spm-model", str(out / "tokenizer.model"),
-        "--destdir", str(tmp_path / "bin"),
+        "--validpref",
+        str(root / "valid.txt"),
+        "--spm-model",
+        str(out / "tokenizer.model"),
+        "--destdir",
+        str(tmp_path / "bin"),
     )
     assert (reused / "tokenizer.model").read_bytes() == (out / "tokenizer.model").read_bytes()
     assert (reused / "valid.bin").read_bytes() == (out / "valid.bin").read_bytes()
     with pytest.raises(DataError, match="leave them out with --spm-model"):
         run_preprocess(
-            "--validpref", str(root / "valid.txt"), "--spm-model", str(out / "tokenizer.model"),
-            "--vocab-size", "100", "--destdir", str(tmp_path / "bin2"),
+            "--validpref",
+            str(root / "valid.txt"),
+            "--spm-model",
+            str(out / "tokenizer.model"),
+            "--vocab-size",
+            "100",
+            "--destdir",
+            str(tmp_path / "bin2"),
         )
 
 
@@ -229,9 +278,7 @@ def test_missing_input_and_hub_name_write_nothing(tmp_path, monkeypatch):
 
 def test_fairseq_data_dir(tmp_path):
     lines = ["hello world", "", "world of tokens hello", "an unknownword here"]
-    (tmp_path / "dict.txt").write_text(
-        "hello 10\nworld 7\nof 3\ntokens 2\nan 1\nhere 1\nworld 1 #fairseq:overwrite\n"
-    )
+    (tmp_path / "dict.txt").write_text("hello 10\nworld 7\nof 3\ntokens 2\nan 1\nhere 1\nworld 1 #fairseq:overwrite\n")
     d = Dictionary.load(tmp_path / "dict.txt")
     assert len(d) == 11 and d.index("hello") == 4 and d.index("world") == 10 and d.index("zzz") == 3
     builder = IndexedDatasetBuilder(tmp_path / "train", best_fitting_dtype(len(d)))
@@ -308,5 +355,3 @@ def test_builder_merge_and_pickle(tmp_path):
 
 
 # ---------------------------------------------------------------- token blocks
-
-

@@ -3,6 +3,7 @@ dirs: --required-batch-size-multiple (batch_by_size_vec), sharded DATA (a:b: epo
 trains on the ((e - 1) mod n)-th, resumable), --add-bos-token (eval-lm reads it from the
 checkpoint), --pad-to-fixed-length, --skip-invalid-size-inputs-valid-test, --num-workers,
 --combine-valid-subsets, and dummy_lm's validation."""
+
 import functools
 import json
 import logging
@@ -60,7 +61,8 @@ def fairseq_batch_by_size_vec(indices, num_tokens_vec, max_tokens, max_sentences
         new_max = max(batch_max, tail_max)
         sentences = new_end - batch_start
         overflow = (max_sentences > 0 and sentences > max_sentences) or (
-            max_tokens > 0 and sentences * new_max > max_tokens)
+            max_tokens > 0 and sentences * new_max > max_tokens
+        )
         matches = sentences < bsz_mult or sentences % bsz_mult == 0
         if overflow:
             tail_tokens = tail_max * (new_end - ends[count])
@@ -127,8 +129,11 @@ def _recording_train(index, argv, out):
     def train_step(self, samples):
         # the words of the batch (special symbols aside)
         rec["updates"].append(sorted({int(t) for s in samples for t in s["src_tokens"].flatten().tolist() if t >= 4}))
-        rec["first"].append(sorted({(int(s["src_tokens"][r, 0]), int(s["target"][r, 0]))
-                                    for s in samples for r in range(len(s["target"]))}))
+        rec["first"].append(
+            sorted(
+                {(int(s["src_tokens"][r, 0]), int(s["target"][r, 0])) for s in samples for r in range(len(s["target"]))}
+            )
+        )
         return step(self, samples)
 
     def valid(self, batch):
@@ -171,12 +176,18 @@ def test_sharded_data_trains_shard_by_epoch_and_resumes_on_the_right_one(tmp_pat
     assert whole["valid_tokens"] == [num_targets(a / "valid")] * 3  # valid of a, valid1 not combined
 
     # Stopped two updates into epoch 2 (shard b), resumed: the same batches, shard b first.
-    first = recorded_train([x for x in argv if x != "--no-save"] + ["--max-update", str(na + 2), "--save-dir",
-                                                                    str(tmp_path / "ck"), "--combine-val"],
-                           tmp_path, "first")
-    rest = recorded_train([x for x in argv if x != "--no-save"] + ["--max-epoch", "3", "--save-dir",
-                                                                   str(tmp_path / "ck"), "--combine-val"],
-                          tmp_path, "rest")
+    first = recorded_train(
+        [x for x in argv if x != "--no-save"]
+        + ["--max-update", str(na + 2), "--save-dir", str(tmp_path / "ck"), "--combine-val"],
+        tmp_path,
+        "first",
+    )
+    rest = recorded_train(
+        [x for x in argv if x != "--no-save"]
+        + ["--max-epoch", "3", "--save-dir", str(tmp_path / "ck"), "--combine-val"],
+        tmp_path,
+        "rest",
+    )
     assert first["updates"] + rest["updates"] == whole["updates"]
     assert min(rest["updates"][0]) >= 24  # the rest of epoch 2: shard b
     # --combine-val: valid and valid1 of a are one split
@@ -207,13 +218,23 @@ def _eval_lm(index, path, data, out):
     from trainer.parallel.ranks import init_rank, teardown
     from trainer.rendezvous import Rendezvous
 
-    env = init_rank(compose(DUMMY + ["--batch-size", "1"]), Rendezvous("", 1, rank=0, local_rank=0,
-                                                                          local_world_size=1), False)
+    env = init_rank(
+        compose(DUMMY + ["--batch-size", "1"]), Rendezvous("", 1, rank=0, local_rank=0, local_world_size=1), False
+    )
     losses = []
     try:
         for workers in (0, 2):
-            args = SimpleNamespace(path=path, data=data, gen_subset="valid", tokens_per_sample=None, context_window=0,
-                                   sample_break_mode=None, batch_size=8, max_tokens=None, num_workers=workers)
+            args = SimpleNamespace(
+                path=path,
+                data=data,
+                gen_subset="valid",
+                tokens_per_sample=None,
+                context_window=0,
+                sample_break_mode=None,
+                batch_size=8,
+                max_tokens=None,
+                num_workers=workers,
+            )
             losses.append(eval_lm(args, env))
     finally:
         teardown()
@@ -222,9 +243,20 @@ def _eval_lm(index, path, data, out):
 
 def test_add_bos_token_trains_and_eval_lm_scores_as_training_validated(tmp_path):
     data = write_bin(tmp_path / "bin", {"train": (80, 4, 44), "valid": (20, 4, 44)})
-    argv = [str(data)] + [x for x in TINY if x != "--no-save"] + [
-        "--batch-size", "4", "--max-update", "6", "--add-bos-token", "--decoder-learned-pos",
-        "--save-dir", str(tmp_path / "ck")]
+    argv = (
+        [str(data)]
+        + [x for x in TINY if x != "--no-save"]
+        + [
+            "--batch-size",
+            "4",
+            "--max-update",
+            "6",
+            "--add-bos-token",
+            "--decoder-learned-pos",
+            "--save-dir",
+            str(tmp_path / "ck"),
+        ]
+    )
     rec = recorded_train(argv, tmp_path, "bos")
     # Every row starts with <s> (0) and its target there is pad (1): not scored.
     assert all(first == [[0, 1]] for first in rec["first"])
@@ -253,6 +285,7 @@ def test_add_bos_token_needs_a_position_for_it():
     with pytest.raises(UsageError, match="--add-bos-token makes samples of --tokens-per-sample \\+ 1 = 33"):
         compose(DUMMY + ["--batch-size", "4", "--add-bos-token", "--max-target-positions", "32"])
     from trainer.config.schema import model_positions
+
     assert model_positions(compose(DUMMY + ["--batch-size", "4", "--add-bos-token"])) == T + 1
 
 
@@ -262,11 +295,17 @@ def test_add_bos_token_needs_a_position_for_it():
 def test_pad_to_fixed_length_pads_every_batch_and_changes_no_loss(tmp_path):
     data = write_bin(tmp_path / "bin", {"train": (60, 4, 44)})
     argv = [str(data)] + TINY + ["--batch-size", "4", "--sample-break-mode", "eos", "--disable-validation"]
-    widths = {b["src_tokens"].shape[1] for b in _task(argv + ["--pad-to-fixed-length"]).batch_iterator(
-        "train", training=True).next_epoch_itr()}
+    widths = {
+        b["src_tokens"].shape[1]
+        for b in _task(argv + ["--pad-to-fixed-length"]).batch_iterator("train", training=True).next_epoch_itr()
+    }
     assert widths == {T}
-    widths = {b["src_tokens"].shape[1] for b in _task(argv + ["--pad-to-fixed-length", "--add-bos-token"])
-              .batch_iterator("train", training=True).next_epoch_itr()}
+    widths = {
+        b["src_tokens"].shape[1]
+        for b in _task(argv + ["--pad-to-fixed-length", "--add-bos-token"])
+        .batch_iterator("train", training=True)
+        .next_epoch_itr()
+    }
     assert widths == {T + 1}
     assert max(b["src_tokens"].shape[1] for b in _task(argv).batch_iterator("train", True).next_epoch_itr()) < T
     assert update_losses(argv + ["--pad-to-fixed-length"], 3) == pytest.approx(update_losses(argv, 3), rel=1e-5)
@@ -290,13 +329,16 @@ def test_sentences_longer_than_a_sample(tmp_path, caplog):
         _task(argv)
     message = str(error.value)
     assert "\n" not in message and message.startswith(f"sentence #2 of {data / 'valid'} has an invalid size (36 tokens")
-    assert message.endswith("skip such sentences with --skip-invalid-size-inputs-valid-test, or raise "
-                            "--tokens-per-sample")
+    assert message.endswith(
+        "skip such sentences with --skip-invalid-size-inputs-valid-test, or raise --tokens-per-sample"
+    )
     with caplog.at_level(logging.WARNING, logger="shardlm"):
         task = _task(argv + ["--skip-invalid-size-inputs-valid-test"])
         train = task.dataset("train")
-    assert f"2 sentences of {data / 'valid'} are longer than a sample and are skipped (the first: #2, 36 tokens" \
+    assert (
+        f"2 sentences of {data / 'valid'} are longer than a sample and are skipped (the first: #2, 36 tokens"
         in caplog.text
+    )
     assert task.dataset("valid").num_tokens == 2 * (4 + 3)  # the four short ones, each with its </s>
     # Training skips them with a warning, flag or not (fairseq's train iterator does too).
     assert f"1 sentences of {data / 'train'} are longer than a sample" in caplog.text
@@ -315,9 +357,18 @@ def test_num_workers_give_the_same_batches_and_resume(tmp_path):
     blocks = TokenBlockDataset(IndexedDataset(data / "train"), 8, "complete")
 
     def itr(workers, **kw):
-        return EpochBatchIterator(blocks, batch_size=None, max_tokens=40, seed=3, num_shards=2, shard_id=1,
-                                  required_batch_size_multiple=8, num_workers=workers,
-                                  collater=functools.partial(_with_pid, pad=1), **kw)
+        return EpochBatchIterator(
+            blocks,
+            batch_size=None,
+            max_tokens=40,
+            seed=3,
+            num_shards=2,
+            shard_id=1,
+            required_batch_size_multiple=8,
+            num_workers=workers,
+            collater=functools.partial(_with_pid, pad=1),
+            **kw,
+        )
 
     def tokens(batches):
         return [(b["src_tokens"].tolist(), b["target"].tolist(), b["ntokens"]) for b in batches]
@@ -352,8 +403,10 @@ def test_num_workers_train_the_same(tmp_path):
 
 
 def test_combine_valid_subsets(tmp_path, caplog):
-    data = write_bin(tmp_path / "bin", {"train": (40, 4, 44), "valid": (10, 4, 44), "valid1": (7, 4, 44),
-                                        "valid2": (5, 4, 44), "valid4": (3, 4, 44)})
+    data = write_bin(
+        tmp_path / "bin",
+        {"train": (40, 4, 44), "valid": (10, 4, 44), "valid1": (7, 4, 44), "valid2": (5, 4, 44), "valid4": (3, 4, 44)},
+    )
     argv = [str(data)] + TINY + ["--batch-size", "4"]
     with caplog.at_level(logging.WARNING, logger="shardlm"):
         alone = _task(argv).dataset("valid")
@@ -362,8 +415,11 @@ def test_combine_valid_subsets(tmp_path, caplog):
     # valid, valid1, valid2: fairseq stops at the first missing one (valid3)
     combined = _task(argv + ["--combine-val"]).dataset("valid")
     assert combined.num_tokens == sum(num_targets(data / s) for s in ("valid", "valid1", "valid2"))
-    assert [x.tolist() for x in combined] == [x.tolist() for s in ("valid", "valid1", "valid2")
-                                              for x in TokenBlockDataset(IndexedDataset(data / s), T, "none")]
+    assert [x.tolist() for x in combined] == [
+        x.tolist()
+        for s in ("valid", "valid1", "valid2")
+        for x in TokenBlockDataset(IndexedDataset(data / s), T, "none")
+    ]
 
 
 # ---------------------------------------------------------------- dummy_lm's validation
@@ -371,12 +427,30 @@ def test_combine_valid_subsets(tmp_path, caplog):
 
 def test_dummy_lm_validates_and_logs_it(tmp_path):
     log, tb = tmp_path / "train.log", tmp_path / "tb"
-    run_ranks(_recording_train, (DUMMY + ["--batch-size", "4", "--max-update", "2", "--log-format", "json",
-                                          "--log-file", str(log), "--tensorboard-logdir", str(tb)],
-                                 str(tmp_path / "rec.json")), 1)
+    run_ranks(
+        _recording_train,
+        (
+            DUMMY
+            + [
+                "--batch-size",
+                "4",
+                "--max-update",
+                "2",
+                "--log-format",
+                "json",
+                "--log-file",
+                str(log),
+                "--tensorboard-logdir",
+                str(tb),
+            ],
+            str(tmp_path / "rec.json"),
+        ),
+        1,
+    )
     records = parse_records(log.read_text())
     assert records["valid"][-1]["valid_num_updates"] == 2 and records["valid"][-1]["valid_loss"] > 6
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(tb / "valid"))
     acc.Reload()
     assert "loss" in acc.Tags()["scalars"]

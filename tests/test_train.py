@@ -1,5 +1,6 @@
 """Training behaviour users see: loss falls, seeds repeat, accumulation equals a big
 batch, fp16 scales and skips, logs and TensorBoard carry fairseq's fields."""
+
 import pytest
 
 from helpers import DUMMY, run_train, update_losses
@@ -19,10 +20,22 @@ def test_seed_repeats_and_differs():
     assert a == b and a != c
 
 
-@pytest.mark.parametrize("extra", [["--checkpoint-activations"], ["--offload-activations"],
-                                   ["--ddp-backend", "fully_sharded"],
-                                   ["--ddp-backend", "fully_sharded", "--checkpoint-activations",
-                                    "--no-reshard-after-forward", "--min-params-to-wrap", "100000"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--checkpoint-activations"],
+        ["--offload-activations"],
+        ["--ddp-backend", "fully_sharded"],
+        [
+            "--ddp-backend",
+            "fully_sharded",
+            "--checkpoint-activations",
+            "--no-reshard-after-forward",
+            "--min-params-to-wrap",
+            "100000",
+        ],
+    ],
+)
 def test_memory_options_do_not_change_the_numbers(extra):
     plain = update_losses(DUMMY + ["--batch-size", "4"], 3)
     assert update_losses(DUMMY + ["--batch-size", "4"] + extra, 3) == pytest.approx(plain, rel=1e-5)
@@ -37,28 +50,72 @@ def test_bf16_trains_close_to_fp32():
 def test_fp16_logs_loss_scale_and_overflow_skips_updates(tmp_path):
     # 2**40 overflows fp16 gradients: those updates are skipped (not counted) and the
     # scale halves until it fits.
-    records, r = run_train(DUMMY + ["--batch-size", "2", "--fp16", "--fp16-init-scale", str(2 ** 40),
-                                    "--max-update", "3", "--log-format", "json", "--log-interval", "1"])
+    records, r = run_train(
+        DUMMY
+        + [
+            "--batch-size",
+            "2",
+            "--fp16",
+            "--fp16-init-scale",
+            str(2**40),
+            "--max-update",
+            "3",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+        ]
+    )
     inner = records["train_inner"]
     assert [rec["num_updates"] for rec in inner] == [1, 2, 3]
-    assert all("loss_scale" in rec for rec in inner) and inner[0]["loss_scale"] < 2 ** 40
+    assert all("loss_scale" in rec for rec in inner) and inner[0]["loss_scale"] < 2**40
     assert "gradient overflow detected" in r.stdout
     assert records["train"][0]["train_num_updates"] == 3
 
 
 def test_json_log_fields_and_tensorboard(tmp_path):
     tb = tmp_path / "tb"
-    records, _ = run_train(DUMMY + ["--batch-size", "4", "--max-update", "4", "--log-format", "json",
-                                    "--log-interval", "2", "--clip-norm", "0.5", "--tensorboard-logdir", str(tb)])
+    records, _ = run_train(
+        DUMMY
+        + [
+            "--batch-size",
+            "4",
+            "--max-update",
+            "4",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "2",
+            "--clip-norm",
+            "0.5",
+            "--tensorboard-logdir",
+            str(tb),
+        ]
+    )
     rec = records["train_inner"][0]
-    for key in ("loss", "ppl", "wps", "ups", "wpb", "bsz", "num_updates", "lr", "gnorm", "clip",
-                "train_wall", "mem_gb", "wall", "tflops"):
+    for key in (
+        "loss",
+        "ppl",
+        "wps",
+        "ups",
+        "wpb",
+        "bsz",
+        "num_updates",
+        "lr",
+        "gnorm",
+        "clip",
+        "train_wall",
+        "mem_gb",
+        "wall",
+        "tflops",
+    ):
         assert key in rec, key
     assert rec["ppl"] == pytest.approx(2 ** rec["loss"], rel=1e-2)
     assert rec["wpb"] == 4 * 32 and rec["bsz"] == 4 and rec["mem_gb"] > 0.05
     assert "mfu" not in rec  # no --peak-tflops, no peak to divide by
     assert "train_loss" in records["train"][0]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(tb / "train_inner"))
     acc.Reload()
     assert {"loss", "ppl", "gnorm", "lr", "wps"} <= set(acc.Tags()["scalars"])
@@ -68,9 +125,23 @@ def test_json_log_fields_and_tensorboard(tmp_path):
 def test_peak_tflops_adds_mfu_over_all_ranks():
     # tflops counts the whole job's tokens, so the peak it is divided by is per rank x ranks.
     peak = 0.001
-    records, _ = run_train(DUMMY + ["--batch-size", "4", "--max-update", "2", "--log-format", "json",
-                                    "--log-interval", "1", "--peak-tflops", str(peak),
-                                    "--distributed-world-size", "2"])
+    records, _ = run_train(
+        DUMMY
+        + [
+            "--batch-size",
+            "4",
+            "--max-update",
+            "2",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+            "--peak-tflops",
+            str(peak),
+            "--distributed-world-size",
+            "2",
+        ]
+    )
     for rec in records["train_inner"]:
         assert rec["tflops"] > 0
         # tflops is rounded to 4 decimals, mfu is computed before that rounding
@@ -80,8 +151,21 @@ def test_peak_tflops_adds_mfu_over_all_ranks():
 
 def test_simple_format_and_log_file(tmp_path):
     log_file = tmp_path / "train.log"
-    _, r = run_train(DUMMY + ["--batch-size", "4", "--max-update", "2", "--log-format", "simple",
-                              "--log-interval", "1", "--log-file", str(log_file)])
+    _, r = run_train(
+        DUMMY
+        + [
+            "--batch-size",
+            "4",
+            "--max-update",
+            "2",
+            "--log-format",
+            "simple",
+            "--log-interval",
+            "1",
+            "--log-file",
+            str(log_file),
+        ]
+    )
     assert "| train_inner | epoch 001:" in r.stdout and "loss=" in r.stdout and "num_updates=2" in r.stdout
     assert "num. model params:" in r.stdout
     assert "num_updates=2" in log_file.read_text()
@@ -91,6 +175,7 @@ def test_presets_build_on_meta_device():
     from models.config import PRESETS
     from models.transformer_lm import build_model, num_parameters
     from trainer.config.compose import compose_config
+
     for name in PRESETS:
         cfg = compose_config([("model._name", name)], [])
         # One Billion Word's 793,471 tokens: room for every preset's adaptive cutoffs.

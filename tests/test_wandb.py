@@ -1,5 +1,6 @@
 """--wandb-project: rank 0 logs fairseq's scalars to a W&B run (offline where W&B cannot be
 reached), and without the wandb package the flag is refused before any rank starts."""
+
 import json
 import os
 import subprocess
@@ -22,8 +23,8 @@ def wandb_records(run_file):
         if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
             pos += block - pos % block
             continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        chunk += data[pos + 7:pos + 7 + length]
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST: a whole record
             record = Record()
@@ -37,9 +38,27 @@ def test_offline_run_has_fairseqs_scalars_from_rank_0_only(tmp_path, monkeypatch
     # network (a refused local port stands in for it, the same here and in CI).
     monkeypatch.delenv("WANDB_MODE", raising=False)
     env = {"WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
-    records, r = run_train(DUMMY + ["--batch-size", "4", "--max-update", "4", "--log-format", "json",
-                                    "--log-interval", "1", "--wandb-project", "p", "--distributed-world-size", "2",
-                                    "--save-dir", str(tmp_path / "run7")], cwd=tmp_path, env=env)
+    records, r = run_train(
+        DUMMY
+        + [
+            "--batch-size",
+            "4",
+            "--max-update",
+            "4",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+            "--wandb-project",
+            "p",
+            "--distributed-world-size",
+            "2",
+            "--save-dir",
+            str(tmp_path / "run7"),
+        ],
+        cwd=tmp_path,
+        env=env,
+    )
     assert "cannot be reached: logging offline" in r.stdout + r.stderr
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, runs  # rank 0's run only
@@ -71,8 +90,15 @@ def test_wandb_project_without_wandb_is_refused_before_ranks_start(tmp_path):
     # this `train`, as where wandb is not installed.
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    r = subprocess.run([str(Path(sys.executable).with_name("train"))] + DUMMY + ["--batch-size", "4", "--wandb-project", "p"],
-                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    r = subprocess.run(
+        [str(Path(sys.executable).with_name("train"))] + DUMMY + ["--batch-size", "4", "--wandb-project", "p"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stdout == ""  # no rank started: nothing logged
-    assert r.stderr.strip() == ("train: error: --wandb-project needs the wandb package: "
-                                "pip install 'shardlm[wandb]' (or wandb)")
+    assert r.stderr.strip() == (
+        "train: error: --wandb-project needs the wandb package: pip install 'shardlm[wandb]' (or wandb)"
+    )

@@ -4,6 +4,7 @@ classes every room raises, the hint that follows them, and `--debug`'s traceback
 A torch-free leaf: every room imports it, the torch-free entry points (`train --help`,
 a bad flag, the launcher) included.
 """
+
 import json
 import multiprocessing
 import os

@@ -1,5 +1,6 @@
 """What this host has, read without torch (the launcher and `plan` never import it):
 memory, and whether a run here computes on a GPU."""
+
 import os
 import subprocess
 
@@ -9,7 +10,7 @@ def host_memory_gb():
     try:
         with open("/proc/meminfo") as f:
             kb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
-        return kb / 2 ** 20
+        return kb / 2**20
     except (OSError, StopIteration):
         return None
 
@@ -25,8 +26,12 @@ def runs_on_gpu(cfg):
 def gpu_memory_gb():
     """The first visible GPU's memory as nvidia-smi reports it, or None."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         return float(out.split()[0]) / 1024  # MiB
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None

@@ -9,6 +9,7 @@ One code path, four ways in (fairseq's `infer_init_method`):
 Nothing here imports torch: a launcher that spawns local ranks never needs it (they are
 forked from a server that has imported it, trainer/launch/local_ranks.py).
 """
+
 import os
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from trainer.errors import UsageError
 @dataclass
 class Rendezvous:
     """How this process finds the others; `spawn` > 0 means start that many local ranks."""
+
     init_method: str
     world_size: int
     rank: int = 0
@@ -33,18 +35,31 @@ def infer_rendezvous(cfg, environ=None):
     dist_cfg = cfg.distributed_training
     if dist_cfg.distributed_init_method:
         local = 1 if dist_cfg.distributed_no_spawn else dist_cfg.distributed_world_size
-        return Rendezvous(dist_cfg.distributed_init_method, dist_cfg.distributed_world_size, rank=dist_cfg.distributed_rank,
-                          local_world_size=local, spawn=0 if dist_cfg.distributed_no_spawn else local)
+        return Rendezvous(
+            dist_cfg.distributed_init_method,
+            dist_cfg.distributed_world_size,
+            rank=dist_cfg.distributed_rank,
+            local_world_size=local,
+            spawn=0 if dist_cfg.distributed_no_spawn else local,
+        )
     if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return Rendezvous(f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}", int(env["WORLD_SIZE"]),
-                          rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)),
-                          local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+        return Rendezvous(
+            f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}",
+            int(env["WORLD_SIZE"]),
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+        )
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         return slurm_rendezvous(dist_cfg, env)
     if dist_cfg.distributed_world_size > 1:
         port = dist_cfg.distributed_port if dist_cfg.distributed_port > 0 else free_port()
-        return Rendezvous(f"tcp://127.0.0.1:{port}", dist_cfg.distributed_world_size,
-                          local_world_size=dist_cfg.distributed_world_size, spawn=dist_cfg.distributed_world_size)
+        return Rendezvous(
+            f"tcp://127.0.0.1:{port}",
+            dist_cfg.distributed_world_size,
+            local_world_size=dist_cfg.distributed_world_size,
+            spawn=dist_cfg.distributed_world_size,
+        )
     return Rendezvous("", 1)
 
 
@@ -58,8 +73,10 @@ def slurm_rendezvous(d, env):
     if per_node_spawn and world % nnodes:
         raise UsageError(f"--distributed-world-size {world} is not a multiple of the job's {nnodes} nodes")
     if not per_node_spawn and world not in (1, ntasks):
-        raise UsageError(f"--distributed-world-size {world} disagrees with SLURM_NTASKS={ntasks}; launch one "
-                         "task per rank, or one task per node with the total number of ranks, or drop the flag")
+        raise UsageError(
+            f"--distributed-world-size {world} disagrees with SLURM_NTASKS={ntasks}; launch one "
+            "task per rank, or one task per node with the total number of ranks, or drop the flag"
+        )
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
     if not nodelist:
         raise UsageError("SLURM_PROCID is set but SLURM_JOB_NODELIST is not; run under srun or sbatch")
@@ -69,23 +86,30 @@ def slurm_rendezvous(d, env):
         per_node = world // nnodes
         node = int(env.get("SLURM_NODEID", env["SLURM_PROCID"]))
         return Rendezvous(init_method, world, rank=node * per_node, local_world_size=per_node, spawn=per_node)
-    return Rendezvous(init_method, ntasks, rank=int(env["SLURM_PROCID"]),
-                      local_rank=int(env.get("SLURM_LOCALID", "0")),
-                      local_world_size=_tasks_per_node(env, ntasks, nnodes))
+    return Rendezvous(
+        init_method,
+        ntasks,
+        rank=int(env["SLURM_PROCID"]),
+        local_rank=int(env.get("SLURM_LOCALID", "0")),
+        local_world_size=_tasks_per_node(env, ntasks, nnodes),
+    )
 
 
 def first_host(nodelist):
     """`scontrol show hostnames` expands SLURM's compressed list (node[01-04],gpu7); the list
     is passed as one argument, never through a shell."""
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True, text=True
+        ).stdout
     except FileNotFoundError:
-        raise UsageError("SLURM variables are set but `scontrol` is not on PATH; "
-                         "pass --distributed-init-method tcp://HOST:PORT") from None
+        raise UsageError(
+            "SLURM variables are set but `scontrol` is not on PATH; pass --distributed-init-method tcp://HOST:PORT"
+        ) from None
     except subprocess.CalledProcessError as e:
-        raise UsageError(f"scontrol could not expand SLURM_JOB_NODELIST={nodelist!r}: "
-                         f"{(e.stderr or '').strip()}") from None
+        raise UsageError(
+            f"scontrol could not expand SLURM_JOB_NODELIST={nodelist!r}: {(e.stderr or '').strip()}"
+        ) from None
     hosts = out.split()
     if not hosts:
         raise UsageError(f"scontrol expanded SLURM_JOB_NODELIST={nodelist!r} to no hosts")

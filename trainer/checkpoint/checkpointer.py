@@ -12,6 +12,7 @@ and best loss, the loss scaler, the checkpointer's own best metric), each under 
 as the piece's `state_dict()` gives it: the checkpointer knows none of their fields.
 fairseq's semantics: `trainer/checkpoint/files.py` names, publishes and prunes.
 """
+
 import json
 import logging
 import os
@@ -50,8 +51,11 @@ class NoBytesLoadPlanner:
 
         class _Planner(DefaultLoadPlanner):
             def load_bytes(self, read_item, value):
-                raise UsageError(f"checkpoint entry {read_item.dest_index.fqn} is a pickled object; "
-                                 "shardlm only loads tensors and JSON")
+                raise UsageError(
+                    f"checkpoint entry {read_item.dest_index.fqn} is a pickled object; "
+                    "shardlm only loads tensors and JSON"
+                )
+
         return _Planner()
 
 
@@ -69,15 +73,34 @@ def tensor_state(model, optimizer, with_optimizer=True):
 
 # The options that decide which parameters a model has and their shapes, in the order a
 # mismatch is best explained by.
-SHAPE_OPTIONS = ("model.decoder_embed_dim", "model.decoder_ffn_embed_dim", "model.decoder_layers",
-                 "model.share_decoder_input_output_embed", "model.decoder_learned_pos",
-                 "model.no_token_positional_embeddings", "model.layernorm_embedding", "model.no_decoder_final_norm",
-                 "model.decoder_layers_to_keep", "model.decoder_input_dim", "model.decoder_output_dim",
-                 "model.scale_attn", "model.scale_fc", "model.scale_heads", "model.scale_resids",
-                 "model.adaptive_input", "model.adaptive_input_cutoff", "model.adaptive_input_factor",
-                 "model.adaptive_softmax_cutoff", "model.adaptive_softmax_factor", "model.tie_adaptive_weights",
-                 "model.tie_adaptive_proj",
-                 "model.max_target_positions", "task.tokens_per_sample", "task.dict_size", "task.data")
+SHAPE_OPTIONS = (
+    "model.decoder_embed_dim",
+    "model.decoder_ffn_embed_dim",
+    "model.decoder_layers",
+    "model.share_decoder_input_output_embed",
+    "model.decoder_learned_pos",
+    "model.no_token_positional_embeddings",
+    "model.layernorm_embedding",
+    "model.no_decoder_final_norm",
+    "model.decoder_layers_to_keep",
+    "model.decoder_input_dim",
+    "model.decoder_output_dim",
+    "model.scale_attn",
+    "model.scale_fc",
+    "model.scale_heads",
+    "model.scale_resids",
+    "model.adaptive_input",
+    "model.adaptive_input_cutoff",
+    "model.adaptive_input_factor",
+    "model.adaptive_softmax_cutoff",
+    "model.adaptive_softmax_factor",
+    "model.tie_adaptive_weights",
+    "model.tie_adaptive_proj",
+    "model.max_target_positions",
+    "task.tokens_per_sample",
+    "task.dict_size",
+    "task.data",
+)
 
 
 def shape_option_difference(path, cfg):
@@ -121,6 +144,7 @@ def renumber_layers(tensors, ids):
             return name
         i, _, tail = rest.partition(".")
         return f"layers.{ids[int(i)]}.{tail}"
+
     return {rename(name): value for name, value in tensors.items()}
 
 
@@ -136,8 +160,10 @@ def check_shapes(path, model_state, cfg=None, kept_layers=None):
 
     def refuse(what):
         option = shape_option_difference(path, cfg) if cfg is not None else ""
-        return UsageError(f"checkpoint {path} holds a different model: " + (f"{option} ({what})" if option else what)
-                          + f"; {fix}")
+        return UsageError(
+            f"checkpoint {path} holds a different model: " + (f"{option} ({what})" if option else what) + f"; {fix}"
+        )
+
     for name, tensor in model_state.items():
         if name not in saved:
             raise refuse(f"it has no parameter {name}")
@@ -161,8 +187,10 @@ def check_optimizer_state(path, optim_state):
             continue
         for key in entries:
             if f"optim.{fqn}.{key}" not in saved:
-                raise UsageError(f"checkpoint {path} has no optimizer state {key!r} for {fqn} (saved with another "
-                                 "--optimizer?); pass --reset-optimizer to start the optimizer afresh")
+                raise UsageError(
+                    f"checkpoint {path} has no optimizer state {key!r} for {fqn} (saved with another "
+                    "--optimizer?); pass --reset-optimizer to start the optimizer afresh"
+                )
     return never_stepped
 
 
@@ -178,15 +206,20 @@ def load_tensors(path, state):
     except (Exception, CheckpointException) as e:  # a truncated or damaged shard: DCP's error is pages long
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         why = (lines[-1] if lines else type(e).__name__).split(". ")[0][:200]
-        raise UsageError(f"checkpoint {path} could not be read ({why}); pass another --restore-file "
-                         "(an older checkpoint_N_M) or move this one away") from None
+        raise UsageError(
+            f"checkpoint {path} could not be read ({why}); pass another --restore-file "
+            "(an older checkpoint_N_M) or move this one away"
+        ) from None
 
 
 def rng_state():
     py = random.getstate()
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": [py[0], list(py[1]), py[2]], "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
-             "torch": torch.get_rng_state().tolist()}
+    state = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state().tolist(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state
@@ -212,20 +245,34 @@ def read_trainer_state(path):
     state = json.loads((Path(path) / files.STATE_FILE).read_text())
     reader = STATE_READERS.get(state.get("format"))
     if reader is None:
-        raise UsageError(f"checkpoint {path} has format {state.get('format')}, this shardlm reads "
-                         f"{', '.join(map(str, STATE_READERS))}; use the shardlm version that wrote it")
+        raise UsageError(
+            f"checkpoint {path} has format {state.get('format')}, this shardlm reads "
+            f"{', '.join(map(str, STATE_READERS))}; use the shardlm version that wrote it"
+        )
     return reader(state)
 
 
 def _pieces_of_format_1(saved):
     """Format 1 kept the fields of every piece side by side: each goes to its piece."""
-    return {**saved, "epoch": saved["iterator"]["epoch"], "state": {
-        "trainer": {"num_updates": saved["num_updates"], "lr_updates_offset": saved.get("lr_updates_offset", 0),
-                    "lr_scheduler": saved.get("lr_scheduler"), "lr": saved.get("lr")},
-        "loop": {"iterator": saved["iterator"], "meters": saved["meters"],
-                 "best_valid_loss": saved.get("best_valid_loss")},
-        "checkpointer": {"best": saved.get("best")},
-        "loss_scaler": saved.get("scaler")}}
+    return {
+        **saved,
+        "epoch": saved["iterator"]["epoch"],
+        "state": {
+            "trainer": {
+                "num_updates": saved["num_updates"],
+                "lr_updates_offset": saved.get("lr_updates_offset", 0),
+                "lr_scheduler": saved.get("lr_scheduler"),
+                "lr": saved.get("lr"),
+            },
+            "loop": {
+                "iterator": saved["iterator"],
+                "meters": saved["meters"],
+                "best_valid_loss": saved.get("best_valid_loss"),
+            },
+            "checkpointer": {"best": saved.get("best")},
+            "loss_scaler": saved.get("scaler"),
+        },
+    }
 
 
 STATE_READERS = {1: _pieces_of_format_1, 2: lambda saved: saved}
@@ -308,8 +355,10 @@ class Checkpointer:
         rng_file = tmp / "rng" / f"rank{self.env.rank}.json"
         failed = files.write_failure(lambda: write_json(rng_file, rng_state()), self.save_dir)
         if self.env.is_master and failed is None:
+
             def small_files():
                 self.write_small_files(tmp, epoch, num_updates, with_optim)
+
             failed = files.write_failure(small_files, self.save_dir)
         self.agree_saved(failed, tmp, names[0])
         writer = dcp.FileSystemWriter(os.fspath(tmp))
@@ -339,15 +388,28 @@ class Checkpointer:
             raise RankStopped(f"another rank could not write {name}; see rank 0's error")
         last = files.resolve(self.save_dir / "checkpoint_last")
         kept = f"{last.name} still holds update {read_trainer_state(last)['num_updates']}" if last else "nothing saved"
-        raise UsageError(f"could not save {name} in {self.save_dir}: {failed}; {kept}; free space or point "
-                         "--save-dir elsewhere")
+        raise UsageError(
+            f"could not save {name} in {self.save_dir}: {failed}; {kept}; free space or point --save-dir elsewhere"
+        )
 
     def write_small_files(self, tmp, epoch, num_updates, with_optim):
-        pieces = {name: piece.state_dict() for name, piece in self.pieces.items()
-                  if with_optim or name not in self.optimizer_pieces}
-        write_json(tmp / files.STATE_FILE, {
-            "format": FORMAT_VERSION, "num_updates": num_updates, "epoch": epoch, "has_optimizer": with_optim,
-            "ddp_backend": self.cfg.distributed_training.ddp_backend, "torch": torch.__version__, "state": pieces})
+        pieces = {
+            name: piece.state_dict()
+            for name, piece in self.pieces.items()
+            if with_optim or name not in self.optimizer_pieces
+        }
+        write_json(
+            tmp / files.STATE_FILE,
+            {
+                "format": FORMAT_VERSION,
+                "num_updates": num_updates,
+                "epoch": epoch,
+                "has_optimizer": with_optim,
+                "ddp_backend": self.cfg.distributed_training.ddp_backend,
+                "torch": torch.__version__,
+                "state": pieces,
+            },
+        )
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
         for name in (*TOKENIZER_FILES, "metadata.json"):
             if self.data_dir is not None and (Path(self.data_dir) / name).is_file():
@@ -359,9 +421,12 @@ class Checkpointer:
             for name in names[1:]:
                 files.link_copy(self.save_dir / names[0], self.save_dir / name)
             removed = files.prune(self.save_dir, self.checkpoint_cfg)
-            log.info(f"Saved checkpoint {self.save_dir / names[0]} ({num_updates} updates"
-                     + (f", also as {', '.join(names[1:])}" if names[1:] else "")
-                     + (f"; removed {', '.join(removed)}" if removed else "") + ")")
+            log.info(
+                f"Saved checkpoint {self.save_dir / names[0]} ({num_updates} updates"
+                + (f", also as {', '.join(names[1:])}" if names[1:] else "")
+                + (f"; removed {', '.join(removed)}" if removed else "")
+                + ")"
+            )
 
     def poll(self):
         """Publish an asynchronous save once its write has finished (rank 0 only needs to)."""
@@ -396,14 +461,18 @@ class Checkpointer:
         if finetune and is_hf_dir(path):
             # Into the sharded, materialized model: each rank reads its own rows only.
             n = load_hf_weights(self.model, self.cfg.model, path)
-            log.info(f"fine-tuning from {path} (Hugging Face {hf_model_type(self.cfg.model)}, {n:,} parameters): "
-                     "optimizer, lr schedule, data position and meters start fresh")
+            log.info(
+                f"fine-tuning from {path} (Hugging Face {hf_model_type(self.cfg.model)}, {n:,} parameters): "
+                "optimizer, lr schedule, data position and meters start fresh"
+            )
             return path
         saved = read_trainer_state(path)
         with_optim = not (finetune or self.checkpoint_cfg.reset_optimizer) and saved.get("has_optimizer")
         self.load_model_and_optimizer(path, with_optim)
         if finetune:
-            log.info(f"fine-tuning from {path}: weights only; optimizer, lr schedule, data position and meters start fresh")
+            log.info(
+                f"fine-tuning from {path}: weights only; optimizer, lr schedule, data position and meters start fresh"
+            )
             return path
         for name, piece in self.pieces.items():
             piece_state = saved["state"].get(name)
@@ -412,8 +481,11 @@ class Checkpointer:
         rng = path / "rng" / f"rank{self.env.rank}.json"
         if rng.is_file():
             set_rng_state(json.loads(rng.read_text()))
-        log.info(f"loaded checkpoint {path} (epoch {saved['epoch']} @ {saved['num_updates']} updates"
-                 + ("" if with_optim else ", optimizer reset") + ")")
+        log.info(
+            f"loaded checkpoint {path} (epoch {saved['epoch']} @ {saved['num_updates']} updates"
+            + ("" if with_optim else ", optimizer reset")
+            + ")"
+        )
         return path
 
     def load_model_and_optimizer(self, path, with_optim):
@@ -430,13 +502,21 @@ class Checkpointer:
         load_tensors(path, state)
         back = None if ids is None else {saved_id: i for i, saved_id in enumerate(ids)}
         state = {part: renumber_layers(tensors, back) for part, tensors in state.items()}
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         set_model_state_dict(self.model, state["model"])
         if with_optim:
             groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
             # Not strict about the never-stepped: the load replaces the whole optimizer state,
             # so they are left stateless, as when saved, and their first step creates it.
-            set_optimizer_state_dict(self.model, self.optimizer, {"state": state["optim"], "param_groups": groups},
-                                     options=StateDictOptions(strict=not never_stepped))
+            set_optimizer_state_dict(
+                self.model,
+                self.optimizer,
+                {"state": state["optim"], "param_groups": groups},
+                options=StateDictOptions(strict=not never_stepped),
+            )

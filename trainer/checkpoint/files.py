@@ -12,6 +12,7 @@ directory is first renamed to `<name>.old`, which `resolve()` still finds if the
 process dies between the two renames. Further names of the same checkpoint are hard
 links to the same files, so a save costs one write whatever the number of names.
 """
+
 import ctypes
 import errno
 import io
@@ -78,8 +79,9 @@ def restore_choice(c):
     save_dir = Path(c.save_dir)
     default = c.restore_file in ("checkpoint_last", "checkpoint_last.pt")
     if c.finetune_from_model and not default:
-        raise UsageError("--finetune-from-model and --restore-file name two checkpoints to start from; "
-                         "drop one of them")
+        raise UsageError(
+            "--finetune-from-model and --restore-file name two checkpoints to start from; drop one of them"
+        )
     # The default is always --save-dir's (a checkpoint_last where train is started from is
     # another run's); another relative name is looked for from here, then in --save-dir.
     restore = fairseq_path(c.restore_file)
@@ -90,27 +92,38 @@ def restore_choice(c):
         return found, False, restore
     if not default:
         if restore.exists():
-            what = "a file (fairseq's torch.save checkpoints are not read)" if restore.is_file() else \
-                "a directory without trainer_state.json and .metadata"
-            raise UsageError(f"--restore-file {c.restore_file} is not a checkpoint: {restore} is {what}; "
-                             "pass a checkpoint directory written by train")
+            what = (
+                "a file (fairseq's torch.save checkpoints are not read)"
+                if restore.is_file()
+                else "a directory without trainer_state.json and .metadata"
+            )
+            raise UsageError(
+                f"--restore-file {c.restore_file} is not a checkpoint: {restore} is {what}; "
+                "pass a checkpoint directory written by train"
+            )
         held = checkpoints_in(save_dir)
         if held and held[0] == "checkpoint_last":
-            raise UsageError(f"--restore-file {c.restore_file} does not exist, and --save-dir {save_dir} holds "
-                             "checkpoint_last: fix the path, or drop --restore-file to resume from checkpoint_last")
+            raise UsageError(
+                f"--restore-file {c.restore_file} does not exist, and --save-dir {save_dir} holds "
+                "checkpoint_last: fix the path, or drop --restore-file to resume from checkpoint_last"
+            )
         if held:
-            raise UsageError(f"--restore-file {c.restore_file} does not exist, and --save-dir {save_dir} holds "
-                             f"{', '.join(held)}: fix the path (e.g. --restore-file {held[-1]}), or choose "
-                             "another --save-dir")
+            raise UsageError(
+                f"--restore-file {c.restore_file} does not exist, and --save-dir {save_dir} holds "
+                f"{', '.join(held)}: fix the path (e.g. --restore-file {held[-1]}), or choose "
+                "another --save-dir"
+            )
     if c.finetune_from_model and default:
         if is_hf_dir(c.finetune_from_model):
             read_hf_config(c.finetune_from_model)
             return Path(c.finetune_from_model), True, Path(c.finetune_from_model)
         found = resolve(c.finetune_from_model)
         if found is None:
-            raise UsageError(f"--finetune-from-model {c.finetune_from_model} is neither a checkpoint directory "
-                             "nor a Hugging Face model directory (config.json and safetensors weights); pass one "
-                             "written by train, or save_pretrained's")
+            raise UsageError(
+                f"--finetune-from-model {c.finetune_from_model} is neither a checkpoint directory "
+                "nor a Hugging Face model directory (config.json and safetensors weights); pass one "
+                "written by train, or save_pretrained's"
+            )
         return found, True, found
     return None, False, restore
 
@@ -189,8 +202,13 @@ def write_failure(write, save_dir):
         return e.strerror or str(e)
     except (RuntimeError, CheckpointException) as e:  # DCP gathers every rank's failure
         text = str(e)
-        for reason in ("No space left on device", "Read-only file system", "Permission denied",
-                       "Disk quota exceeded", "Input/output error"):
+        for reason in (
+            "No space left on device",
+            "Read-only file system",
+            "Permission denied",
+            "Disk quota exceeded",
+            "Input/output error",
+        ):
             if reason in text:
                 return reason
         # torch.save's zip writer loses ENOSPC's errno ("[enforce fail at inline_container.cc:672]
@@ -223,15 +241,15 @@ def prune(save_dir, c):
     doomed = []
     if c.keep_interval_updates >= 0:
         updates = sorted((int(m.group(2)), n) for n in names if (m := UPDATE_CKPT.match(n)))
-        doomed += [n for _, n in updates[:max(len(updates) - c.keep_interval_updates, 0)]]
+        doomed += [n for _, n in updates[: max(len(updates) - c.keep_interval_updates, 0)]]
     if c.keep_last_epochs >= 0:
         epochs = sorted((int(m.group(1)), n) for n in names if (m := EPOCH_CKPT.match(n)))
-        doomed += [n for _, n in epochs[:max(len(epochs) - c.keep_last_epochs, 0)]]
+        doomed += [n for _, n in epochs[: max(len(epochs) - c.keep_last_epochs, 0)]]
     if c.keep_best_checkpoints >= 0:
         best = sorted((float(m.group(2)), n) for n in names if (m := BEST_CKPT.match(n)))
         if not c.maximize_best_checkpoint_metric:
             best.reverse()  # worst first
-        doomed += [n for _, n in best[:max(len(best) - c.keep_best_checkpoints, 0)]]
+        doomed += [n for _, n in best[: max(len(best) - c.keep_best_checkpoints, 0)]]
     for name in doomed:
         shutil.rmtree(save_dir / name, ignore_errors=True)
     return doomed
@@ -241,17 +259,30 @@ class _MetadataUnpickler(pickle.Unpickler):
     """DCP's `.metadata` is a pickle; only its own metadata classes, torch sizes and
     dtypes may come out of it, so a checkpoint cannot run code when it is read."""
 
-    TORCH_NAMES = {"Size", "device", "layout", "memory_format", "strided", "sparse_coo", "contiguous_format",
-                   "preserve_format", "channels_last"}
+    TORCH_NAMES = {
+        "Size",
+        "device",
+        "layout",
+        "memory_format",
+        "strided",
+        "sparse_coo",
+        "contiguous_format",
+        "preserve_format",
+        "channels_last",
+    }
 
     def find_class(self, module, name):
         import torch
+
         if module.startswith("torch.distributed.checkpoint.") or (module, name) == ("collections", "OrderedDict"):
             return super().find_class(module, name)
         if module == "torch" and (name in self.TORCH_NAMES or isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
-        if (module, name) in (("torch.serialization", "_get_layout"),  # a layout by its name
-                              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")):  # the checkpoint's id
+        if (module, name) in (
+            ("torch.serialization", "_get_layout"),  # a layout by its name
+            ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"),
+        ):  # the checkpoint's id
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
 
@@ -263,8 +294,9 @@ def read_metadata(path):
     try:
         return _MetadataUnpickler(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-        raise UsageError(f"{path}/.metadata is not a readable checkpoint index ({e}); "
-                         "pass another checkpoint") from None
+        raise UsageError(
+            f"{path}/.metadata is not a readable checkpoint index ({e}); pass another checkpoint"
+        ) from None
 
 
 def safe_reader(path):
@@ -288,5 +320,8 @@ def tensor_specs(path, prefix="model."):
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = read_metadata(path)
-    return {k[len(prefix):]: (tuple(v.size), v.properties.dtype) for k, v in meta.state_dict_metadata.items()
-            if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    return {
+        k[len(prefix) :]: (tuple(v.size), v.properties.dtype)
+        for k, v in meta.state_dict_metadata.items()
+        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
+    }

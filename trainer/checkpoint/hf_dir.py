@@ -8,6 +8,7 @@ implies), so a bad directory costs a second and one line naming the file and the
 The files are read with the `safetensors` library, memory-mapped: a rank reads only the
 rows of its own shards (`get_slice`), so no rank ever holds the whole model.
 """
+
 import json
 import struct
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from models.hf_llama import hf_parts, row_slices
+
 # Torch-free, in the config room, which composes the model from config.json; here too for
 # the commands that read weights.
 from trainer.config.hf_model import is_hf_dir, read_hf_config
@@ -44,8 +46,10 @@ class HFWeights:
                     self.specs[name] = (tuple(piece.get_shape()), piece.get_dtype())
         for name, file in self.files.items():
             if name not in self.specs:
-                raise UsageError(f"{self.path / INDEX} maps {name} to {file}, which does not hold it; the download "
-                                 "is incomplete or mixed: fetch the model directory again")
+                raise UsageError(
+                    f"{self.path / INDEX} maps {name} to {file}, which does not hold it; the download "
+                    "is incomplete or mixed: fetch the model directory again"
+                )
 
     def _tensor_files(self):
         index = self.path / INDEX
@@ -54,21 +58,26 @@ class HFWeights:
                 weight_map = json.loads(index.read_text())["weight_map"]
                 assert isinstance(weight_map, dict)
             except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AssertionError):
-                raise UsageError(f"{index} is not a safetensors index (no weight_map); fetch the model "
-                                 "directory again") from None
+                raise UsageError(
+                    f"{index} is not a safetensors index (no weight_map); fetch the model directory again"
+                ) from None
             for name, file in sorted(weight_map.items()):
                 if not (self.path / file).is_file():
-                    raise UsageError(f"missing shard {self.path / file} (holds {name}, per {INDEX}); fetch the "
-                                     "model directory again")
+                    raise UsageError(
+                        f"missing shard {self.path / file} (holds {name}, per {INDEX}); fetch the model directory again"
+                    )
             return dict(weight_map)
         if not (self.path / SINGLE_FILE).is_file():
-            raise UsageError(f"{self.path} has a config.json but no {SINGLE_FILE} or {INDEX}; pass a Hugging Face "
-                             "model directory with its safetensors weights")
+            raise UsageError(
+                f"{self.path} has a config.json but no {SINGLE_FILE} or {INDEX}; pass a Hugging Face "
+                "model directory with its safetensors weights"
+            )
         return {name: SINGLE_FILE for name in self._handle(SINGLE_FILE).keys()}
 
     def _handle(self, file):
         if file not in self._open:
             from safetensors import SafetensorError, safe_open
+
             try:
                 self._open[file] = safe_open(str(self.path / file), framework="pt")
             except (SafetensorError, OSError) as e:
@@ -83,13 +92,17 @@ class HFWeights:
         cut = _cut_tensor(path)
         if cut is not None:
             name, end, size = cut
-            return (f"{path} is cut short: tensor {name} ends at byte {end}, the file has {size}; the download is "
-                    "incomplete: fetch it again")
+            return (
+                f"{path} is cut short: tensor {name} ends at byte {end}, the file has {size}; the download is "
+                "incomplete: fetch it again"
+            )
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         held = sorted(name for name, f in getattr(self, "files", {}).items() if f == file)
         holds = f" (holds {held[0]}, per {INDEX})" if held else ""
-        return (f"{path}{holds} is not a readable safetensors file ({reason[:160]}); it is truncated or damaged: "
-                "fetch it again")
+        return (
+            f"{path}{holds} is not a readable safetensors file ({reason[:160]}); it is truncated or damaged: "
+            "fetch it again"
+        )
 
     def __enter__(self):
         return self
@@ -104,16 +117,22 @@ class HFWeights:
             for hf_name, rows in hf_parts(name, model_cfg):
                 expected = (rows if rows is not None else shape[0], *shape[1:])
                 if hf_name not in self.specs:
-                    raise UsageError(f"{self.path} has no tensor {hf_name} (for {name}); the weights do not cover "
-                                     "the model its config.json describes: fetch the complete directory")
+                    raise UsageError(
+                        f"{self.path} has no tensor {hf_name} (for {name}); the weights do not cover "
+                        "the model its config.json describes: fetch the complete directory"
+                    )
                 found, dtype = self.specs[hf_name]
                 where = self.path / self.files[hf_name]
                 if found != tuple(expected):
-                    raise UsageError(f"{where}: tensor {hf_name} is {list(found)}, config.json implies "
-                                     f"{list(expected)}; the weights and config.json are of different models")
+                    raise UsageError(
+                        f"{where}: tensor {hf_name} is {list(found)}, config.json implies "
+                        f"{list(expected)}; the weights and config.json are of different models"
+                    )
                 if dtype not in FLOAT_DTYPES:
-                    raise UsageError(f"{where}: tensor {hf_name} is {dtype}, not a float type (F32, F16, BF16); "
-                                     "quantized weights are not supported: pass the unquantized model")
+                    raise UsageError(
+                        f"{where}: tensor {hf_name} is {dtype}, not a float type (F32, F16, BF16); "
+                        "quantized weights are not supported: pass the unquantized model"
+                    )
 
     def rows(self, name, model_cfg, start, stop, dtype):
         """Rows start…stop-1 of our parameter `name`, read from the files (only those rows)."""
@@ -134,8 +153,9 @@ def _cut_tensor(path):
             if n > size - 8:
                 return None
             header = json.loads(f.read(n))
-        ends = sorted((8 + n + info["data_offsets"][1], name) for name, info in header.items()
-                      if name != "__metadata__")
+        ends = sorted(
+            (8 + n + info["data_offsets"][1], name) for name, info in header.items() if name != "__metadata__"
+        )
     except (OSError, struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
         return None
     return next(((name, end, size) for end, name in ends if end > size), None)

@@ -8,6 +8,7 @@ message a second run prints; the file is removed when the run ends (one that was
 leaves it, and the next run overwrites it). Writing that file is also the check that the
 directory can be written at all. A run refused here leaves the directory as it found it.
 """
+
 import fcntl
 import json
 import logging
@@ -41,17 +42,21 @@ class SaveDirLock:
         except BlockingIOError:
             os.close(self.fd)
             self.fd = None
-            return (f"{self.save_dir} is in use by another train run ({self.owner()}); "
-                    "wait for it or choose another --save-dir")
+            return (
+                f"{self.save_dir} is in use by another train run ({self.owner()}); "
+                "wait for it or choose another --save-dir"
+            )
         except OSError as e:  # a filesystem without flock (some NFS and Lustre mounts)
-            log.warning(f"cannot lock {self.save_dir} ({e.strerror}): nothing stops a second run from "
-                        "writing there too")
+            log.warning(
+                f"cannot lock {self.save_dir} ({e.strerror}): nothing stops a second run from writing there too"
+            )
         return self.write_owner()
 
     def write_owner(self):
         try:
-            write_atomically(self.save_dir / OWNER_FILE,
-                             json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
+            write_atomically(
+                self.save_dir / OWNER_FILE, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n"
+            )
         except OSError as e:
             self.release()
             return self.not_writable(e)
@@ -59,8 +64,10 @@ class SaveDirLock:
 
     def not_writable(self, e):
         why = e.strerror or type(e).__name__
-        return (f"--save-dir {self.save_dir} is not writable ({why}); choose a directory you can write "
-                "to, or pass --no-save")
+        return (
+            f"--save-dir {self.save_dir} is not writable ({why}); choose a directory you can write "
+            "to, or pass --no-save"
+        )
 
     def owner(self):
         try:

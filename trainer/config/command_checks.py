@@ -5,6 +5,7 @@ trainer/config/commands.py name as their `type`, so a flag and its key=value ove
 refused alike while parsing; and checks of a command's options together, run before a
 model loads or a rank starts.
 """
+
 import argparse
 
 from trainer.errors import UsageError
@@ -47,10 +48,10 @@ def check_eval_lm(args):
     if args.data:  # before any rank starts or the model loads
         # data_dir reads token files with numpy: imported only when there is a DATA to check
         from data.data_dir import check_data_dir
+
         check_data_dir(args.data, [args.gen_subset], subset_flag="--gen-subset")
 
 
 def check_generate(args):
-    if not args.temperature >= 0 or args.temperature == float("inf") or args.top_k < 0 \
-            or not 0 < args.top_p <= 1:
+    if not args.temperature >= 0 or args.temperature == float("inf") or args.top_k < 0 or not 0 < args.top_p <= 1:
         raise UsageError("need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")

@@ -8,6 +8,7 @@ of trainer/config/command_checks.py, or a parser), `required`, `repeatable` (the
 be given several times) and `metavar`. plan's own options are PlanConfig; its other flags
 are train's. Torch-free: `eval-lm --help` must answer before torch is imported.
 """
+
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -15,8 +16,10 @@ from trainer.config.checks import parse_model_overrides
 from trainer.config.command_checks import non_negative_int, positive_float, positive_int
 from trainer.config.schema import BREAK_MODES
 
-MODEL_PATH_HELP = ("checkpoint directory, export-model output, or Hugging Face model directory (Llama/Qwen3: "
-                   "config.json, safetensors, tokenizer.json)")
+MODEL_PATH_HELP = (
+    "checkpoint directory, export-model output, or Hugging Face model directory (Llama/Qwen3: "
+    "config.json, safetensors, tokenizer.json)"
+)
 
 
 def _f(default, help, **meta):
@@ -29,35 +32,44 @@ def _f(default, help, **meta):
 class EvalLMConfig:
     """eval-lm (fairseq-eval-lm): trainer/inference/eval_lm.py reads every field;
     distributed_world_size and cpu also set the launch (cli.py)."""
+
     data: Optional[str] = _f(None, "data directory (default: the embedded corpus)", flag="data")
     path: Optional[str] = _f(None, MODEL_PATH_HELP, required=True)
     gen_subset: str = _f("test", "split to evaluate")
     tokens_per_sample: Optional[int] = _f(None, "block length (default: the training run's)", type=positive_int)
     context_window: int = _f(0, "score each block with this many earlier tokens as unscored context")
-    sample_break_mode: Optional[str] = _f(None, "how blocks are cut (default: the training run's)",
-                                          choices=BREAK_MODES)
+    sample_break_mode: Optional[str] = _f(None, "how blocks are cut (default: the training run's)", choices=BREAK_MODES)
     batch_size: Optional[int] = _f(None, "blocks per batch", alias="--max-sentences", type=positive_int)
-    max_tokens: Optional[int] = _f(None, "tokens per batch (default 36000 without --batch-size)",
-                                   type=positive_int)
+    max_tokens: Optional[int] = _f(None, "tokens per batch (default 36000 without --batch-size)", type=positive_int)
     distributed_world_size: int = _f(1, "ranks to spawn", type=positive_int)
     cpu: bool = _f(False, "evaluate on the CPU even when a GPU is present")
-    num_workers: int = _f(1, "processes that read and collate batches ahead (0: in the evaluating process)",
-                          type=non_negative_int)
+    num_workers: int = _f(
+        1, "processes that read and collate batches ahead (0: in the evaluating process)", type=non_negative_int
+    )
     no_progress_bar: bool = _f(False, "no progress line while evaluating (default: one on a terminal)")
-    softmax_batch: Optional[int] = _f(None, "score at most this many tokens' output distributions at a time "
-                                      "(bounds the B x T x V memory of large vocabularies)", type=positive_int)
+    softmax_batch: Optional[int] = _f(
+        None,
+        "score at most this many tokens' output distributions at a time "
+        "(bounds the B x T x V memory of large vocabularies)",
+        type=positive_int,
+    )
     # Parsed while parsing (a dict from here on), so a bad dict is refused before any rank starts.
-    model_overrides: Dict[str, Any] = _f({}, "model config keys to change before loading, as fairseq's Python "
-                                         "dict, e.g. \"{'decoder_layers_to_keep':'0,2,4'}\"",
-                                         type=parse_model_overrides)
+    model_overrides: Dict[str, Any] = _f(
+        {},
+        "model config keys to change before loading, as fairseq's Python "
+        "dict, e.g. \"{'decoder_layers_to_keep':'0,2,4'}\"",
+        type=parse_model_overrides,
+    )
 
 
 @dataclass
 class GenerateConfig:
     """generate (fairseq-interactive): trainer/inference/generate.py."""
+
     path: Optional[str] = _f(None, MODEL_PATH_HELP, required=True)
-    prompt: Optional[List[str]] = _f(None, "prompt text (repeatable); default: one prompt per stdin line",
-                                     repeatable=True)
+    prompt: Optional[List[str]] = _f(
+        None, "prompt text (repeatable); default: one prompt per stdin line", repeatable=True
+    )
     max_new_tokens: int = _f(64, "tokens to sample per prompt", type=positive_int)
     temperature: float = _f(1.0, "0 is greedy decoding")
     top_k: int = _f(0, "sample among the k most likely tokens (0: all)")
@@ -69,31 +81,53 @@ class GenerateConfig:
 @dataclass
 class ExportModelConfig:
     """export-model: trainer/inference/export.py."""
+
     path: Optional[str] = _f(None, "checkpoint directory", required=True)
     out: Optional[str] = _f(None, "output directory (must not hold a model yet)", required=True)
-    format: str = _f("safetensors", "hf: a directory transformers loads (LlamaForCausalLM, Qwen3ForCausalLM with "
-                     "--qk-norm, or GPT2LMHeadModel), with the tokenizer as tokenizer.json",
-                     choices=("safetensors", "hf"))
+    format: str = _f(
+        "safetensors",
+        "hf: a directory transformers loads (LlamaForCausalLM, Qwen3ForCausalLM with "
+        "--qk-norm, or GPT2LMHeadModel), with the tokenizer as tokenizer.json",
+        choices=("safetensors", "hf"),
+    )
     dtype: Optional[str] = _f(None, "cast the weights (default: as saved)", choices=("fp32", "bf16", "fp16"))
-    max_shard_size: Optional[str] = _f(None, "--format hf: split the weights into files of at most this size, "
-                                       "as save_pretrained does (e.g. 500MB, 2GiB; default: 5GB)")
+    max_shard_size: Optional[str] = _f(
+        None,
+        "--format hf: split the weights into files of at most this size, "
+        "as save_pretrained does (e.g. 500MB, 2GiB; default: 5GB)",
+    )
 
 
 @dataclass
 class PlanConfig:
     """plan's own options, beside train's flags: trainer/plan/command.py."""
-    device_memory_gb: Optional[float] = _f(None, "memory of one GPU (plans for GPUs; without it, and with --cpu, "
-                                           "plans for this host's CPU)", type=positive_float)
-    host_memory_gb: Optional[float] = _f(None, "memory of one host (default: this one's; with "
-                                         "--device-memory-gb, not checked unless given)", type=positive_float)
-    ranks_per_host: Optional[int] = _f(None, "ranks on one host (default: all of them on a CPU, up to 8 on GPUs)",
-                                       type=positive_int)
+
+    device_memory_gb: Optional[float] = _f(
+        None,
+        "memory of one GPU (plans for GPUs; without it, and with --cpu, plans for this host's CPU)",
+        type=positive_float,
+    )
+    host_memory_gb: Optional[float] = _f(
+        None,
+        "memory of one host (default: this one's; with --device-memory-gb, not checked unless given)",
+        type=positive_float,
+    )
+    ranks_per_host: Optional[int] = _f(
+        None, "ranks on one host (default: all of them on a CPU, up to 8 on GPUs)", type=positive_int
+    )
     format: str = _f("text", "json: one object", choices=("text", "json"))
-    path: Optional[str] = _f(None, "plan for the Hugging Face model in this directory (Llama, Qwen3): its "
-                             "config.json gives the model's shape and vocabulary, over --arch and model flags",
-                             metavar="HF_DIR")
+    path: Optional[str] = _f(
+        None,
+        "plan for the Hugging Face model in this directory (Llama, Qwen3): its "
+        "config.json gives the model's shape and vocabulary, over --arch and model flags",
+        metavar="HF_DIR",
+    )
 
 
 # Each command's options and the group of their key=value overrides.
-COMMAND_GROUPS = {"eval-lm": ("eval_lm", EvalLMConfig), "generate": ("generate", GenerateConfig),
-                  "export-model": ("export_model", ExportModelConfig), "plan": ("plan", PlanConfig)}
+COMMAND_GROUPS = {
+    "eval-lm": ("eval_lm", EvalLMConfig),
+    "generate": ("generate", GenerateConfig),
+    "export-model": ("export_model", ExportModelConfig),
+    "plan": ("plan", PlanConfig),
+}

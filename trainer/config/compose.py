@@ -13,6 +13,7 @@ defaults lists with `_self_` and null entries, `# @package _group_` headers, fai
 key aliases (KEY_ALIASES), one-element lists (`lr: [0.25]`), and fairseq's config.yaml
 with its `hydra.run.dir: .` and groups train has no use for (ABSENT_GROUPS) at null.
 """
+
 import difflib
 import re
 import typing
@@ -21,11 +22,12 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config.hf_model import CONFIG as HF_CONFIG, hf_model_settings, is_hf_dir
+from trainer.config.flags import iter_fields, parse_float_list
+from trainer.config.hf_model import CONFIG as HF_CONFIG
+from trainer.config.hf_model import hf_model_settings, is_hf_dir
 from trainer.config.implied import resolve_implied
 from trainer.config.schema import GROUP_OPTIONS, GROUPS, register_configs
 from trainer.errors import UsageError
-from trainer.config.flags import iter_fields, parse_float_list
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 FIELD_TYPES = {f"{g}.{f.name}": f.type for g, f in iter_fields()}
@@ -96,9 +98,9 @@ ABSENT_GROUPS = {
 # fairseq's lists of one value per epoch (fairseq's --lr and --update-freq take several).
 PER_EPOCH_LISTS = {
     "optimization.lr": "fairseq's per-epoch lr lists are not supported; give one value (lr: [0.25]) and an "
-                       "--lr-scheduler for an lr that changes",
+    "--lr-scheduler for an lr that changes",
     "optimization.update_freq": "fairseq's per-epoch update_freq lists are not supported; give one value "
-                                "(update_freq: [4])",
+    "(update_freq: [4])",
 }
 
 
@@ -107,10 +109,15 @@ def resolve_aliases(settings, source):
     set by one source must agree: which one was meant is not for us to guess."""
     given = dict(settings)
     for alias, key in KEY_ALIASES.items():
-        if alias in given and key in given and \
-                _normalize(key, given[alias], source) != _normalize(key, given[key], source):
-            raise UsageError(f"{source}: {alias}={given[alias]!r} and {key}={given[key]!r} differ, and "
-                             f"{alias.split('.')[1]} is fairseq's name of {key}; set only one of them")
+        if (
+            alias in given
+            and key in given
+            and _normalize(key, given[alias], source) != _normalize(key, given[key], source)
+        ):
+            raise UsageError(
+                f"{source}: {alias}={given[alias]!r} and {key}={given[key]!r} differ, and "
+                f"{alias.split('.')[1]} is fairseq's name of {key}; set only one of them"
+            )
     return [(KEY_ALIASES.get(k, k), v) for k, v in settings]
 
 
@@ -122,15 +129,18 @@ def apply_setting(cfg, key, value, source, config_dir=None):
         if value is None:  # fairseq's `- bpe: null`: nothing selected, nothing to do
             return
         shown = f"{group}={value}" if key in (group, f"{group}._name") else f"{key}={value!r}"
-        raise UsageError(f"{source}: {shown} is not a train setting: {ABSENT_GROUPS[group]}; "
-                         f"drop it (or set {group} to null)")
+        raise UsageError(
+            f"{source}: {shown} is not a train setting: {ABSENT_GROUPS[group]}; drop it (or set {group} to null)"
+        )
     if key not in FIELD_TYPES:
         raise UsageError(f"{source}: {unknown_key_message(key)}")
     value = _normalize(key, value, source)
     if _is_selection(key):
         if value is None:
-            raise UsageError(f"{source}: {group}=null selects no {group}, and train always has one; "
-                             f"name an option (e.g. {group}={GROUPS[group]()._name}) or leave it out")
+            raise UsageError(
+                f"{source}: {group}=null selects no {group}, and train always has one; "
+                f"name an option (e.g. {group}={GROUPS[group]()._name}) or leave it out"
+            )
         value, option_settings, option_source = group_option(group, value, config_dir)
         option_source = option_source or source
         for k, v in resolve_aliases(option_settings, option_source):
@@ -145,11 +155,15 @@ def check_hydra_setting(key, value, source):
     if key == "hydra.run.dir" and value == ".":
         return
     if key == "hydra.run.dir":
-        raise UsageError(f"{source}: hydra.run.dir={value!r}: train runs in the working directory (only "
-                         "`hydra.run.dir: .` is accepted); set checkpoint.save_dir for where it writes")
-    raise UsageError(f"{source}: {key} is a Hydra setting that a single train run does not take (only "
-                     "`hydra.run.dir: .`); Hydra's sweeps and launchers run with `train -m`, e.g. "
-                     "hydra/launcher=slurm")
+        raise UsageError(
+            f"{source}: hydra.run.dir={value!r}: train runs in the working directory (only "
+            "`hydra.run.dir: .` is accepted); set checkpoint.save_dir for where it writes"
+        )
+    raise UsageError(
+        f"{source}: {key} is a Hydra setting that a single train run does not take (only "
+        "`hydra.run.dir: .`); Hydra's sweeps and launchers run with `train -m`, e.g. "
+        "hydra/launcher=slurm"
+    )
 
 
 def _set(cfg, key, value, source):
@@ -173,7 +187,7 @@ def _normalize(key, value, source="override"):
         try:
             return parse_float_list(value)
         except Exception:
-            raise UsageError(f"cannot read {key}={value!r}: expected a list like \"(0.9, 0.98)\"") from None
+            raise UsageError(f'cannot read {key}={value!r}: expected a list like "(0.9, 0.98)"') from None
     if isinstance(value, tuple):
         return list(value)
     return value
@@ -205,8 +219,11 @@ def group_option(group, name, config_dir=None):
                 label = node.pop("_name", None) or next((p for p in parts[::-1][:2] if p in options), name)
                 return label, [(f"{group}.{k}", v) for k, v in node.items()], str(path)
     if name not in options:
-        files = sorted(str(p.relative_to(root / group).with_suffix("")) for root in {CONF_DIR, Path(config_dir or CONF_DIR)}
-                       for p in (root / group).rglob("*.yaml"))
+        files = sorted(
+            str(p.relative_to(root / group).with_suffix(""))
+            for root in {CONF_DIR, Path(config_dir or CONF_DIR)}
+            for p in (root / group).rglob("*.yaml")
+        )
         near = difflib.get_close_matches(name, list(options) + files, n=1, cutoff=0.5)
         hint = f"did you mean {near[0]}?" if near else "choose one of: " + ", ".join(list(options) + files)
         raise UsageError(f"unknown {group} {name!r} ({hint})")
@@ -267,6 +284,7 @@ def _load_yaml(path, group=None):
     the keys are GROUP's, or the top level's in an experiment file. Another package would
     move the keys elsewhere, which this reader does not do: refused."""
     import yaml
+
     try:
         package = _package(Path(path).read_text())
         data = OmegaConf.to_container(OmegaConf.load(path))
@@ -274,8 +292,10 @@ def _load_yaml(path, group=None):
         raise UsageError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if package not in (None, "_group_", group or "_global_"):
         where = f"the {group} group's" if group else "top-level"
-        raise UsageError(f"{path}: `# @package {package}` is not supported: its keys are read as {where} keys; "
-                         "use `# @package _group_` or no header")
+        raise UsageError(
+            f"{path}: `# @package {package}` is not supported: its keys are read as {where} keys; "
+            "use `# @package _group_` or no header"
+        )
     return data
 
 

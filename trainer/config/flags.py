@@ -4,6 +4,7 @@ Each field of each group becomes `--field-name` (or the `flag` in its metadata);
 parser only records what the user typed, as (dotted key, value) pairs, so that
 trainer/config/compose.py can layer them between the config file and the dotted overrides.
 """
+
 import argparse
 import difflib
 import re
@@ -32,7 +33,7 @@ def parse_float_list(text):
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like \"(0.9, 0.98)\", got {text!r}")
+        raise argparse.ArgumentTypeError(f'expected numbers like "(0.9, 0.98)", got {text!r}') from None
 
 
 def _typed(convert, optional, name, choices=()):
@@ -41,6 +42,7 @@ def _typed(convert, optional, name, choices=()):
         if optional and text.lower() in ("none", "null") and text not in choices:
             return None
         return convert(text)
+
     parse.__name__ = name  # argparse names the type in "invalid <name> value"
     return parse
 
@@ -72,8 +74,11 @@ def help_text(f):
 
 
 def add_debug_flag(parser):
-    parser.add_argument("--debug", action="store_true", help="on an error, also print its traceback (or set "
-                        "SHARDLM_DEBUG=1) (default: False)")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="on an error, also print its traceback (or set SHARDLM_DEBUG=1) (default: False)",
+    )
 
 
 TRAIN_DESCRIPTION = "Train a transformer language model (fairseq-train flags, Hydra config)."
@@ -81,9 +86,14 @@ TRAIN_DESCRIPTION = "Train a transformer language model (fairseq-train flags, Hy
 
 def build_parser(prog="train", description=None):
     """train's parser (plan's too, which adds its own options): a flag for every config field."""
-    parser = _Parser(prog=prog, allow_abbrev=False, usage=f"{prog} [DATA] [--flags] [group.key=value ...]",
-                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
-                     description=description or TRAIN_DESCRIPTION)
+    parser = _Parser(
+        prog=prog,
+        allow_abbrev=False,
+        usage=f"{prog} [DATA] [--flags] [group.key=value ...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+        description=description or TRAIN_DESCRIPTION,
+    )
     parser.add_argument("--config-dir", help="directory holding an experiment YAML file")
     parser.add_argument("--config-name", help="experiment YAML file (without .yaml) in --config-dir")
     add_debug_flag(parser)
@@ -106,8 +116,12 @@ def _add_field_flag(parser, arg_group, group, f):
     if name in seen:
         raise RuntimeError(f"flag {name} is defined by both {seen[name]} and {key}")
     seen[name] = key
-    kw = dict(dest=key, default=argparse.SUPPRESS, help=help_text(f),
-              metavar=f.metadata.get("metavar", f.name.strip("_").upper()))
+    kw = dict(
+        dest=key,
+        default=argparse.SUPPRESS,
+        help=help_text(f),
+        metavar=f.metadata.get("metavar", f.name.strip("_").upper()),
+    )
     if name == "data":  # the positional DATA directory
         kw.pop("dest"), kw.pop("metavar")
         arg_group.add_argument(key, nargs="?", metavar="DATA", **kw)
@@ -147,8 +161,9 @@ def value_parser(f):
     elif typing.get_origin(tp) in (list, typing.List):
         return parse_float_list
     convert = f.metadata.get("type", tp)
-    return _typed(convert, _takes_null(f) and not repeatable, getattr(convert, "__name__", "value"),
-                  f.metadata.get("choices", ()))
+    return _typed(
+        convert, _takes_null(f) and not repeatable, getattr(convert, "__name__", "value"), f.metadata.get("choices", ())
+    )
 
 
 def parse_flags(parser, argv):
@@ -177,8 +192,9 @@ def parse_flags(parser, argv):
 def unknown_flag_message(parser, token):
     if not token.startswith("-"):
         if any(not a.option_strings for a in parser._actions):
-            return (f"unexpected argument {token!r}: only one DATA directory is accepted; options are --flags "
-                    "or key=value")
+            return (
+                f"unexpected argument {token!r}: only one DATA directory is accepted; options are --flags or key=value"
+            )
         return f"unexpected argument {token!r}: options are --flags or key=value"
     name = token.split("=", 1)[0]
     options = [o for a in parser._actions for o in a.option_strings]
@@ -190,18 +206,31 @@ def unknown_flag_message(parser, token):
 def build_command_parser(prog, group, cls, description):
     """The parser of a command beside train (eval-lm, generate, export-model): a flag for
     each field of its dataclass (trainer/config/commands.py), stored at `group.field`."""
-    parser = _Parser(prog=prog, description=description, allow_abbrev=False,
-                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=override_epilog(group, cls))
+    parser = _Parser(
+        prog=prog,
+        description=description,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=override_epilog(group, cls),
+    )
     add_debug_flag(parser)
     add_field_flags(parser, group, cls)
     return parser
 
 
 def override_epilog(group, cls):
-    example = next(f for f in fields(cls) if flag_name(f).startswith("--") and _base_type(f.type)[0] is not bool
-                   and not f.metadata.get("required") and not f.metadata.get("repeatable"))
-    return (f"Every flag is also a key=value override: `{flag_name(example)} X` = `{group}.{example.name}=X` "
-            "(an override wins over its flag).")
+    example = next(
+        f
+        for f in fields(cls)
+        if flag_name(f).startswith("--")
+        and _base_type(f.type)[0] is not bool
+        and not f.metadata.get("required")
+        and not f.metadata.get("repeatable")
+    )
+    return (
+        f"Every flag is also a key=value override: `{flag_name(example)} X` = `{group}.{example.name}=X` "
+        "(an override wins over its flag)."
+    )
 
 
 def parse_command(parser, group, cls, argv):
@@ -256,8 +285,12 @@ def unknown_key_message(group, cls, key):
     keys = [f"{group}.{f.name}" for f in fields(cls)]
     near = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     if not near:  # `context_window=4` without its group still deserves a hint
-        near = [f"{group}.{leaf}" for leaf in difflib.get_close_matches(
-            key.split(".")[-1], [k.partition(".")[2] for k in keys], n=1, cutoff=0.6)]
+        near = [
+            f"{group}.{leaf}"
+            for leaf in difflib.get_close_matches(
+                key.split(".")[-1], [k.partition(".")[2] for k in keys], n=1, cutoff=0.6
+            )
+        ]
     hint = f" (did you mean {near[0]}?)" if near else f"; the keys are {group}.KEY, one per flag"
     return f"unknown config key {key}{hint}"
 

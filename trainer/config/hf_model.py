@@ -7,6 +7,7 @@ override) that contradicts it is refused in one line; the training-time keys it 
 fix (dropout, activation checkpointing, FSDP wrapping, ...) stay the user's. Torch-free:
 composing the config and the checks before any rank starts read it.
 """
+
 import json
 from pathlib import Path
 
@@ -20,13 +21,22 @@ CONFIG = "config.json"
 # Our field → the config.json key it comes from, for the refusal's message; the fields
 # missing here follow from model_type (Llama's layout: RMSNorm, SwiGLU, RoPE, no biases).
 HF_KEYS = {
-    "decoder_layers": "num_hidden_layers", "decoder_embed_dim": "hidden_size",
-    "decoder_ffn_embed_dim": "intermediate_size", "decoder_attention_heads": "num_attention_heads",
-    "decoder_kv_heads": "num_key_value_heads", "decoder_head_dim": "head_dim", "norm_eps": "rms_norm_eps",
-    "activation_fn": "hidden_act", "share_decoder_input_output_embed": "tie_word_embeddings",
-    "max_target_positions": "max_position_embeddings", "rope_theta": "rope_theta",
-    "rope_scaling": "rope_scaling", "rope_scaling_factor": "rope_scaling", "rope_low_freq_factor": "rope_scaling",
-    "rope_high_freq_factor": "rope_scaling", "rope_original_max_positions": "rope_scaling",
+    "decoder_layers": "num_hidden_layers",
+    "decoder_embed_dim": "hidden_size",
+    "decoder_ffn_embed_dim": "intermediate_size",
+    "decoder_attention_heads": "num_attention_heads",
+    "decoder_kv_heads": "num_key_value_heads",
+    "decoder_head_dim": "head_dim",
+    "norm_eps": "rms_norm_eps",
+    "activation_fn": "hidden_act",
+    "share_decoder_input_output_embed": "tie_word_embeddings",
+    "max_target_positions": "max_position_embeddings",
+    "rope_theta": "rope_theta",
+    "rope_scaling": "rope_scaling",
+    "rope_scaling_factor": "rope_scaling",
+    "rope_low_freq_factor": "rope_scaling",
+    "rope_high_freq_factor": "rope_scaling",
+    "rope_original_max_positions": "rope_scaling",
 }
 # Training-time choices config.json has values for (or that its model has none of): its
 # values are the defaults, and a flag may change them. Dropout is off in the published
@@ -37,8 +47,9 @@ TRAINING_DEFAULTS = {"dropout": 0.0, "activation_dropout": 0.0}
 def is_hf_dir(path):
     """A Hugging Face model directory (its config.json), not one of our checkpoints or exports."""
     path = Path(path)
-    return (path / CONFIG).is_file() and not (path / "trainer_state.json").exists() \
-        and not (path / "config.yaml").exists()
+    return (
+        (path / CONFIG).is_file() and not (path / "trainer_state.json").exists() and not (path / "config.yaml").exists()
+    )
 
 
 def read_hf_config(path):
@@ -47,8 +58,10 @@ def read_hf_config(path):
     try:
         config = json.loads((path / CONFIG).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"{path / CONFIG} is not valid JSON ({str(e).splitlines()[0]}); pass a Hugging Face "
-                         "model directory as save_pretrained writes it") from None
+        raise UsageError(
+            f"{path / CONFIG} is not valid JSON ({str(e).splitlines()[0]}); pass a Hugging Face "
+            "model directory as save_pretrained writes it"
+        ) from None
     if not isinstance(config, dict):
         raise UsageError(f"{path / CONFIG} is not a JSON object; pass a Hugging Face model directory")
     try:
@@ -100,15 +113,23 @@ def apply_hf_model(cfg, given):
         preset = PRESETS.get(model_cfg._name)
         differs = None if preset is None else next((k for k, v in preset.items() if k in fixed and fixed[k] != v), None)
         if preset is None or differs is not None:
-            why = "" if differs is None else f" (it sets {flags[differs]} {_shown(preset[differs])}, config.json " \
-                                            f"{_shown(fixed[differs])})"
-            raise UsageError(f"--arch {model_cfg._name} contradicts {where}{why}: the model is the one config.json "
-                             "describes; drop --arch")
+            why = (
+                ""
+                if differs is None
+                else f" (it sets {flags[differs]} {_shown(preset[differs])}, config.json {_shown(fixed[differs])})"
+            )
+            raise UsageError(
+                f"--arch {model_cfg._name} contradicts {where}{why}: the model is the one config.json "
+                "describes; drop --arch"
+            )
     for key, value in fixed.items():
         if f"model.{key}" in given and model_cfg[key] != value:
             hf_key = HF_KEYS.get(key)
-            source = f"{where}'s {hf_key} {json.dumps(config.get(hf_key))}" if hf_key in config else \
-                f"{where} (model_type {config['model_type']!r} has {flags[key]} {_shown(value)})"
+            source = (
+                f"{where}'s {hf_key} {json.dumps(config.get(hf_key))}"
+                if hf_key in config
+                else f"{where} (model_type {config['model_type']!r} has {flags[key]} {_shown(value)})"
+            )
             raise UsageError(f"{flags[key]} {_shown(model_cfg[key])} contradicts {source}; drop the flag")
     for key, value in fixed.items():
         model_cfg[key] = value
@@ -118,11 +139,15 @@ def apply_hf_model(cfg, given):
     model_cfg._name = str(path)  # where the model came from; composes again from a saved config.yaml
     why = llama_incompatibility(model_cfg)
     if why:
-        raise UsageError(f"--finetune-from-model {path}: with these flags the model is not the one config.json "
-                         f"describes ({why}); drop the flag that changes it")
+        raise UsageError(
+            f"--finetune-from-model {path}: with these flags the model is not the one config.json "
+            f"describes ({why}); drop the flag that changes it"
+        )
     if model_cfg.decoder_layers_to_keep:
-        raise UsageError(f"--decoder-layers-to-keep prunes layers of a checkpoint of ours; {path}'s layers load "
-                         "as they are: drop it (or fine-tune first, then prune the checkpoint)")
+        raise UsageError(
+            f"--decoder-layers-to-keep prunes layers of a checkpoint of ours; {path}'s layers load "
+            "as they are: drop it (or fine-tune first, then prune the checkpoint)"
+        )
 
 
 def _same_path(a, b):

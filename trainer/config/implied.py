@@ -5,6 +5,7 @@ none decides the rule again. Set on the config rather than computed where used, 
 a file or a dotted override implies them as a flag does. The planner's flag search builds
 candidate settings of its own: it applies `implies_activation_checkpointing` to them.
 """
+
 from trainer.config.hf_model import apply_hf_model
 
 EMBEDDED_CORPUS_BATCH_SIZE = 8  # sequences per rank, as fairseq's FSDP examples use

@@ -7,6 +7,7 @@ definition of an option. Field metadata: `help`; `choices`; `flag` when the
 fairseq spelling is not `--field-name`; `alias` for a second spelling.
 Torch-free: `train --help` must answer before torch is imported.
 """
+
 from dataclasses import dataclass, field, fields
 from typing import List, Optional
 
@@ -32,9 +33,9 @@ class CommonConfig:
     """Logging (trainer/train/progress.py), seed (train/main.py), device and precision
     (parallel/ranks.py, parallel/parallelize.py, train/trainer.py), --host-allocator
     (cpu/rank.py), --compile (parallel/parallelize.py)."""
+
     log_interval: int = _f(100, "log a train_inner record every N updates")
-    log_format: Optional[str] = _f(None, "log format (default: tqdm on a terminal, else simple)",
-                                   choices=LOG_FORMATS)
+    log_format: Optional[str] = _f(None, "log format (default: tqdm on a terminal, else simple)", choices=LOG_FORMATS)
     log_file: Optional[str] = _f(None, "also write the log to this file")
     no_progress_bar: bool = _f(False, "no progress bar (log format defaults to simple)")
     tensorboard_logdir: Optional[str] = _f(None, "write scalars for TensorBoard under this directory")
@@ -42,27 +43,42 @@ class CommonConfig:
     cpu: bool = _f(False, "train on the CPU even when a GPU is present")
     fp16: bool = _f(False, "fp16 mixed precision with dynamic loss scaling")
     bf16: bool = _f(False, "bf16 mixed precision (no loss scaling)")
-    memory_efficient_fp16: bool = _f(False, "implies --fp16 (fairseq's rule). shardlm never keeps an fp16 copy of the "
-                                     "weights beside fp32 masters: the one copy is fp32, sharded under FSDP, cast "
-                                     "per layer in forward")
+    memory_efficient_fp16: bool = _f(
+        False,
+        "implies --fp16 (fairseq's rule). shardlm never keeps an fp16 copy of the "
+        "weights beside fp32 masters: the one copy is fp32, sharded under FSDP, cast "
+        "per layer in forward",
+    )
     memory_efficient_bf16: bool = _f(False, "implies --bf16, as --memory-efficient-fp16 implies --fp16")
     fp16_init_scale: float = _f(128.0, "initial fp16 loss scale")
-    fp16_scale_window: Optional[int] = _f(None, "updates without overflow before the loss scale doubles "
-                                          "(default: 2**14 / world size / update freq)")
+    fp16_scale_window: Optional[int] = _f(
+        None, "updates without overflow before the loss scale doubles (default: 2**14 / world size / update freq)"
+    )
     min_loss_scale: float = _f(1e-4, "stop training when the fp16 loss scale falls below this")
-    wandb_project: Optional[str] = _f(None, "also log to this Weights & Biases project from rank 0 (run name: "
-                                      "$WANDB_NAME or the --save-dir's name; needs pip install 'shardlm[wandb]'). "
-                                      "Unless $WANDB_MODE is set, a run that cannot reach W&B (no network, no "
-                                      "`wandb login`) logs offline under ./wandb or $WANDB_DIR: `wandb sync` "
-                                      "uploads it later")
-    peak_tflops: Optional[float] = _f(None, "the device's peak TFLOP/s per rank in the training dtype: "
-                                      "log records add mfu = tflops / (peak x ranks)")
-    host_allocator: str = _f("caching", "allocator of tensors in host memory: caching keeps freed pages and "
-                             "serves later tensors of any size from them, as CUDA's allocator does (built on "
-                             "first use with the system's C++ compiler; Linux; CPU ranks only); glibc: plain glibc "
-                             "malloc, also what a rank falls back to without a compiler", choices=("caching", "glibc"))
-    compile: bool = _f(False, "compile each decoder layer with torch.compile (inductor) before sharding; "
-                       "the first updates are slower while it compiles (on a CPU it needs a C++ compiler)")
+    wandb_project: Optional[str] = _f(
+        None,
+        "also log to this Weights & Biases project from rank 0 (run name: "
+        "$WANDB_NAME or the --save-dir's name; needs pip install 'shardlm[wandb]'). "
+        "Unless $WANDB_MODE is set, a run that cannot reach W&B (no network, no "
+        "`wandb login`) logs offline under ./wandb or $WANDB_DIR: `wandb sync` "
+        "uploads it later",
+    )
+    peak_tflops: Optional[float] = _f(
+        None, "the device's peak TFLOP/s per rank in the training dtype: log records add mfu = tflops / (peak x ranks)"
+    )
+    host_allocator: str = _f(
+        "caching",
+        "allocator of tensors in host memory: caching keeps freed pages and "
+        "serves later tensors of any size from them, as CUDA's allocator does (built on "
+        "first use with the system's C++ compiler; Linux; CPU ranks only); glibc: plain glibc "
+        "malloc, also what a rank falls back to without a compiler",
+        choices=("caching", "glibc"),
+    )
+    compile: bool = _f(
+        False,
+        "compile each decoder layer with torch.compile (inductor) before sharding; "
+        "the first updates are slower while it compiles (on a CPU it needs a C++ compiler)",
+    )
 
 
 @dataclass
@@ -70,39 +86,67 @@ class DistributedTrainingConfig:
     """How ranks find each other (trainer/rendezvous.py), process groups and
     --heartbeat-timeout (parallel/ranks.py), the backend and its FSDP flags
     (parallel/parallelize.py, parallel/grad_sync.py), --auto-tune (launch/auto_tune.py)."""
+
     distributed_world_size: int = _f(1, "total number of ranks")
-    distributed_port: int = _f(-1, "port for the rendezvous (-1: a free one locally, derived from "
-                               "SLURM_JOB_ID under SLURM)")
-    distributed_init_method: Optional[str] = _f(None, "rendezvous address, e.g. tcp://host:port "
-                                                "(default: from torchrun or SLURM variables, else local)")
+    distributed_port: int = _f(
+        -1, "port for the rendezvous (-1: a free one locally, derived from SLURM_JOB_ID under SLURM)"
+    )
+    distributed_init_method: Optional[str] = _f(
+        None, "rendezvous address, e.g. tcp://host:port (default: from torchrun or SLURM variables, else local)"
+    )
     distributed_rank: int = _f(0, "rank of the first process started here, with --distributed-init-method")
-    distributed_no_spawn: bool = _f(False, "run one rank in this process (rank --distributed-rank) "
-                                    "instead of spawning --distributed-world-size local ranks")
-    heartbeat_timeout: int = _f(-1, "seconds a collective may wait for the other ranks before the job ends "
-                                "(a dead or hung rank); -1: 30 minutes")
-    shard_group_size: Optional[int] = _f(None, "hybrid_shard: ranks that shard one copy of the model "
-                                         "(default: ranks per node); copies are replicated across groups")
-    defer_grad_sync: bool = _f(False, "with --update-freq: keep gradients unsynchronized until the last "
-                               "micro-batch (FSDP: unsharded, more memory; DDP: no_sync)")
+    distributed_no_spawn: bool = _f(
+        False,
+        "run one rank in this process (rank --distributed-rank) "
+        "instead of spawning --distributed-world-size local ranks",
+    )
+    heartbeat_timeout: int = _f(
+        -1,
+        "seconds a collective may wait for the other ranks before the job ends (a dead or hung rank); -1: 30 minutes",
+    )
+    shard_group_size: Optional[int] = _f(
+        None,
+        "hybrid_shard: ranks that shard one copy of the model "
+        "(default: ranks per node); copies are replicated across groups",
+    )
+    defer_grad_sync: bool = _f(
+        False,
+        "with --update-freq: keep gradients unsynchronized until the last "
+        "micro-batch (FSDP: unsharded, more memory; DDP: no_sync)",
+    )
     ddp_backend: str = _f("pytorch_ddp", "data-parallel backend", choices=DDP_BACKENDS)
     cpu_offload: bool = _f(False, "FSDP: keep parameter shards and the optimizer step on the CPU")
-    no_reshard_after_forward: bool = _f(False, "FSDP: keep parameters gathered from forward to "
-                                        "backward (ZeRO-2-like: faster, more memory)")
+    no_reshard_after_forward: bool = _f(
+        False, "FSDP: keep parameters gathered from forward to backward (ZeRO-2-like: faster, more memory)"
+    )
     fp32_reduce_scatter: bool = _f(False, "FSDP: reduce-scatter gradients in fp32 under --fp16/--bf16")
-    use_sharded_state: bool = _f(False, "FSDP: save and load each rank's shards (shardlm's checkpoints always "
-                                 "are: one DCP directory, each rank writing its own shards, resumable on any "
-                                 "number of ranks)")
-    auto_tune: bool = _f(False, "let the memory planner (`plan`) pick the backend, resharding, activation "
-                         "checkpointing, offload and --update-freq that fit --memory-budget-gb; prints the choice")
-    memory_budget_gb: Optional[float] = _f(None, "--auto-tune: memory per rank to plan for (default: the "
-                                           "device's memory; on a CPU the host's, shared by its ranks)")
+    use_sharded_state: bool = _f(
+        False,
+        "FSDP: save and load each rank's shards (shardlm's checkpoints always "
+        "are: one DCP directory, each rank writing its own shards, resumable on any "
+        "number of ranks)",
+    )
+    auto_tune: bool = _f(
+        False,
+        "let the memory planner (`plan`) pick the backend, resharding, activation "
+        "checkpointing, offload and --update-freq that fit --memory-budget-gb; prints the choice",
+    )
+    memory_budget_gb: Optional[float] = _f(
+        None,
+        "--auto-tune: memory per rank to plan for (default: the "
+        "device's memory; on a CPU the host's, shared by its ranks)",
+    )
 
 
 @dataclass
 class DatasetConfig:
     """Batches (trainer/train/task.py) and validation (train/loop.py)."""
-    batch_size: Optional[int] = _f(None, "sequences per batch per rank (this or --max-tokens is required with "
-                                   "DATA; the embedded corpus defaults to 8)", alias="--max-sentences")
+
+    batch_size: Optional[int] = _f(
+        None,
+        "sequences per batch per rank (this or --max-tokens is required with DATA; the embedded corpus defaults to 8)",
+        alias="--max-sentences",
+    )
     max_tokens: Optional[int] = _f(None, "tokens per batch per rank")
     train_subset: str = _f("train", "split to train on")
     valid_subset: str = _f("valid", "split(s) to validate on, comma-separated")
@@ -110,14 +154,14 @@ class DatasetConfig:
     max_tokens_valid: Optional[int] = _f(None, "validation max tokens (default: --max-tokens)")
     validate_interval: int = _f(1, "validate every N epochs")
     validate_interval_updates: int = _f(0, "also validate every N updates (0: only at epoch ends)")
-    num_workers: int = _f(1, "processes that read and collate batches ahead of training (0: in the "
-                          "training process)")
-    required_batch_size_multiple: int = _f(8, "cut each batch to a multiple of N sequences when it holds "
-                                           "N or more")
-    skip_invalid_size_inputs_valid_test: bool = _f(False, "drop validation/test samples longer than "
-                                                   "--tokens-per-sample (default: refuse them)")
-    combine_valid_subsets: Optional[bool] = _f(None, "validate on valid, valid1, valid2, … as one split",
-                                               alias="--combine-val")
+    num_workers: int = _f(1, "processes that read and collate batches ahead of training (0: in the training process)")
+    required_batch_size_multiple: int = _f(8, "cut each batch to a multiple of N sequences when it holds N or more")
+    skip_invalid_size_inputs_valid_test: bool = _f(
+        False, "drop validation/test samples longer than --tokens-per-sample (default: refuse them)"
+    )
+    combine_valid_subsets: Optional[bool] = _f(
+        None, "validate on valid, valid1, valid2, … as one split", alias="--combine-val"
+    )
     max_valid_steps: Optional[int] = _f(None, "validate on at most N batches", alias="--nval")
     disable_validation: bool = _f(False, "never validate")
 
@@ -126,12 +170,17 @@ class DatasetConfig:
 class OptimizationConfig:
     """When to stop (trainer/train/loop.py), --update-freq and --clip-norm (train/trainer.py),
     --lr (train/optim.py)."""
+
     max_epoch: int = _f(0, "stop after N epochs (0: no limit)")
     max_update: int = _f(0, "stop after N updates (0: no limit)")
-    lr: float = _f(0.25, "peak learning rate (fairseq's default; on the embedded corpus, without DATA, "
-                   "Adam's is 0.0005)")
-    stop_min_lr: float = _f(-1.0, "stop training when the learning rate is at or below this, checked before "
-                            "each epoch as fairseq does (-1: never)")
+    lr: float = _f(
+        0.25, "peak learning rate (fairseq's default; on the embedded corpus, without DATA, Adam's is 0.0005)"
+    )
+    stop_min_lr: float = _f(
+        -1.0,
+        "stop training when the learning rate is at or below this, checked before "
+        "each epoch as fairseq does (-1: never)",
+    )
     clip_norm: float = _f(0.0, "clip the global gradient norm to this (0: no clipping; gnorm is logged anyway)")
     update_freq: int = _f(1, "micro-batches per optimizer update (gradient accumulation)")
 
@@ -140,12 +189,19 @@ class OptimizationConfig:
 class CheckpointConfig:
     """trainer/checkpoint/checkpointer.py (what is saved and restored, when) and
     checkpoint/files.py (names, publishing, retention)."""
+
     save_dir: str = _f("checkpoints", "directory for config.yaml and checkpoints")
-    restore_file: str = _f("checkpoint_last", "checkpoint to resume from: a name in --save-dir or a path "
-                           "(the default resumes a run re-started with the same command)")
-    finetune_from_model: Optional[str] = _f(None, "start from this checkpoint's weights with a fresh optimizer, "
-                                            "lr schedule, data position and meters (unless --save-dir "
-                                            "already holds checkpoint_last)")
+    restore_file: str = _f(
+        "checkpoint_last",
+        "checkpoint to resume from: a name in --save-dir or a path "
+        "(the default resumes a run re-started with the same command)",
+    )
+    finetune_from_model: Optional[str] = _f(
+        None,
+        "start from this checkpoint's weights with a fresh optimizer, "
+        "lr schedule, data position and meters (unless --save-dir "
+        "already holds checkpoint_last)",
+    )
     reset_optimizer: bool = _f(False, "do not restore the optimizer state (or the fp16 loss scale)")
     reset_lr_scheduler: bool = _f(False, "do not restore the lr schedule's position: count updates from 0 for it")
     reset_dataloader: bool = _f(False, "do not restore the data position: start at epoch 1")
@@ -159,21 +215,27 @@ class CheckpointConfig:
     no_epoch_checkpoints: bool = _f(False, "do not save checkpoint{epoch} at the end of epochs")
     no_last_checkpoints: bool = _f(False, "do not save checkpoint_last")
     no_save_optimizer_state: bool = _f(False, "leave the optimizer state out of checkpoints")
-    best_checkpoint_metric: str = _f("loss", "validation metric that picks checkpoint_best (loss or ppl)",
-                                     choices=("loss", "ppl"))
+    best_checkpoint_metric: str = _f(
+        "loss", "validation metric that picks checkpoint_best (loss or ppl)", choices=("loss", "ppl")
+    )
     maximize_best_checkpoint_metric: bool = _f(False, "a higher --best-checkpoint-metric is better")
-    save_async: bool = _f(False, "write checkpoints in the background while training goes on",
-                          alias="--write-checkpoints-asynchronously")
+    save_async: bool = _f(
+        False, "write checkpoints in the background while training goes on", alias="--write-checkpoints-asynchronously"
+    )
 
 
 @dataclass
 class TaskConfig:
     """trainer/train/task.py: the data, its splits and blocks."""
-    _name: str = _f("language_modeling", "task", flag="--task",
-                    choices=("language_modeling", "dummy_lm"))
-    data: Optional[str] = _f(None, "data directory from `preprocess` or fairseq-preprocess "
-                             "(default: the embedded corpus); several joined by ':' are shards, "
-                             "one trained on per epoch in turn", flag="data")
+
+    _name: str = _f("language_modeling", "task", flag="--task", choices=("language_modeling", "dummy_lm"))
+    data: Optional[str] = _f(
+        None,
+        "data directory from `preprocess` or fairseq-preprocess "
+        "(default: the embedded corpus); several joined by ':' are shards, "
+        "one trained on per epoch in turn",
+        flag="data",
+    )
     tokens_per_sample: int = _f(1024, "tokens per sample (block length)")
     sample_break_mode: str = _f("none", "how samples are cut from the token stream", choices=BREAK_MODES)
     add_bos_token: bool = _f(False, "start each sample with the beginning-of-sentence symbol <s>")
@@ -185,9 +247,14 @@ class TaskConfig:
 @dataclass
 class OptimizerConfig:
     """trainer/train/optim.py: build_optimizer."""
-    _name: str = _f("adam", "optimizer (adam's weight decay is decoupled, as in fairseq and AdamW)",
-                    flag="--optimizer", choices=("adam", "adamw", "cpu_adam", "sgd", "nag"))
-    adam_betas: List[float] = _f([0.9, 0.999], "Adam betas, e.g. \"(0.9, 0.98)\"")
+
+    _name: str = _f(
+        "adam",
+        "optimizer (adam's weight decay is decoupled, as in fairseq and AdamW)",
+        flag="--optimizer",
+        choices=("adam", "adamw", "cpu_adam", "sgd", "nag"),
+    )
+    adam_betas: List[float] = _f([0.9, 0.999], 'Adam betas, e.g. "(0.9, 0.98)"')
     adam_eps: float = _f(1e-8, "Adam epsilon")
     weight_decay: float = _f(0.0, "weight decay (never applied to biases, norms and embeddings)")
     momentum: float = _f(0.0, "sgd and nag momentum (--optimizer nag's default: 0.99)")
@@ -196,9 +263,13 @@ class OptimizerConfig:
 @dataclass
 class LRSchedulerConfig:
     """trainer/train/optim.py: LRSchedule."""
-    _name: str = _f("fixed", "learning-rate schedule", flag="--lr-scheduler",
-                    choices=("fixed", "inverse_sqrt", "polynomial_decay", "cosine",
-                                                      "reduce_lr_on_plateau"))
+
+    _name: str = _f(
+        "fixed",
+        "learning-rate schedule",
+        flag="--lr-scheduler",
+        choices=("fixed", "inverse_sqrt", "polynomial_decay", "cosine", "reduce_lr_on_plateau"),
+    )
     warmup_updates: int = _f(0, "linear warmup over N updates")
     warmup_init_lr: float = _f(-1.0, "lr at the start of warmup (-1: 0)")
     end_learning_rate: float = _f(0.0, "polynomial_decay: final lr")
@@ -207,8 +278,11 @@ class LRSchedulerConfig:
     min_lr: float = _f(0.0, "cosine: lr at the end of the cycle")
     lr_period_updates: int = _f(-1, "cosine: first cycle's length in updates (-1: --max-update minus warmup)")
     t_mult: float = _f(1.0, "cosine: each cycle is this many times longer than the one before")
-    lr_shrink: float = _f(0.1, "cosine: each cycle's peak lr is the previous one's times this; "
-                          "reduce_lr_on_plateau: the lr's factor on a plateau")
+    lr_shrink: float = _f(
+        0.1,
+        "cosine: each cycle's peak lr is the previous one's times this; "
+        "reduce_lr_on_plateau: the lr's factor on a plateau",
+    )
     lr_threshold: float = _f(1e-4, "reduce_lr_on_plateau: a relative improvement smaller than this is a plateau")
     lr_patience: int = _f(0, "reduce_lr_on_plateau: validations without improvement before the lr shrinks")
 
@@ -217,8 +291,13 @@ class LRSchedulerConfig:
 class CriterionConfig:
     """The training loss: models/transformer_lm.py (cross_entropy, the adaptive softmax's
     adaptive_loss)."""
-    _name: str = _f("cross_entropy", "loss; adaptive_loss goes with --adaptive-softmax-cutoff",
-                    flag="--criterion", choices=("cross_entropy", "adaptive_loss"))
+
+    _name: str = _f(
+        "cross_entropy",
+        "loss; adaptive_loss goes with --adaptive-softmax-cutoff",
+        flag="--criterion",
+        choices=("cross_entropy", "adaptive_loss"),
+    )
 
 
 @dataclass
@@ -245,8 +324,13 @@ GROUP_OPTIONS = {
     "task": {"language_modeling": {}, "dummy_lm": {"tokens_per_sample": 512}},
     "criterion": {"cross_entropy": {}, "adaptive_loss": {}},
     "optimizer": {"adam": {}, "adamw": {}, "cpu_adam": {}, "sgd": {}, "nag": {"momentum": 0.99}},
-    "lr_scheduler": {"fixed": {}, "inverse_sqrt": {"warmup_updates": 4000},
-                     "polynomial_decay": {}, "cosine": {}, "reduce_lr_on_plateau": {}},
+    "lr_scheduler": {
+        "fixed": {},
+        "inverse_sqrt": {"warmup_updates": 4000},
+        "polynomial_decay": {},
+        "cosine": {},
+        "reduce_lr_on_plateau": {},
+    },
 }
 
 
@@ -261,7 +345,9 @@ def model_positions(cfg):
     --tokens-per-sample plus the <s> of --add-bos-token. Also reads a saved run's
     config.yaml, which may predate --add-bos-token."""
     task_cfg = cfg.task
-    return cfg.model.max_target_positions or task_cfg.tokens_per_sample + int(bool(task_cfg.get("add_bos_token", False)))
+    return cfg.model.max_target_positions or task_cfg.tokens_per_sample + int(
+        bool(task_cfg.get("add_bos_token", False))
+    )
 
 
 def uses_fsdp(cfg):

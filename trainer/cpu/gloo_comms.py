@@ -17,6 +17,7 @@ gloo's threads while the backward of the layer below goes on, as DDP's buckets d
 sum is taken at the next reduce-scatter, or at `wait()` before the gradients are used.
 NCCL's own collectives stay in use on GPUs.
 """
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -29,9 +30,11 @@ class BroadcastAllGather(AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         n, rank, world = input_tensor.numel(), dist.get_rank(group), dist.get_world_size(group)
         if input_tensor.data_ptr() != output_tensor[rank * n].data_ptr():
-            output_tensor[rank * n:(rank + 1) * n].copy_(input_tensor)
-        works = [dist.broadcast(output_tensor[src * n:(src + 1) * n], group=group, group_src=src, async_op=True)
-                 for src in range(world)]
+            output_tensor[rank * n : (rank + 1) * n].copy_(input_tensor)
+        works = [
+            dist.broadcast(output_tensor[src * n : (src + 1) * n], group=group, group_src=src, async_op=True)
+            for src in range(world)
+        ]
         if not async_op:
             for w in works:
                 w.wait()
@@ -50,7 +53,7 @@ class SlotSum:
 
     def __init__(self, output_tensor, input_tensor, group):
         n, rank, world = output_tensor.numel(), dist.get_rank(group), dist.get_world_size(group)
-        slot = lambda r: input_tensor[r * n:(r + 1) * n].view_as(output_tensor)  # noqa: E731
+        slot = lambda r: input_tensor[r * n : (r + 1) * n].view_as(output_tensor)  # noqa: E731
         self.output, self.mine = output_tensor, slot(rank)
         peers = [r for r in range(world) if r != rank]
         # The first peer's part lands in the output itself: with 2 ranks, no extra memory.
@@ -90,7 +93,7 @@ class ReduceScatterInBackground(ReduceScatter):
         if op != dist.ReduceOp.SUM:
             n, rank = output_tensor.numel(), dist.get_rank(group)
             dist.all_reduce(input_tensor, op=op, group=group)
-            output_tensor.copy_(input_tensor[rank * n:(rank + 1) * n].view_as(output_tensor))
+            output_tensor.copy_(input_tensor[rank * n : (rank + 1) * n].view_as(output_tensor))
             return None
         reduction = SlotSum(output_tensor, input_tensor, group)
         if self.may_defer:

@@ -16,6 +16,7 @@ installed torch (under ~/.cache/shardlm) and reused after. Where it cannot be (n
 compiler, not Linux), `install` says why and the rank keeps glibc's malloc
 (trainer/cpu/rank.py warns once).
 """
+
 import ctypes
 import hashlib
 import os
@@ -32,8 +33,18 @@ from data.embedded_corpus import default_cache_dir
 SOURCE = Path(__file__).with_suffix(".cpp")
 TORCH_DIR = Path(torch.__file__).parent  # its headers and libc10 are what the library builds against
 MIN_BYTES = 1 << 20  # smaller blocks stay with glibc: its bins already reuse them
-STATS = ("served_exact", "served_split", "served_moved", "fresh_bytes", "moved_bytes", "mapped_bytes",
-         "kept_bytes", "live_bytes", "peak_live_bytes", "released_bytes")
+STATS = (
+    "served_exact",
+    "served_split",
+    "served_moved",
+    "fresh_bytes",
+    "moved_bytes",
+    "mapped_bytes",
+    "kept_bytes",
+    "live_bytes",
+    "peak_live_bytes",
+    "released_bytes",
+)
 
 _lib = None
 
@@ -63,12 +74,25 @@ def build():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     except OSError as e:
-        raise Unavailable(f"cannot write to {path.parent} ({e.strerror}); set SHARDLM_CACHE to a writable "
-                          "directory") from None
+        raise Unavailable(
+            f"cannot write to {path.parent} ({e.strerror}); set SHARDLM_CACHE to a writable directory"
+        ) from None
     os.close(fd)
-    cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           f"-I{TORCH_DIR / 'include'}", str(SOURCE), f"-L{TORCH_DIR / 'lib'}", "-lc10",
-           f"-Wl,-rpath,{TORCH_DIR / 'lib'}", "-o", tmp]
+    cmd = [
+        compiler,
+        "-O2",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{TORCH_DIR / 'include'}",
+        str(SOURCE),
+        f"-L{TORCH_DIR / 'lib'}",
+        "-lc10",
+        f"-Wl,-rpath,{TORCH_DIR / 'lib'}",
+        "-o",
+        tmp,
+    ]
     try:
         try:
             done = subprocess.run(cmd, capture_output=True, text=True)

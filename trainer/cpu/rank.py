@@ -1,5 +1,6 @@
 """What a rank that computes on the CPU sets up before it builds anything: its share of
 the host's cores, and the caching host allocator (trainer/cpu/host_allocator.py)."""
+
 import logging
 import os
 

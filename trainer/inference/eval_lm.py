@@ -10,6 +10,7 @@ its data must be made with its own tokenizer (preprocess --tokenizer HF_DIR).
 gives it the K tokens before it as unscored context: every token is predicted from at
 least K tokens of history, at the cost of longer inputs.
 """
+
 import functools
 import logging
 import math
@@ -38,10 +39,19 @@ def evaluate(model, dataset, args, pad, bos, env):
     loss_sum, ntokens = 0.0, 0
     if len(dataset) == 0:
         return loss_sum, ntokens
-    itr = EpochBatchIterator(ContextWindowDataset(dataset, args.context_window, pad), batch_size=args.batch_size,
-                             max_tokens=args.max_tokens, seed=1, num_shards=env.world_size, shard_id=env.rank,
-                             shuffle=False, pad=pad, every_batch=True, num_workers=getattr(args, "num_workers", 1),
-                             collater=functools.partial(collate_pairs, pad=pad, bos=bos))
+    itr = EpochBatchIterator(
+        ContextWindowDataset(dataset, args.context_window, pad),
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        seed=1,
+        num_shards=env.world_size,
+        shard_id=env.rank,
+        shuffle=False,
+        pad=pad,
+        every_batch=True,
+        num_workers=getattr(args, "num_workers", 1),
+        collater=functools.partial(collate_pairs, pad=pad, bos=bos),
+    )
     total = len(itr)
     # fairseq-eval-lm's progress bar, on rank 0 when stderr is a terminal (--no-progress-bar: none).
     show_progress = env.is_master and not getattr(args, "no_progress_bar", False) and sys.stderr.isatty()
@@ -53,8 +63,11 @@ def evaluate(model, dataset, args, pad, bos, env):
                 continue
             # The model's own loss (pad targets, the context's and <s>'s among them, are not
             # scored), a chunk of logits at a time as in training.
-            loss_sum += model(batch["src_tokens"].to(env.device), target=batch["target"].to(env.device),
-                              softmax_batch=getattr(args, "softmax_batch", None)).item()
+            loss_sum += model(
+                batch["src_tokens"].to(env.device),
+                target=batch["target"].to(env.device),
+                softmax_batch=getattr(args, "softmax_batch", None),
+            ).item()
             ntokens += batch["ntokens"]
     return loss_sum, ntokens
 
@@ -68,18 +81,23 @@ def eval_lm(args, env):
     model, cfg, model_tok = load_model(args.path, env.device, getattr(args, "model_overrides", None), pad=tok.pad)
     tokens_per_sample = args.tokens_per_sample or cfg.task.tokens_per_sample
     if args.context_window >= tokens_per_sample:
-        raise UsageError(f"--context-window {args.context_window} must be smaller than --tokens-per-sample "
-                         f"{tokens_per_sample}")
+        raise UsageError(
+            f"--context-window {args.context_window} must be smaller than --tokens-per-sample {tokens_per_sample}"
+        )
     # A model trained with --add-bos-token reads <s> first (its saved config says so).
     add_bos = bool(cfg.task.get("add_bos_token", False))
     if tokens_per_sample + add_bos > model.max_positions:
-        raise UsageError(f"--tokens-per-sample {tokens_per_sample}{' (+1 for <s>)' if add_bos else ''} exceeds the "
-                         f"model's {model.max_positions} positions; pass a smaller one")
+        raise UsageError(
+            f"--tokens-per-sample {tokens_per_sample}{' (+1 for <s>)' if add_bos else ''} exceeds the "
+            f"model's {model.max_positions} positions; pass a smaller one"
+        )
     if args.batch_size is None and args.max_tokens is None:
         args.max_tokens = 36000  # fairseq-eval-lm's default
     if args.max_tokens is not None and args.max_tokens < tokens_per_sample:
-        raise UsageError(f"--max-tokens {args.max_tokens} is smaller than one block (--tokens-per-sample "
-                         f"{tokens_per_sample}); raise it or lower --tokens-per-sample")
+        raise UsageError(
+            f"--max-tokens {args.max_tokens} is smaller than one block (--tokens-per-sample "
+            f"{tokens_per_sample}); raise it or lower --tokens-per-sample"
+        )
     check_same_tokenizer(data_dir, tok, model_tok, model.vocab_size)
     dataset = split_dataset(cfg, args, tokens_per_sample - args.context_window, data_dir, tok)
     start = time.perf_counter()
@@ -89,7 +107,7 @@ def eval_lm(args, env):
     loss = loss_sum / max(ntokens, 1) / math.log(2)
     if env.is_master:
         print(f"Evaluated {int(ntokens):,} tokens in {elapsed:.1f}s ({ntokens / elapsed:.2f} tokens/s)")
-        print(f"Loss (base 2): {loss:.4f}, Perplexity: {2 ** loss:.2f}")
+        print(f"Loss (base 2): {loss:.4f}, Perplexity: {2**loss:.2f}")
     return loss
 
 
@@ -98,8 +116,9 @@ def check_same_tokenizer(data_dir, tok, model_tok, vocab_size):
     (a checkpoint's copy, an HF dir's tokenizer.json), else ids within its embedding."""
     fix = "evaluate on data made with the model's tokenizer (preprocess --tokenizer for a Hugging Face model)"
     if model_tok is not None and model_tok.pieces() != tok.pieces():
-        raise UsageError(f"{data_dir}'s tokenizer ({tok.vocab_size} tokens) is not the model's "
-                         f"({model_tok.vocab_size}): {fix}")
+        raise UsageError(
+            f"{data_dir}'s tokenizer ({tok.vocab_size} tokens) is not the model's ({model_tok.vocab_size}): {fix}"
+        )
     # A Hugging Face model's embedding may have more rows than its tokenizer has ids (Qwen3's).
     if tok.vocab_size > vocab_size:
         raise UsageError(f"{data_dir} has a vocabulary of {tok.vocab_size}, the model {vocab_size}: {fix}")
@@ -109,15 +128,19 @@ def split_dataset(cfg, args, tokens_per_sample, data_dir, tok):
     """The split's token blocks as training cut them. Of a sharded DATA the first directory
     is read, as fairseq-eval-lm does."""
     if not exists(data_dir / args.gen_subset):
-        raise UsageError(f"no split {args.gen_subset!r} in {data_dir} (expected {args.gen_subset}.bin/.idx); "
-                         "pick one with --gen-subset")
+        raise UsageError(
+            f"no split {args.gen_subset!r} in {data_dir} (expected {args.gen_subset}.bin/.idx); "
+            "pick one with --gen-subset"
+        )
     tokens = IndexedDataset(str(data_dir / args.gen_subset))
     check_token_ids(tokens, tok.vocab_size)
     break_mode = args.sample_break_mode or cfg.task.sample_break_mode
     blocks = TokenBlockDataset(tokens, tokens_per_sample, break_mode, pad=tok.pad, eos=tok.eos)
     if len(blocks.too_long):  # fairseq-eval-lm skips samples longer than the model's positions
-        log.warning(f"{len(blocks.too_long):,} sentences of {args.gen_subset} are longer than a block of "
-                    f"{tokens_per_sample} tokens and are skipped")
+        log.warning(
+            f"{len(blocks.too_long):,} sentences of {args.gen_subset} are longer than a block of "
+            f"{tokens_per_sample} tokens and are skipped"
+        )
     return blocks
 
 

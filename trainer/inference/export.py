@@ -1,6 +1,7 @@
 """export-model: a checkpoint as one consolidated safetensors file with its config and
 tokenizer, or as a Hugging Face directory (Llama/Qwen3 or GPT-2, with the tokenizer as
 tokenizer.json), one tensor at a time."""
+
 import os
 import shutil
 import tempfile
@@ -74,8 +75,9 @@ def _nearest_existing(path):
 def _write_export(src, out, dtype):
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
     specs = [(n, shape, dtype or dt) for n, (shape, dt) in sorted(src.specs.items())]
-    write_safetensors(out / EXPORT_FILE, specs, lambda n: cast(src.get(n)),
-                      metadata={"format": "pt", "producer": "shardlm"})
+    write_safetensors(
+        out / EXPORT_FILE, specs, lambda n: cast(src.get(n)), metadata={"format": "pt", "producer": "shardlm"}
+    )
     shutil.copyfile(src.path / "config.yaml", out / "config.yaml")
     for name in SIDE_FILES[1:]:
         if (src.path / name).is_file():
@@ -88,16 +90,35 @@ def _write_hf(src, out, dtype, max_bytes):
     cfg = src.cfg.model
     llama_why, gpt2_why = llama_incompatibility(cfg), gpt2_incompatibility(cfg)
     if llama_why and gpt2_why:
-        raise UsageError(f"cannot export as a Hugging Face model: not a Llama-family model ({llama_why}) "
-                         f"nor a GPT-2 one ({gpt2_why})")
+        raise UsageError(
+            f"cannot export as a Hugging Face model: not a Llama-family model ({llama_why}) "
+            f"nor a GPT-2 one ({gpt2_why})"
+        )
     our_specs = _model_specs(src)
     ids = _special_token_ids(src.path)
     if llama_why is None:
-        write_hf_llama(out, src.get, our_specs, cfg, src.vocab_size(), src.max_positions(),
-                       dtype or src.specs["embed_tokens.weight"][1], max_bytes, **ids)
+        write_hf_llama(
+            out,
+            src.get,
+            our_specs,
+            cfg,
+            src.vocab_size(),
+            src.max_positions(),
+            dtype or src.specs["embed_tokens.weight"][1],
+            max_bytes,
+            **ids,
+        )
     else:
-        write_hf_gpt2(out, src.get, cfg, src.vocab_size(), src.max_positions(), dtype=dtype or torch.float32,
-                      max_shard_size=max_bytes, **ids)
+        write_hf_gpt2(
+            out,
+            src.get,
+            cfg,
+            src.vocab_size(),
+            src.max_positions(),
+            dtype=dtype or torch.float32,
+            max_shard_size=max_bytes,
+            **ids,
+        )
     if has_tokenizer(src.path):
         write_hf_tokenizer(src.path, out)
 

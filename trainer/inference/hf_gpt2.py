@@ -8,6 +8,7 @@ A pre-LN TransformerLM with a final norm is GPT-2 up to renaming, with three twi
   (and zeros when the model has no positions at all, which adds nothing either).
 Every tensor is built alone from our full parameters, so an export streams one at a time.
 """
+
 import json
 import math
 import os
@@ -65,7 +66,8 @@ def gpt2_incompatibility(model_cfg):
     elif getattr(model_cfg, "qk_norm", False):
         why = "norms on queries and keys (qk_norm); GPT-2 has none"
     elif kv_heads(model_cfg) != model_cfg.decoder_attention_heads or (
-            head_dim(model_cfg) * model_cfg.decoder_attention_heads != model_cfg.decoder_embed_dim):
+        head_dim(model_cfg) * model_cfg.decoder_attention_heads != model_cfg.decoder_embed_dim
+    ):
         why = "grouped-query attention or heads of another width (decoder_kv_heads/decoder_head_dim)"
     elif getattr(model_cfg, "adaptive_input", False) or getattr(model_cfg, "adaptive_softmax_cutoff", None) is not None:
         why = "adaptive input/softmax bands; GPT-2 has one full embedding table and output projection"
@@ -81,8 +83,10 @@ def gpt2_incompatibility(model_cfg):
         why = "decoder_embed_dim is not a multiple of decoder_attention_heads"
     elif any(getattr(model_cfg, key, False) for key in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")):
         why = "NormFormer's extra norms and scales (scale_attn/fc/heads/resids); GPT-2 has none"
-    elif any(getattr(model_cfg, key, None) not in (None, model_cfg.decoder_embed_dim)
-             for key in ("decoder_input_dim", "decoder_output_dim")):
+    elif any(
+        getattr(model_cfg, key, None) not in (None, model_cfg.decoder_embed_dim)
+        for key in ("decoder_input_dim", "decoder_output_dim")
+    ):
         why = "embeddings or output of another width than the layers (decoder_input_dim/decoder_output_dim)"
     return why
 
@@ -96,8 +100,9 @@ def _tied(model_cfg):
     return model_cfg.share_decoder_input_output_embed and _embed_scale(model_cfg) == 1.0
 
 
-def hf_config(model_cfg, vocab_size, max_positions, bos_token_id=None, eos_token_id=None,
-              pad_token_id=None, dtype=None):
+def hf_config(
+    model_cfg, vocab_size, max_positions, bos_token_id=None, eos_token_id=None, pad_token_id=None, dtype=None
+):
     """config.json for GPT2LMHeadModel, dropouts off (export is for inference)."""
     check_hf_compatible(model_cfg)
     config = {
@@ -112,7 +117,10 @@ def hf_config(model_cfg, vocab_size, max_positions, bos_token_id=None, eos_token
         "n_inner": model_cfg.decoder_ffn_embed_dim,
         "activation_function": HF_ACTIVATIONS[model_cfg.activation_fn],
         "layer_norm_epsilon": getattr(model_cfg, "norm_eps", 1e-5),
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "summary_first_dropout": 0.0,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "summary_first_dropout": 0.0,
         "scale_attn_weights": True,  # 1/sqrt(head_dim), as scaled_dot_product_attention does
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
@@ -135,12 +143,18 @@ def hf_tensor_specs(model_cfg, vocab_size, max_positions, dtype):
     d, ffn = model_cfg.decoder_embed_dim, model_cfg.decoder_ffn_embed_dim
     shapes = [("transformer.wte.weight", (vocab_size, d)), ("transformer.wpe.weight", (max_positions, d))]
     layer_shapes = {
-        "ln_1.weight": (d,), "ln_1.bias": (d,),
-        "attn.c_attn.weight": (d, 3 * d), "attn.c_attn.bias": (3 * d,),
-        "attn.c_proj.weight": (d, d), "attn.c_proj.bias": (d,),
-        "ln_2.weight": (d,), "ln_2.bias": (d,),
-        "mlp.c_fc.weight": (d, ffn), "mlp.c_fc.bias": (ffn,),
-        "mlp.c_proj.weight": (ffn, d), "mlp.c_proj.bias": (d,),
+        "ln_1.weight": (d,),
+        "ln_1.bias": (d,),
+        "attn.c_attn.weight": (d, 3 * d),
+        "attn.c_attn.bias": (3 * d,),
+        "attn.c_proj.weight": (d, d),
+        "attn.c_proj.bias": (d,),
+        "ln_2.weight": (d,),
+        "ln_2.bias": (d,),
+        "mlp.c_fc.weight": (d, ffn),
+        "mlp.c_fc.bias": (ffn,),
+        "mlp.c_proj.weight": (ffn, d),
+        "mlp.c_proj.bias": (d,),
     }
     for i in range(num_layers(model_cfg)):
         shapes += [(f"transformer.h.{i}.{name}", shape) for name, shape in layer_shapes.items()]
@@ -180,15 +194,28 @@ def hf_tensor(hf_name, get_ours, model_cfg, max_positions, dtype=None):
     return tensor.to(dtype or tensor.dtype).contiguous()
 
 
-def write_hf_gpt2(out_dir, get_ours, model_cfg, vocab_size, max_positions, dtype=torch.float32,
-                  max_shard_size=DEFAULT_MAX_SHARD_SIZE, **token_ids):
+def write_hf_gpt2(
+    out_dir,
+    get_ours,
+    model_cfg,
+    vocab_size,
+    max_positions,
+    dtype=torch.float32,
+    max_shard_size=DEFAULT_MAX_SHARD_SIZE,
+    **token_ids,
+):
     """A directory GPT2LMHeadModel.from_pretrained loads: config.json + model.safetensors (or
     shards and their index), streamed one tensor at a time. token_ids: bos_token_id,
     eos_token_id, pad_token_id."""
     os.makedirs(out_dir, exist_ok=True)
     specs = hf_tensor_specs(model_cfg, vocab_size, max_positions, dtype)
-    write_hf_weights(Path(out_dir), specs, lambda name: hf_tensor(name, get_ours, model_cfg, max_positions, dtype),
-                     max_shard_size, HF_METADATA)
+    write_hf_weights(
+        Path(out_dir),
+        specs,
+        lambda name: hf_tensor(name, get_ours, model_cfg, max_positions, dtype),
+        max_shard_size,
+        HF_METADATA,
+    )
     config = hf_config(model_cfg, vocab_size, max_positions, dtype=dtype, **token_ids)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

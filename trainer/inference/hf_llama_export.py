@@ -6,6 +6,7 @@ q_proj, k_proj and v_proj, fc1 into gate_proj and up_proj. Each HF tensor is a r
 of one of ours, and the HF tensors of one of ours are written one after the other, so one
 of our tensors is read at a time, and held only while its parts are written.
 """
+
 import json
 
 from models.hf_llama import hf_config, hf_parts
@@ -23,21 +24,33 @@ def hf_tensor_sources(our_specs, model_cfg):
         try:
             parts = hf_parts(name, model_cfg)
         except KeyError:
-            raise UsageError(f"cannot export as a Hugging Face Llama model: it has a tensor {name} "
-                             "that Llama's layers have no place for") from None
+            raise UsageError(
+                f"cannot export as a Hugging Face Llama model: it has a tensor {name} "
+                "that Llama's layers have no place for"
+            ) from None
         shape, start = tuple(shape), 0
         for hf_name, rows in parts:
             rows = shape[0] if rows is None else rows
             sources.append((hf_name, (rows, *shape[1:]), name, start, start + rows))
             start += rows
         if start != shape[0]:  # a config that does not describe the checkpoint's tensors
-            raise UsageError(f"{name} has {shape[0]} rows, its config.yaml implies {start}; "
-                             "the checkpoint and its config disagree")
+            raise UsageError(
+                f"{name} has {shape[0]} rows, its config.yaml implies {start}; the checkpoint and its config disagree"
+            )
     return sources
 
 
-def write_hf_llama(out_dir, get_ours, our_specs, model_cfg, vocab_size, max_positions, dtype,
-                   max_shard_size=DEFAULT_MAX_SHARD_SIZE, **token_ids):
+def write_hf_llama(
+    out_dir,
+    get_ours,
+    our_specs,
+    model_cfg,
+    vocab_size,
+    max_positions,
+    dtype,
+    max_shard_size=DEFAULT_MAX_SHARD_SIZE,
+    **token_ids,
+):
     """A directory AutoModelForCausalLM loads: config.json + model.safetensors or shards and
     their index. `get_ours(name)` returns one of our parameters, whole, on the CPU;
     token_ids: bos_token_id, eos_token_id, pad_token_id."""
@@ -53,7 +66,8 @@ def write_hf_llama(out_dir, get_ours, our_specs, model_cfg, vocab_size, max_posi
             held[ours] = get_ours(ours)
         return held[ours][lo:hi].to(dtype).contiguous()
 
-    write_hf_weights(out_dir, [(hf_name, shape, dtype) for hf_name, shape, *_ in sources], get_tensor,
-                     max_shard_size, HF_METADATA)
+    write_hf_weights(
+        out_dir, [(hf_name, shape, dtype) for hf_name, shape, *_ in sources], get_tensor, max_shard_size, HF_METADATA
+    )
     held.clear()
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -5,6 +5,7 @@ the next tensor would overflow this one, a tensor bigger than the limit alone in
 
 The split is computed from shapes alone, so every file streams one tensor at a time.
 """
+
 import json
 import math
 import re
@@ -18,8 +19,18 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # huggingface_hub's decimal units, and the binary ones older transformers also took.
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_shard_size(text):
@@ -69,9 +80,13 @@ def write_hf_weights(out_dir, specs, get_tensor, max_shard_size=DEFAULT_MAX_SHAR
     for name, shard in zip(names, shards):
         write_safetensors(out_dir / name, shard, get_tensor, metadata)
     if len(shards) > 1:
-        index = {"metadata": {"total_parameters": sum(math.prod(shape) for _, shape, _ in specs),
-                              "total_size": sum(_nbytes(shape, dtype) for _, shape, dtype in specs)},
-                 "weight_map": {spec[0]: name for name, shard in zip(names, shards) for spec in shard}}
+        index = {
+            "metadata": {
+                "total_parameters": sum(math.prod(shape) for _, shape, _ in specs),
+                "total_size": sum(_nbytes(shape, dtype) for _, shape, dtype in specs),
+            },
+            "weight_map": {spec[0]: name for name, shard in zip(names, shards) for spec in shard},
+        }
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")  # as save_pretrained
         names.append(INDEX_FILE)
     return names

@@ -8,6 +8,7 @@ whole parameter beside what it is building. An export is a directory with
 (LlamaForCausalLM or Qwen3ForCausalLM: config.json, safetensors, tokenizer.json) is
 read through trainer/checkpoint/hf_dir.py, one of our parameters at a time.
 """
+
 import copy
 import logging
 import warnings
@@ -42,16 +43,22 @@ def _kind(path, hf=False):
     if found is not None:
         return "checkpoint", found
     if (path / "checkpoint_last").is_dir():
-        raise UsageError(f"{path} is a --save-dir, not one checkpoint; pass one of its checkpoints, "
-                         f"e.g. --path {path / 'checkpoint_last'}")
+        raise UsageError(
+            f"{path} is a --save-dir, not one checkpoint; pass one of its checkpoints, "
+            f"e.g. --path {path / 'checkpoint_last'}"
+        )
     if is_hf_dir(path):
         if not hf:
-            raise UsageError(f"{path} is a Hugging Face model directory; this command needs a checkpoint "
-                             "directory (from --save-dir) or an export (from export-model)")
+            raise UsageError(
+                f"{path} is a Hugging Face model directory; this command needs a checkpoint "
+                "directory (from --save-dir) or an export (from export-model)"
+            )
         return "hf", path
     also = ", nor a Hugging Face model directory (config.json and safetensors)" if hf else ""
-    raise UsageError(f"{path} is neither a checkpoint directory (from --save-dir) nor an export "
-                     f"(from export-model){also}; pass one with --path")
+    raise UsageError(
+        f"{path} is neither a checkpoint directory (from --save-dir) nor an export "
+        f"(from export-model){also}; pass one with --path"
+    )
 
 
 class CheckpointTensors:
@@ -71,8 +78,10 @@ class CheckpointTensors:
             except ValueError as e:  # the reader's own "not a valid safetensors file: why"
                 raise UsageError(f"{e}; export the checkpoint again") from None
         if not self.band_tables() and "embed_tokens.weight" not in self.specs:
-            raise UsageError(f"{self.path} holds no shardlm model (no embed_tokens.weight); pass a checkpoint "
-                             "written by train or an export-model output")
+            raise UsageError(
+                f"{self.path} holds no shardlm model (no embed_tokens.weight); pass a checkpoint "
+                "written by train or an export-model output"
+            )
         self.cfg = _load_run_config(self.path / "config.yaml")
 
     def _init_hf(self):
@@ -83,12 +92,16 @@ class CheckpointTensors:
         # Read by its own shapes whatever --model-overrides changes later (a copy: OmegaConf
         # may change the node in place).
         self._hf_model = copy.deepcopy(self.cfg.model)
-        shapes = {name: tuple(p.shape) for name, p in
-                  build_model(self.cfg.model, vocab_size, max_positions, device="meta").named_parameters()}
+        shapes = {
+            name: tuple(p.shape)
+            for name, p in build_model(self.cfg.model, vocab_size, max_positions, device="meta").named_parameters()
+        }
         self._hf = HFWeights(self.path)
         self._hf.check(shapes, self._hf_model)
-        self.specs = {name: (shape, FLOAT_DTYPES[self._hf.specs[hf_parts(name, self._hf_model)[0][0]][1]])
-                      for name, shape in shapes.items()}
+        self.specs = {
+            name: (shape, FLOAT_DTYPES[self._hf.specs[hf_parts(name, self._hf_model)[0][0]][1]])
+            for name, shape in shapes.items()
+        }
 
     def close(self):
         """Let go of the files a Hugging Face directory is memory-mapped from."""
@@ -111,13 +124,14 @@ class CheckpointTensors:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             try:
-                dcp.load(out, storage_reader=files.safe_reader(self.path), planner=NoBytesLoadPlanner(),
-                         no_dist=True)
+                dcp.load(out, storage_reader=files.safe_reader(self.path), planner=NoBytesLoadPlanner(), no_dist=True)
             # A shard file that is missing, cut short or not a torch archive.
             except (OSError, RuntimeError, CheckpointException) as e:
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise UsageError(f"cannot read {name} from {self.path}: {reason[:200]}; the checkpoint is damaged "
-                                 "or incomplete: pass another one (e.g. an earlier checkpoint)") from None
+                raise UsageError(
+                    f"cannot read {name} from {self.path}: {reason[:200]}; the checkpoint is damaged "
+                    "or incomplete: pass another one (e.g. an earlier checkpoint)"
+                ) from None
         return out["model"][name]
 
     def band_tables(self):
@@ -140,25 +154,31 @@ class CheckpointTensors:
 def _load_run_config(path):
     """The config.yaml saved beside the weights; it must have the model and task groups."""
     import yaml
+
     if not path.is_file():
         raise UsageError(f"missing {path}: the model's config is saved there; pass a complete checkpoint or export")
     try:
         cfg = OmegaConf.load(path)
     except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError) as e:
-        raise UsageError(f"{path} is not valid YAML ({str(e).splitlines()[0]}); pass a complete checkpoint "
-                         "or export") from None
-    if not (isinstance(cfg, DictConfig) and isinstance(cfg.get("model"), DictConfig)
-            and isinstance(cfg.get("task"), DictConfig)):
-        raise UsageError(f"{path} is not a shardlm run config (no model and task sections); pass a checkpoint "
-                         "written by train or an export-model output")
+        raise UsageError(
+            f"{path} is not valid YAML ({str(e).splitlines()[0]}); pass a complete checkpoint or export"
+        ) from None
+    if not (
+        isinstance(cfg, DictConfig)
+        and isinstance(cfg.get("model"), DictConfig)
+        and isinstance(cfg.get("task"), DictConfig)
+    ):
+        raise UsageError(
+            f"{path} is not a shardlm run config (no model and task sections); pass a checkpoint "
+            "written by train or an export-model output"
+        )
     return cfg
 
 
 def hf_run_config(fields, max_positions, pad_token_id, vocab_size):
     """The run config (model and task groups) of a Hugging Face model: its fields over our
     model schema's defaults, the task schema's defaults otherwise."""
-    model = OmegaConf.merge(OmegaConf.structured(TransformerLMConfig), fields,
-                            {"max_target_positions": max_positions})
+    model = OmegaConf.merge(OmegaConf.structured(TransformerLMConfig), fields, {"max_target_positions": max_positions})
     # eval-lm's default block is the task's (fairseq's 1024), not the model's positions
     # (Llama 3.1's 131072): one block would hold a whole split, its attention quadratic in
     # it. --tokens-per-sample takes it up to max_position_embeddings.
@@ -178,8 +198,13 @@ def load_model(path, device="cpu", model_overrides=None, pad=None):
         if model_overrides:
             src.cfg.model = _overridden(src.cfg.model, model_overrides)
             _check_model_features(src.cfg)  # e.g. --decoder-layers-to-keep; train checked the saved config
-        model = build_model(src.cfg.model, src.vocab_size(), src.max_positions(), device="meta",
-                            padding_idx=pad if pad is not None else src.cfg.get("padding_idx", 1))
+        model = build_model(
+            src.cfg.model,
+            src.vocab_size(),
+            src.max_positions(),
+            device="meta",
+            padding_idx=pad if pad is not None else src.cfg.get("padding_idx", 1),
+        )
         model.to_empty(device=device)
         params = dict(model.named_parameters())
         # A model pruned by --decoder-layers-to-keep reads the layers it keeps, renumbered.

@@ -9,6 +9,7 @@ Writing streams: the header is computed from the specs up front, so only one ten
 is ever in memory — what exporting a model too big for one process needs.
 (https://github.com/huggingface/safetensors)
 """
+
 import json
 import math
 import os
@@ -19,12 +20,25 @@ import torch
 
 # safetensors' dtype codes; the optional ones exist only in newer torch releases.
 _DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool, "C64": torch.complex64,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "C64": torch.complex64,
 }
-for _code, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
-                     ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+for _code, _attr in (
+    ("U16", "uint16"),
+    ("U32", "uint32"),
+    ("U64", "uint64"),
+    ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"),
+):
     if hasattr(torch, _attr):
         _DTYPES[_code] = getattr(torch, _attr)
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
@@ -82,8 +96,9 @@ def write_safetensors(path, specs, get_tensor, metadata=None):
                 if not isinstance(tensor, torch.Tensor):
                     raise TypeError(f"tensor {name!r}: get_tensor returned {type(tensor).__name__}")
                 if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                    raise ValueError(f"tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, "
-                                     f"but its spec says {shape} {dtype}")
+                    raise ValueError(
+                        f"tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, but its spec says {shape} {dtype}"
+                    )
                 f.write(_raw_bytes(tensor.detach().cpu().contiguous()))
                 del tensor
             f.flush()
@@ -110,7 +125,7 @@ def _read_header(f, path):
     try:
         header = json.loads(f.read(n).decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _bad(path, f"header is not JSON ({e})")
+        raise _bad(path, f"header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise _bad(path, "header is not a JSON object")
     _validate(header, path, data_size=size - 8 - n)
@@ -128,8 +143,13 @@ def _validate(header, path, data_size):
         if not isinstance(info, dict) or info.get("dtype") not in _DTYPES:
             raise _bad(path, f"tensor {name!r} has no known dtype: {info!r}")
         shape, offsets = info.get("shape"), info.get("data_offsets")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-                and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        if not (
+            isinstance(shape, list)
+            and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)
+        ):
             raise _bad(path, f"tensor {name!r} has a malformed shape or data_offsets: {info!r}")
         begin, end = offsets
         if end - begin != _nbytes(shape, _DTYPES[info["dtype"]]):
@@ -176,5 +196,8 @@ def read_safetensors(path, names=None):
 
 def safetensors_specs(path):
     """{name: (shape, torch dtype)} of the tensors in a safetensors file, from its header."""
-    return {name: (tuple(v["shape"]), _DTYPES[v["dtype"]])
-            for name, v in safetensors_header(path).items() if name != "__metadata__"}
+    return {
+        name: (tuple(v["shape"]), _DTYPES[v["dtype"]])
+        for name, v in safetensors_header(path).items()
+        if name != "__metadata__"
+    }

@@ -1,5 +1,6 @@
 """`train --auto-tune`: before any rank starts, plan for this machine (or
 --memory-budget-gb) and set the fastest memory flags that fit (trainer/plan/)."""
+
 from omegaconf import OmegaConf
 
 from trainer.errors import UsageError
@@ -39,11 +40,15 @@ def auto_tune(cfg):
     plan = make_plan(cfg, device, budget, host_gb, ranks_per_host)
     if plan["choice"] is None:
         least = min(plan["tried"], key=lambda t: t[2].per_rank_gb)
-        raise UsageError(f"--auto-tune: nothing fits in {budget:.2f} GB per rank; the least is "
-                         f"{least[2].per_rank_gb:.2f} GB ({flags_of(least[1], plan['given']) or 'as given'}): "
-                         "add ranks (--distributed-world-size) or raise --memory-budget-gb")
+        raise UsageError(
+            f"--auto-tune: nothing fits in {budget:.2f} GB per rank; the least is "
+            f"{least[2].per_rank_gb:.2f} GB ({flags_of(least[1], plan['given']) or 'as given'}): "
+            "add ranks (--distributed-world-size) or raise --memory-budget-gb"
+        )
     _, chosen, p = plan["choice"]
     flags = flags_of(chosen, plan["given"]) or "the flags as given"
     apply_choice(cfg, chosen)
-    return (f"auto-tune: {flags} (predicted {p.per_rank_gb:.2f} GB per rank of a {budget:.2f} GB budget, "
-            f"{device}, {ranks_per_host} rank(s) per host)")
+    return (
+        f"auto-tune: {flags} (predicted {p.per_rank_gb:.2f} GB per rank of a {budget:.2f} GB budget, "
+        f"{device}, {ranks_per_host} rank(s) per host)"
+    )

@@ -5,6 +5,7 @@ notice (a collective with a dead peer fails at once) and then kills them, so nob
 waits in a collective for the timeout. The job says once why it ended: a rank's own
 one-line error, or, for a rank killed by a signal, which rank and by what.
 """
+
 import dataclasses
 import os
 import pickle
@@ -13,10 +14,24 @@ import sys
 import tempfile
 import time
 
-from trainer.errors import (INTERRUPTED, USER_ERRORS, RankStopped, end_child_processes, interrupted_line, resume_hint,
-                            show_traceback)
-from trainer.launch.local_ranks import (JobSignals, kill_with_children, start_local_ranks, start_rank_server,
-                                        stop_rank_server, stop_resource_tracker, traceback_file)
+from trainer.errors import (
+    INTERRUPTED,
+    USER_ERRORS,
+    RankStopped,
+    end_child_processes,
+    interrupted_line,
+    resume_hint,
+    show_traceback,
+)
+from trainer.launch.local_ranks import (
+    JobSignals,
+    kill_with_children,
+    start_local_ranks,
+    start_rank_server,
+    stop_rank_server,
+    stop_resource_tracker,
+    traceback_file,
+)
 from trainer.rendezvous import infer_rendezvous
 
 STOPPED = 3  # exit code of a spawned rank that stopped because of another rank
@@ -38,12 +53,19 @@ def launch(cfg, target=None, prog="train"):
             with tempfile.TemporaryDirectory(prefix="shardlm-rank-errors-") as errors_dir:
                 try:
                     start_rank_server()
-                    start_local_ranks(_spawned_rank, (cfg, rdv, target, prog, errors_dir), rdv.spawn, errors_dir,
-                                      signals.ranks)
+                    start_local_ranks(
+                        _spawned_rank, (cfg, rdv, target, prog, errors_dir), rdv.spawn, errors_dir, signals.ranks
+                    )
                     signals.starting = False
-                    return join_ranks(signals.ranks, rdv.rank, prog, resume_hint(cfg, prog), errors_dir,
-                                      lambda: interrupted_line(prog, None, cfg) if signals.interrupts else None,
-                                      signals)
+                    return join_ranks(
+                        signals.ranks,
+                        rdv.rank,
+                        prog,
+                        resume_hint(cfg, prog),
+                        errors_dir,
+                        lambda: interrupted_line(prog, None, cfg) if signals.interrupts else None,
+                        signals,
+                    )
                 except KeyboardInterrupt as e:  # Ctrl-C while starting, or a second one (JobSignals)
                     signals.kill_ranks()  # before their errors directory goes
                     print(interrupted_line(prog, e, cfg), file=sys.stderr)
@@ -84,6 +106,7 @@ def _spawned_rank(index, cfg, rdv, target, prog, errors_dir):
 
 def _exit_at_once(code):
     import logging
+
     end_child_processes()
     logging.shutdown()
     sys.stdout.flush()
@@ -138,8 +161,9 @@ def join_ranks(procs, first_rank, prog, hint, errors_dir, interrupted=lambda: No
             name = signal.Signals(-procs[i].exitcode).name
         except ValueError:
             name = f"signal {-procs[i].exitcode}"
-        print(f"{prog}: error: rank {first_rank + i} (pid {procs[i].pid}) was killed by {name}; {hint}",
-              file=sys.stderr)
+        print(
+            f"{prog}: error: rank {first_rank + i} (pid {procs[i].pid}) was killed by {name}; {hint}", file=sys.stderr
+        )
     elif os.access(traceback_file(errors_dir, failed), os.R_OK):  # an unexpected exception: its traceback
         with open(traceback_file(errors_dir, failed), "rb") as f:
             print(f"{prog}: rank {first_rank + failed} failed:\n{pickle.load(f).strip()}", file=sys.stderr)

@@ -12,6 +12,7 @@ job in this process) hands its forks a thread pool they hang in.
 The server takes its environment when it starts; it is stopped when the job's ranks have
 ended, so that the next job of the same process gets a server with that job's environment.
 """
+
 import ctypes
 import multiprocessing
 import os
@@ -121,6 +122,7 @@ def _rank_main(fn, index, args, error_file):
 
 def _die_of_sigint():
     import logging
+
     end_child_processes()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -3,6 +3,7 @@ before any rank starts: the data directory, the batches it gives the ranks, the 
 --save-dir and --log-file. A problem is one line and nothing has been written yet.
 Torch-free, like trainer/config/checks.py.
 """
+
 import os
 import shutil
 from pathlib import Path
@@ -52,22 +53,30 @@ def _check_hf_vocabulary(cfg, data_vocab):
             raise UsageError(f"--dict-size {t.dict_size} exceeds {path}'s vocabulary of {model_vocab}; lower it")
         return model_vocab
     if not t.data:
-        raise UsageError(f"the embedded corpus (no DATA) was made by sentencepiece; the model's vocabulary is "
-                         f"{path}'s ({model_vocab}): {fix} and pass that DATA")
+        raise UsageError(
+            f"the embedded corpus (no DATA) was made by sentencepiece; the model's vocabulary is "
+            f"{path}'s ({model_vocab}): {fix} and pass that DATA"
+        )
     data = data_dirs(t.data)[0]
     ours = tokenizer_identity(data)
     if ours["kind"] != "hf":
         made_by = "sentencepiece" if ours["kind"] == "sentencepiece" else "a fairseq dict.txt"
-        raise UsageError(f"DATA {data} was made by {made_by} (vocabulary {data_vocab}); the model's vocabulary is "
-                         f"{model_vocab}: {fix}")
+        raise UsageError(
+            f"DATA {data} was made by {made_by} (vocabulary {data_vocab}); the model's vocabulary is "
+            f"{model_vocab}: {fix}"
+        )
     if has_tokenizer(path):
         theirs = tokenizer_identity(path)
         if theirs["kind"] == "hf" and theirs["sha256"] != ours["sha256"]:
-            raise UsageError(f"DATA {data} was made by another tokenizer than {path}'s (tokenizer.json sha256 "
-                             f"{ours['sha256'][:12]}…, {path}'s {theirs['sha256'][:12]}…): {fix}")
+            raise UsageError(
+                f"DATA {data} was made by another tokenizer than {path}'s (tokenizer.json sha256 "
+                f"{ours['sha256'][:12]}…, {path}'s {theirs['sha256'][:12]}…): {fix}"
+            )
     if data_vocab > model_vocab:
-        raise UsageError(f"DATA {data} has a vocabulary of {data_vocab}, more than the model's {model_vocab} "
-                         f"({path}/config.json's vocab_size): {fix}")
+        raise UsageError(
+            f"DATA {data} has a vocabulary of {data_vocab}, more than the model's {model_vocab} "
+            f"({path}/config.json's vocab_size): {fix}"
+        )
     return model_vocab
 
 
@@ -78,8 +87,10 @@ def _check_compiler(cfg, environ):
         return
     cxx = environ.get("CXX") or "g++"
     if shutil.which(cxx, path=environ.get("PATH")) is None:
-        raise UsageError(f"--compile on a CPU needs a C++ compiler and {cxx} is not on PATH; "
-                         "install g++ (or set CXX to one), or drop --compile")
+        raise UsageError(
+            f"--compile on a CPU needs a C++ compiler and {cxx} is not on PATH; "
+            "install g++ (or set CXX to one), or drop --compile"
+        )
 
 
 def _check_fits_host(cfg, vocab, world_size):
@@ -94,11 +105,13 @@ def _check_fits_host(cfg, vocab, world_size):
     copies = 1 if uses_fsdp(cfg) else ranks
     shape = model_shape(cfg, vocab)
     embedded_tokens = sequences_per_batch(cfg) * cfg.task.tokens_per_sample * shape.dim
-    need_gb = (4 * shape.params * copies + 4 * embedded_tokens * ranks) / 2 ** 30
+    need_gb = (4 * shape.params * copies + 4 * embedded_tokens * ranks) / 2**30
     if need_gb > host_gb:
-        raise UsageError(f"this run needs at least {need_gb:,.1f} GB for its fp32 weights and first activations "
-                         f"on this host ({ranks} rank(s)), which has {host_gb:.1f} GB; use a smaller model, "
-                         "--tokens-per-sample or batch, or more hosts (run `plan` to see what fits)")
+        raise UsageError(
+            f"this run needs at least {need_gb:,.1f} GB for its fp32 weights and first activations "
+            f"on this host ({ranks} rank(s)), which has {host_gb:.1f} GB; use a smaller model, "
+            "--tokens-per-sample or batch, or more hosts (run `plan` to see what fits)"
+        )
 
 
 def _check_embedded_splits(ds):
@@ -108,8 +121,9 @@ def _check_embedded_splits(ds):
         named += [("--valid-subset", s) for s in ds.valid_subset.split(",") if s]
     for flag, split in named:
         if split not in SPLITS:
-            raise DataError(f"no split {split!r} in the embedded corpus (it has {', '.join(SPLITS)}); "
-                            f"check {flag}, or pass DATA")
+            raise DataError(
+                f"no split {split!r} in the embedded corpus (it has {', '.join(SPLITS)}); check {flag}, or pass DATA"
+            )
 
 
 def _check_data(cfg, world_size):
@@ -124,8 +138,10 @@ def _check_data(cfg, world_size):
             if exists(data / subset):
                 check_token_ids(IndexedDataset(data / subset), tokenizer.vocab_size)
             elif subset != DEFAULT_VALID_SUBSET:  # the default may be absent: then nothing is validated
-                raise DataError(f"no split {subset!r} in {data} (expected {subset}.bin and {subset}.idx); "
-                                "check --valid-subset, or pass --disable-validation")
+                raise DataError(
+                    f"no split {subset!r} in {data} (expected {subset}.bin and {subset}.idx); "
+                    "check --valid-subset, or pass --disable-validation"
+                )
     for path in dirs:
         _check_batches_per_rank(cfg, path / ds.train_subset, tokenizer, world_size)
     return tokenizer.vocab_size
@@ -143,11 +159,20 @@ def _check_batches_per_rank(cfg, prefix, tokenizer, world_size):
     most_per_batch = min(x for x in (dataset_cfg.batch_size, dataset_cfg.max_tokens) if x is not None)
     if tokens.num_tokens // task_cfg.tokens_per_sample >= most_per_batch * world_size:
         return
-    blocks = TokenBlockDataset(tokens, task_cfg.tokens_per_sample, task_cfg.sample_break_mode, pad=tokenizer.pad,
-                               eos=tokenizer.eos)
-    batches = EpochBatchIterator(blocks, batch_size=dataset_cfg.batch_size, max_tokens=dataset_cfg.max_tokens, seed=cfg.common.seed,
-                                 num_shards=world_size, shard_id=0, shuffle=True, pad=tokenizer.pad,
-                                 required_batch_size_multiple=dataset_cfg.required_batch_size_multiple)
+    blocks = TokenBlockDataset(
+        tokens, task_cfg.tokens_per_sample, task_cfg.sample_break_mode, pad=tokenizer.pad, eos=tokenizer.eos
+    )
+    batches = EpochBatchIterator(
+        blocks,
+        batch_size=dataset_cfg.batch_size,
+        max_tokens=dataset_cfg.max_tokens,
+        seed=cfg.common.seed,
+        num_shards=world_size,
+        shard_id=0,
+        shuffle=True,
+        pad=tokenizer.pad,
+        required_batch_size_multiple=dataset_cfg.required_batch_size_multiple,
+    )
     len(batches)  # raises DataError("only N batches for W ranks; …")
 
 
@@ -167,8 +192,9 @@ def _check_paths(cfg):
     if cfg.common.log_file:
         parent = Path(cfg.common.log_file).parent
         if not parent.is_dir():
-            raise UsageError(f"--log-file {cfg.common.log_file}: directory {parent} does not exist; "
-                             "create it or choose another path")
+            raise UsageError(
+                f"--log-file {cfg.common.log_file}: directory {parent} does not exist; create it or choose another path"
+            )
 
 
 def _check_creatable(path, flag):

@@ -6,11 +6,12 @@ from the server starts with it loaded. In the server itself it also ties the ser
 life to the launcher's: a launcher killed outright takes the server and so the ranks
 with it, as spawned ranks went with their launcher.
 """
+
 import importlib
 import os
 
-from trainer.launch.local_ranks import LAUNCHER_PID, set_parent_death_signal
 from trainer.errors import STOP_SIGNALS
+from trainer.launch.local_ranks import LAUNCHER_PID, set_parent_death_signal
 
 if os.environ.get(LAUNCHER_PID) == str(os.getppid()):  # this is the server, not a rank or the launcher
     import signal
@@ -28,7 +29,14 @@ if os.environ.get(LAUNCHER_PID) == str(os.getppid()):  # this is the server, not
 
 # Every rank's imports, DCP's included: whatever a rank imports after the fork, each
 # rank pays for again.
-RANK_MODULES = ("torch", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-                "torch.distributed.fsdp", "trainer.inference.eval_lm", "trainer.cpu.gloo_comms", "trainer.train.main")
+RANK_MODULES = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "trainer.inference.eval_lm",
+    "trainer.cpu.gloo_comms",
+    "trainer.train.main",
+)
 for module in RANK_MODULES:
     importlib.import_module(module)

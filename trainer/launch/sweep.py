@@ -3,6 +3,7 @@ and hands each job to its launcher (`hydra/launcher=slurm`: submitit). Hydra is 
 sweep and launch engine here: each job composes its config from its own overrides with
 the same code as a single `train`, so precedence and checks are identical.
 """
+
 import sys
 from pathlib import Path
 
@@ -83,12 +84,15 @@ def check_sweep_overrides(overrides):
         key, _, value = text.partition("=")
         key = key.lstrip("+~")
         if "_target_" in text or key.startswith(LOCKED):
-            raise UsageError(f"override {text!r}: a sweep may not name classes or change Hydra's search path, "
-                             "callbacks, sweeper or logging; choose a launcher with "
-                             f"hydra/launcher={'|'.join(LAUNCHERS)}")
+            raise UsageError(
+                f"override {text!r}: a sweep may not name classes or change Hydra's search path, "
+                "callbacks, sweeper or logging; choose a launcher with "
+                f"hydra/launcher={'|'.join(LAUNCHERS)}"
+            )
         if key.startswith("hydra/") and (key != "hydra/launcher" or value not in LAUNCHERS):
-            raise UsageError(f"override {text!r}: the only Hydra group a sweep selects is "
-                             f"hydra/launcher={'|'.join(LAUNCHERS)}")
+            raise UsageError(
+                f"override {text!r}: the only Hydra group a sweep selects is hydra/launcher={'|'.join(LAUNCHERS)}"
+            )
 
 
 def multirun(flag_settings, overrides):

@@ -1,5 +1,6 @@
 """How gradients cross ranks in an update (GradSync), and the next forward's first
 all-gathers started during the optimizer step (EarlyGather)."""
+
 import contextlib
 
 import torch.distributed as dist
@@ -15,8 +16,9 @@ class GradSync:
     DDP: all-reduce only on the last micro-batch (no_sync). legacy_ddp: one plain
     all-reduce per parameter after the last backward."""
 
-    def __init__(self, model, env, backend, sharded, defer, background_reduce=None, early_gather=None,
-                 prefetch_units=None):
+    def __init__(
+        self, model, env, backend, sharded, defer, background_reduce=None, early_gather=None, prefetch_units=None
+    ):
         """backend: --ddp-backend by its first name; sharded: an FSDP backend; defer:
         --defer-grad-sync."""
         self.model, self.env, self.background = model, env, background_reduce
@@ -35,8 +37,7 @@ class GradSync:
         if self.sharded:
             if layers is not None and self.prefetch_units is not None:
                 # Prefetch only the layers that will run: LayerDrop saves their gathers too.
-                chain_forward_prefetch(self.model, [self.prefetch_units[i] for i in layers
-                                                    if i in self.prefetch_units])
+                chain_forward_prefetch(self.model, [self.prefetch_units[i] for i in layers if i in self.prefetch_units])
             if self.defer:
                 self.model.set_requires_gradient_sync(is_last, recurse=True)
             if self.background is not None:

@@ -1,5 +1,6 @@
 """What a failed collective means: another rank died or hangs, said as one line that
 names it, instead of gloo's or NCCL's message deep in a traceback."""
+
 import re
 
 from trainer.errors import RankStopped, resume_hint
@@ -14,8 +15,9 @@ TIMED_OUT = ("Timed out", "timed out", "timeout", "Timeout")
 def peer_lost(error, cfg, env):
     """A RankStopped naming the lost rank when `error` is a collective failing because
     another rank died or hangs; None for any other error."""
-    collective_error = isinstance(error, (RuntimeError, OSError)) or \
-        type(error).__name__ == "CheckpointException"  # DCP wraps a failed save or load in it
+    collective_error = (
+        isinstance(error, (RuntimeError, OSError)) or type(error).__name__ == "CheckpointException"
+    )  # DCP wraps a failed save or load in it
     if env.world_size < 2 or not collective_error:
         return None
     text, hint = str(error), resume_hint(cfg, "train")
@@ -23,10 +25,10 @@ def peer_lost(error, cfg, env):
     address = re.search(r"\[([^\]]+)\]:(\d+)", text)
     at = f" at {address.group(1)}" if address and env.world_size > 2 else ""
     if any(m in text for m in CLOSED):
-        return RankStopped(f"lost {peer}{at}: its connection closed (the process died or was killed); "
-                           f"{hint}")
+        return RankStopped(f"lost {peer}{at}: its connection closed (the process died or was killed); {hint}")
     if any(m in text for m in TIMED_OUT):
         seconds = collective_timeout(cfg).total_seconds()
-        return RankStopped(f"{peer}{at} did not answer for {seconds:g} s (--heartbeat-timeout): it died or "
-                           f"hangs; {hint}")
+        return RankStopped(
+            f"{peer}{at} did not answer for {seconds:g} s (--heartbeat-timeout): it died or hangs; {hint}"
+        )
     return None

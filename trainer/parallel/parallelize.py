@@ -6,6 +6,7 @@ FSDP order (torchtitan's): checkpoint each decoder layer → compile it (--compi
 norm in one group. Sharded models are built on the meta device and each rank initializes
 only its shards, to exactly the values one process with the same --seed would have.
 """
+
 import functools
 import logging
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ def mixed_precision_dtype(common):
 @dataclass(frozen=True)
 class Sharding:
     """How shard_model wraps a model: plain values parallelize() reads from the config."""
+
     hybrid: bool  # --ddp-backend hybrid_shard: a (replicate, shard) mesh
     shard_group_size: Optional[int]  # ranks per shard group (hybrid; None: the ranks of a node)
     reshard_after_forward: bool
@@ -51,11 +53,16 @@ def sharding_of(cfg):
     dist_cfg = cfg.distributed_training
     param_dtype = mixed_precision_dtype(cfg.common)
     reduce_dtype = None if param_dtype is None else (torch.float32 if dist_cfg.fp32_reduce_scatter else param_dtype)
-    return Sharding(hybrid=dist_cfg.ddp_backend == "hybrid_shard", shard_group_size=dist_cfg.shard_group_size,
-                    reshard_after_forward=not dist_cfg.no_reshard_after_forward, param_dtype=param_dtype,
-                    reduce_dtype=reduce_dtype, cpu_offload=dist_cfg.cpu_offload,
-                    min_params_to_wrap=cfg.model.min_params_to_wrap,
-                    root_read_in_backward=cfg.model.adaptive_input or cfg.model.adaptive_softmax_cutoff is not None)
+    return Sharding(
+        hybrid=dist_cfg.ddp_backend == "hybrid_shard",
+        shard_group_size=dist_cfg.shard_group_size,
+        reshard_after_forward=not dist_cfg.no_reshard_after_forward,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        cpu_offload=dist_cfg.cpu_offload,
+        min_params_to_wrap=cfg.model.min_params_to_wrap,
+        root_read_in_backward=cfg.model.adaptive_input or cfg.model.adaptive_softmax_cutoff is not None,
+    )
 
 
 def apply_activation_checkpointing(model, offload, env):
@@ -64,8 +71,10 @@ def apply_activation_checkpointing(model, offload, env):
     stay those of the bare model."""
     if offload and env.device.type != "cuda":
         if env.is_master:  # the same on every rank: say it once
-            log.warning("--offload-activations: activations already live in host memory on a CPU-only host; "
-                        "it has no effect here beyond --checkpoint-activations")
+            log.warning(
+                "--offload-activations: activations already live in host memory on a CPU-only host; "
+                "it has no effect here beyond --checkpoint-activations"
+            )
         offload = False
     for layer in model.layers:
         inner = layer.forward
@@ -99,8 +108,7 @@ def device_mesh(hybrid, shard_group_size, env):
     shard = shard_group_size or env.local_world_size
     if env.world_size % shard:
         raise UsageError(f"--shard-group-size {shard} does not divide the world size {env.world_size}")
-    return init_device_mesh(env.device.type, (env.world_size // shard, shard),
-                            mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(env.device.type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
 def shard_model(model, sharding, env):
@@ -110,19 +118,23 @@ def shard_model(model, sharding, env):
     ranks {layer id: unit} of the layers chained for forward prefetch (else None)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    kwargs = dict(mesh=device_mesh(sharding.hybrid, sharding.shard_group_size, env),
-                  reshard_after_forward=sharding.reshard_after_forward)
+    kwargs = dict(
+        mesh=device_mesh(sharding.hybrid, sharding.shard_group_size, env),
+        reshard_after_forward=sharding.reshard_after_forward,
+    )
     if sharding.param_dtype is not None:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=sharding.param_dtype,
-                                                   reduce_dtype=sharding.reduce_dtype)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=sharding.param_dtype, reduce_dtype=sharding.reduce_dtype)
     if sharding.cpu_offload:
         # Pinned memory needs an accelerator; without one the policy must not pin.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
         if env.device.type == "cpu" and env.is_master:
-            log.warning("--cpu-offload: parameters already live in host memory on a CPU-only host; "
-                        "it runs, with no memory effect here")
-    units = [layer for layer in model.layers
-             if sum(p.numel() for p in layer.parameters()) >= sharding.min_params_to_wrap]
+            log.warning(
+                "--cpu-offload: parameters already live in host memory on a CPU-only host; "
+                "it runs, with no memory effect here"
+            )
+    units = [
+        layer for layer in model.layers if sum(p.numel() for p in layer.parameters()) >= sharding.min_params_to_wrap
+    ]
     for i, unit in enumerate(units):
         # The last layer's backward starts right after its forward: resharding it in
         # between would only all-gather the same parameters again (torchtitan does the same).
@@ -143,8 +155,11 @@ def shard_model(model, sharding, env):
     norms = []
     root_free_in_backward = len(units) == len(model.layers) and not sharding.root_read_in_backward
     if root_free_in_backward:
-        norms = [m for m in (model.layernorm_embedding, model.layer_norm, model.project_in_dim,
-                             model.project_out_dim) if m is not None]
+        norms = [
+            m
+            for m in (model.layernorm_embedding, model.layer_norm, model.project_in_dim, model.project_out_dim)
+            if m is not None
+        ]
         for norm in norms:
             fully_shard(norm, **{**kwargs, "reshard_after_forward": False})
     # Otherwise the root is used last in forward and first in backward: never resharded in
@@ -194,8 +209,10 @@ def parallelize(model, cfg, env):
     if cfg.common.compile:
         compile_layers(model)
         if env.is_master:
-            log.info(f"--compile: {len(model.layers)} decoder layers compiled with torch.compile (inductor); "
-                     "the first updates, and the first validation, include compiling")
+            log.info(
+                f"--compile: {len(model.layers)} decoder layers compiled with torch.compile (inductor); "
+                "the first updates, and the first validation, include compiling"
+            )
     backend, sharded = ddp_backend(cfg), uses_fsdp(cfg)
     background_reduce = early_gather = prefetch = None
     if sharded:
@@ -204,13 +221,18 @@ def parallelize(model, cfg, env):
         materialize_shards(model, "cpu" if sharding.cpu_offload else env.device, env.device, cfg.common.seed)
     elif env.world_size > 1 and backend == "pytorch_ddp":
         from torch.nn.parallel import DistributedDataParallel
+
         # LayerDrop leaves the skipped layers without gradients, which DDP refuses unless it
         # looks for unused parameters; every rank skips the same ones (trainer.layerdrop_seed),
         # so their gradients stay None everywhere, as in one process.
-        model = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                                        find_unused_parameters=model_cfg.decoder_layerdrop > 0)
-    grad_sync = GradSync(model, env, backend, sharded, dist_cfg.defer_grad_sync, background_reduce, early_gather,
-                         prefetch)
+        model = DistributedDataParallel(
+            model,
+            device_ids=[env.device.index] if env.device.type == "cuda" else None,
+            find_unused_parameters=model_cfg.decoder_layerdrop > 0,
+        )
+    grad_sync = GradSync(
+        model, env, backend, sharded, dist_cfg.defer_grad_sync, background_reduce, early_gather, prefetch
+    )
     return model, grad_sync
 
 
@@ -224,8 +246,9 @@ def local_rows(p):
     local = p.to_local()
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     if tuple(shape) != tuple(local.shape) or any(offset[1:]):
-        raise RuntimeError(f"unexpected shard layout of a {list(p.shape)} parameter: local {list(local.shape)} "
-                           f"at {list(offset)}")
+        raise RuntimeError(
+            f"unexpected shard layout of a {list(p.shape)} parameter: local {list(local.shape)} at {list(offset)}"
+        )
     return local, offset[0]
 
 

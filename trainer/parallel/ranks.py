@@ -2,6 +2,7 @@
 finds its job's ranks (the four ways in) is trainer/rendezvous.py's. CUDA + NCCL
 where a GPU exists, CPU + gloo otherwise.
 """
+
 import gc
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,12 +47,16 @@ def init_rank(cfg, rdv, needs_process_group):
         if rdv.init_method:
             # The store keeps the long timeout: ranks of a cluster job start minutes apart,
             # and only collectives should give up after --heartbeat-timeout.
-            store, _, _ = next(dist.rendezvous(rdv.init_method, rdv.rank, rdv.world_size,
-                                               timeout=RENDEZVOUS_TIMEOUT))
+            store, _, _ = next(dist.rendezvous(rdv.init_method, rdv.rank, rdv.world_size, timeout=RENDEZVOUS_TIMEOUT))
         else:  # one rank alone: nobody to meet
             store = dist.HashStore()
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=store,
-                                rank=rdv.rank, world_size=rdv.world_size, timeout=collective_timeout(cfg))
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            store=store,
+            rank=rdv.rank,
+            world_size=rdv.world_size,
+            timeout=collective_timeout(cfg),
+        )
     return env
 
 

@@ -22,6 +22,7 @@ kv heads only in SDPA (enable_gqa), but a CPU's bf16 attention repeats them to e
 head first and saves the repeated ones. The gated feed-forward saves fc1's output (gate and
 up, 2·ffn wide), the activation of the gate and their product.
 """
+
 from models import chunks  # the kernels' chunk sizes (torch-free): the model's and the prediction's are one
 from trainer.plan.shapes import ModelShape, Setup
 
@@ -32,7 +33,7 @@ def cpu_attention_backward_bytes(m, s):
     0 where attention is SDPA's (CUDA, fp32, attention dropout)."""
     if s.device == "cuda" or s.precision == "fp32" or m.attention_dropout > 0:
         return 0
-    per_head = s.seq_len ** 2 * 2
+    per_head = s.seq_len**2 * 2
     return 3 * chunks.attention_heads_per_chunk(s.sequences * m.heads, s.seq_len, 2) * per_head
 
 

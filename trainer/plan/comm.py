@@ -1,4 +1,5 @@
 """The bytes a rank receives per update, by collective: what `plan` reports beside memory."""
+
 from trainer.plan.shapes import ModelShape, Setup
 
 

@@ -1,5 +1,6 @@
 """`plan`'s policy: the machine to plan for, from plan's own options (PlanConfig in
 trainer/config/commands.py) and this host, then the report of the plan."""
+
 from trainer.config.checks import check_config
 from trainer.errors import UsageError
 from trainer.host import host_memory_gb, runs_on_gpu
@@ -15,8 +16,10 @@ def plan_report(cfg, opts):
     dist_cfg = cfg.distributed_training
     if dist_cfg.auto_tune or dist_cfg.memory_budget_gb is not None:
         # Checked before check_config, whose message for a lone budget would send the user to `plan`.
-        raise UsageError("plan always picks the flags that fit; --auto-tune and --memory-budget-gb are "
-                         "train's, so drop them here and give --device-memory-gb / --host-memory-gb")
+        raise UsageError(
+            "plan always picks the flags that fit; --auto-tune and --memory-budget-gb are "
+            "train's, so drop them here and give --device-memory-gb / --host-memory-gb"
+        )
     check_config(cfg)
     device, device_gb, host_gb, ranks_per_host = planned_machine(cfg, opts)
     plan = report.make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab, opts.path)
@@ -29,11 +32,12 @@ def planned_machine(cfg, opts):
     world = cfg.distributed_training.distributed_world_size
     device = "cuda" if opts.device_memory_gb and not cfg.common.cpu else "cpu"
     if device == "cpu" and runs_on_gpu(cfg):
-        raise UsageError("this host has a GPU: give its memory with --device-memory-gb, or --cpu to plan "
-                         "for the CPU")
+        raise UsageError("this host has a GPU: give its memory with --device-memory-gb, or --cpu to plan for the CPU")
     if opts.ranks_per_host and opts.ranks_per_host > world:
-        raise UsageError(f"--ranks-per-host {opts.ranks_per_host} exceeds the job's {world} rank(s); "
-                         "lower it or raise --distributed-world-size")
+        raise UsageError(
+            f"--ranks-per-host {opts.ranks_per_host} exceeds the job's {world} rank(s); "
+            "lower it or raise --distributed-world-size"
+        )
     ranks_per_host = opts.ranks_per_host or (world if device == "cpu" else min(world, 8))
     # --device-memory-gb plans a machine this command cannot see: its host memory is not
     # this machine's RAM, so without --host-memory-gb it goes unchecked (host_gb None).

@@ -14,6 +14,7 @@ a micro-batch's forward, its loss, its backward (the layers, then the root's red
 and the optimizer step. What the model's layer saves for backward is
 trainer/plan/activations.py's; the shapes it reads are trainer/plan/shapes.py's.
 """
+
 from dataclasses import dataclass, field
 
 from models import chunks  # the kernels' chunk sizes (torch-free): the model's and the prediction's are one
@@ -22,11 +23,23 @@ from trainer.plan.comm import comm_bytes
 from trainer.plan.shapes import ModelShape, Setup
 
 # The planner's names, importable from here as before the split into shapes, activations and comm.
-__all__ = ["COMPONENTS", "GB", "Ledger", "ModelShape", "Prediction", "Setup", "comm_bytes",
-           "cpu_attention_backward_bytes", "layer_activation_bytes", "predict", "rope_table_bytes", "simulate"]
+__all__ = [
+    "COMPONENTS",
+    "GB",
+    "Ledger",
+    "ModelShape",
+    "Prediction",
+    "Setup",
+    "comm_bytes",
+    "cpu_attention_backward_bytes",
+    "layer_activation_bytes",
+    "predict",
+    "rope_table_bytes",
+    "simulate",
+]
 
 
-GB = 2 ** 30
+GB = 2**30
 # Memory a rank uses before any tensor of ours: on a CPU, the resident interpreter,
 # torch's libraries and gloo (measured as the peak resident memory `train` logs as mem_gb
 # for a model small enough that its tensors do not count: 2 layers of width 64, in a
@@ -40,13 +53,23 @@ SPAWNED_CPU_RUNTIME_GB = 0.285
 # The process's own resident memory on the host of a GPU rank (libraries, CUDA host state).
 HOST_RUNTIME_GB = 3.0
 
-COMPONENTS = ("runtime", "parameters", "gradients", "optimizer_state", "gathered_parameters",
-              "unsharded_gradients", "activations", "logits_and_loss", "mixed_precision_copies")
+COMPONENTS = (
+    "runtime",
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "gathered_parameters",
+    "unsharded_gradients",
+    "activations",
+    "logits_and_loss",
+    "mixed_precision_copies",
+)
 
 
 @dataclass
 class Ledger:
     """Bytes alive by component, and the largest total seen with its breakdown."""
+
     live: dict = field(default_factory=dict)
     peak: float = 0.0
     at_peak: dict = field(default_factory=dict)
@@ -74,8 +97,11 @@ class Ledger:
 @dataclass
 class MicroBatch:
     """What one micro-batch of an update does with the gradients (--update-freq, --defer-grad-sync)."""
+
     first: bool  # the first micro-batch makes the gradients; later ones add into them
-    deferring: bool  # --defer-grad-sync (FSDP), before the last: nothing is reduced, each unit keeps its unsharded gradient
+    deferring: (
+        bool  # --defer-grad-sync (FSDP), before the last: nothing is reduced, each unit keeps its unsharded gradient
+    )
     kept: bool  # those unsharded gradients are already there
     first_reduce: bool  # FSDP2's first reduction of a unit becomes its sharded gradient
     later_output: float  # bytes per parameter of a later reduction's output: a new shard, added in, then freed
@@ -86,8 +112,13 @@ def micro_batch(s: Setup, micro):
     deferring_sync = s.sharded and s.defer_grad_sync
     first_reduce = micro == (last if deferring_sync else 0)
     reduce_bytes = 4 if s.fp32_reduce_scatter else s.compute_bytes
-    return MicroBatch(first=micro == 0, deferring=deferring_sync and micro < last, kept=deferring_sync and micro > 0,
-                      first_reduce=first_reduce, later_output=0 if first_reduce else reduce_bytes / s.shard)
+    return MicroBatch(
+        first=micro == 0,
+        deferring=deferring_sync and micro < last,
+        kept=deferring_sync and micro > 0,
+        first_reduce=first_reduce,
+        later_output=0 if first_reduce else reduce_bytes / s.shard,
+    )
 
 
 class UpdateWalk:
@@ -175,8 +206,9 @@ class UpdateWalk:
             L.add("mixed_precision_copies", m.vocab * m.dim * elem)
         # one chunk's buffers (fp32 logits, their low-precision product and gradient) and
         # W's gradient in low precision, added into the fp32 one a block at a time
-        L.transient("logits_and_loss", min(n, chunks.loss_chunk_rows(m.vocab)) * m.vocab * (4 + low)
-                    + m.vocab * m.dim * low)
+        L.transient(
+            "logits_and_loss", min(n, chunks.loss_chunk_rows(m.vocab)) * m.vocab * (4 + low) + m.vocab * m.dim * low
+        )
         if self.autocast:
             L.sub("mixed_precision_copies", m.vocab * m.dim * elem)
         if s.sharded:  # the root's weights are not read in backward: given back (trainer/parallel/parallelize.py)
@@ -240,16 +272,19 @@ class UpdateWalk:
         if m.tied:
             # the embedding's backward makes a dense V×d gradient of its own, added into the
             # one the loss made for the same (tied) weight: both are alive for a moment
-            L.transient("gradients" if not s.sharded else "unsharded_gradients",
-                        m.vocab * m.dim * (elem if s.sharded else 4))
+            L.transient(
+                "gradients" if not s.sharded else "unsharded_gradients", m.vocab * m.dim * (elem if s.sharded else 4)
+            )
         if mb.deferring:
             if not mb.kept and self.reduce_bytes != elem:
                 L.add("unsharded_gradients", self.root_rs - m.root_params * elem)
         elif s.sharded:
             L.add("unsharded_gradients", self.root_rs)
             L.transient("gradients", m.root_params * mb.later_output)
-            L.sub("unsharded_gradients", (self.root_rs if mb.kept else m.root_params * elem) + self.in_flight
-                  + self.root_rs)
+            L.sub(
+                "unsharded_gradients",
+                (self.root_rs if mb.kept else m.root_params * elem) + self.in_flight + self.root_rs,
+            )
             self.in_flight = 0
             if mb.first_reduce and not self.offload:
                 L.add("gradients", 4 * m.root_params / s.shard)

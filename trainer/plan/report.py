@@ -1,18 +1,21 @@
 """`plan`: print the memory plan of a config (text or one JSON object)."""
+
 import json
 
 from trainer.plan.ledger import COMPONENTS, predict
 from trainer.plan.search import choose, fits, flags_of, model_shape, setup_of, vocab_size
 
-LABELS = {"runtime": "runtime (interpreter, libraries, communication)",
-          "parameters": "parameters (fp32, this rank's shards)",
-          "gradients": "gradients (fp32 shards; DDP: + its buckets)",
-          "optimizer_state": "optimizer state",
-          "gathered_parameters": "gathered layers (unsharded, with prefetch)",
-          "unsharded_gradients": "unsharded gradients before reduce-scatter",
-          "activations": "activations saved for backward",
-          "logits_and_loss": "loss: fp32 logits of a chunk, gradients it keeps",
-          "mixed_precision_copies": "mixed-precision copies of weights"}
+LABELS = {
+    "runtime": "runtime (interpreter, libraries, communication)",
+    "parameters": "parameters (fp32, this rank's shards)",
+    "gradients": "gradients (fp32 shards; DDP: + its buckets)",
+    "optimizer_state": "optimizer state",
+    "gathered_parameters": "gathered layers (unsharded, with prefetch)",
+    "unsharded_gradients": "unsharded gradients before reduce-scatter",
+    "activations": "activations saved for backward",
+    "logits_and_loss": "loss: fp32 logits of a chunk, gradients it keeps",
+    "mixed_precision_copies": "mixed-precision copies of weights",
+}
 
 
 def make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab=None, model_name=None):
@@ -24,40 +27,69 @@ def make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab=None, model
     given = setup_of(cfg, device, ranks_per_host)
     p = predict(m, given)
     tried, choice = choose(m, given, device_gb, host_gb)
-    return dict(model=m, given=given, prediction=p, tried=tried, choice=choice,
-                device_gb=device_gb, host_gb=host_gb, vocab_source=source, model_name=model_name or cfg.model._name)
+    return dict(
+        model=m,
+        given=given,
+        prediction=p,
+        tried=tried,
+        choice=choice,
+        device_gb=device_gb,
+        host_gb=host_gb,
+        vocab_source=source,
+        model_name=model_name or cfg.model._name,
+    )
 
 
 def as_json(plan):
     p, given, choice = plan["prediction"], plan["given"], plan["choice"]
-    return json.dumps({
-        "fits": fits(p, plan["device_gb"], plan["host_gb"]),
-        "per_rank_gb": p.per_rank_gb, "host_gb": p.host_gb, "components": p.components,
-        "comm_gb_per_update": round(p.comm_gb_per_update, 3), "comm_gb": p.comm,
-        "device": given.device, "device_memory_gb": plan["device_gb"], "host_memory_gb": plan["host_gb"],
-        "host_memory_checked": plan["host_gb"] is not None,
-        "params": plan["model"].params, "model": plan["model_name"], "vocab": plan["model"].vocab,
-        "vocab_source": plan["vocab_source"],  # null: DATA's tokenizer (or dummy_lm's --dict-size)
-        "recommended": flags_of(choice[1], given) if choice else None,
-        "recommended_per_rank_gb": choice[2].per_rank_gb if choice else None,
-        "candidates": [{"flags": flags_of(s, given), "per_rank_gb": q.per_rank_gb, "host_gb": q.host_gb,
-                        "fits": ok} for _, s, q, ok in plan["tried"]],
-    })
+    return json.dumps(
+        {
+            "fits": fits(p, plan["device_gb"], plan["host_gb"]),
+            "per_rank_gb": p.per_rank_gb,
+            "host_gb": p.host_gb,
+            "components": p.components,
+            "comm_gb_per_update": round(p.comm_gb_per_update, 3),
+            "comm_gb": p.comm,
+            "device": given.device,
+            "device_memory_gb": plan["device_gb"],
+            "host_memory_gb": plan["host_gb"],
+            "host_memory_checked": plan["host_gb"] is not None,
+            "params": plan["model"].params,
+            "model": plan["model_name"],
+            "vocab": plan["model"].vocab,
+            "vocab_source": plan["vocab_source"],  # null: DATA's tokenizer (or dummy_lm's --dict-size)
+            "recommended": flags_of(choice[1], given) if choice else None,
+            "recommended_per_rank_gb": choice[2].per_rank_gb if choice else None,
+            "candidates": [
+                {"flags": flags_of(s, given), "per_rank_gb": q.per_rank_gb, "host_gb": q.host_gb, "fits": ok}
+                for _, s, q, ok in plan["tried"]
+            ],
+        }
+    )
 
 
 def as_text(cfg, plan):
     m, s, p = plan["model"], plan["given"], plan["prediction"]
-    flags = [s.backend] + [f for f, on in (("no reshard", s.sharded and not s.reshard_after_forward),
-                                           ("checkpoint-activations", s.checkpoint_activations),
-                                           ("offload-activations", s.offload_activations),
-                                           ("cpu-offload", s.cpu_offload)) if on]
+    flags = [s.backend] + [
+        f
+        for f, on in (
+            ("no reshard", s.sharded and not s.reshard_after_forward),
+            ("checkpoint-activations", s.checkpoint_activations),
+            ("offload-activations", s.offload_activations),
+            ("cpu-offload", s.cpu_offload),
+        )
+        if on
+    ]
     source = f": {plan['vocab_source']}" if plan["vocab_source"] else ""
-    lines = [f"model {plan['model_name']}: {m.params:,} parameters ({m.layers} layers x {m.dim}, "
-             f"vocabulary {m.vocab}{source})",
-             f"{s.world} rank(s), {s.ranks_per_host} per host, {s.device}, {s.precision}, {', '.join(flags)}",
-             f"batch per rank: {s.sequences} x {s.seq_len} tokens, --update-freq {s.update_freq} "
-             f"({s.sequences * s.seq_len * s.update_freq * s.world:,} tokens per update)",
-             "", "per rank, at the peak of an update:"]
+    lines = [
+        f"model {plan['model_name']}: {m.params:,} parameters ({m.layers} layers x {m.dim}, "
+        f"vocabulary {m.vocab}{source})",
+        f"{s.world} rank(s), {s.ranks_per_host} per host, {s.device}, {s.precision}, {', '.join(flags)}",
+        f"batch per rank: {s.sequences} x {s.seq_len} tokens, --update-freq {s.update_freq} "
+        f"({s.sequences * s.seq_len * s.update_freq * s.world:,} tokens per update)",
+        "",
+        "per rank, at the peak of an update:",
+    ]
     for k in COMPONENTS:
         lines.append(f"  {LABELS[k]:<50} {p.components[k]:9.3f} GB")
     verdict = "fits" if p.per_rank_gb <= plan["device_gb"] else "does NOT fit"
@@ -68,8 +100,10 @@ def as_text(cfg, plan):
         host_verdict = "fits" if p.host_gb <= plan["host_gb"] else "does NOT fit"
         lines.append(f"host memory per host: {p.host_gb:.3f} GB of {plan['host_gb']:.1f} GB: {host_verdict}")
     c = p.comm
-    lines.append(f"communication per rank per update: all-gather {c['all_gather']:.3f} GB, reduce-scatter "
-                 f"{c['reduce_scatter']:.3f} GB, all-reduce {c['all_reduce']:.3f} GB")
+    lines.append(
+        f"communication per rank per update: all-gather {c['all_gather']:.3f} GB, reduce-scatter "
+        f"{c['reduce_scatter']:.3f} GB, all-reduce {c['all_reduce']:.3f} GB"
+    )
     lines += ["", "flag sets, fastest first (per-rank GB, host GB):"]
     for label, t, q, ok in plan["tried"]:
         extra = flags_of(t, s) or "(as given)"
@@ -78,6 +112,8 @@ def as_text(cfg, plan):
     if choice is None:
         lines.append("recommended: nothing fits; add ranks (--distributed-world-size) or memory")
     else:
-        lines.append(f"recommended: {flags_of(choice[1], s) or '(the flags as given)'}  "
-                     f"→ {choice[2].per_rank_gb:.3f} GB per rank")
+        lines.append(
+            f"recommended: {flags_of(choice[1], s) or '(the flags as given)'}  "
+            f"→ {choice[2].per_rank_gb:.3f} GB per rank"
+        )
     return "\n".join(lines)

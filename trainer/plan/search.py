@@ -7,6 +7,7 @@ offload (GPU), + --cpu-offload (GPU); each at the requested micro-batch, then at
 smaller ones with --update-freq raised so that the global batch stays the same.
 A DDP run keeps DDP when it fits (it communicates least). Torch-free.
 """
+
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,7 +30,9 @@ OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "cpu_adam": 2, "nag": 1}
 
 def vocab_size(cfg):
     task = cfg.task
-    if hf_vocab_size(cfg) is not None:  # --finetune-from-model HF_DIR: its embedding's rows (Qwen3 pads past the data's)
+    if (
+        hf_vocab_size(cfg) is not None
+    ):  # --finetune-from-model HF_DIR: its embedding's rows (Qwen3 pads past the data's)
         return hf_vocab_size(cfg)
     if task._name == "dummy_lm":
         return task.dict_size
@@ -70,23 +73,43 @@ def model_shape(cfg, vocab):
     positions = model_positions(cfg)
     learned = m.decoder_learned_pos and not m.no_token_positional_embeddings
     final_norm = m.decoder_normalize_before and not m.no_decoder_final_norm
-    return ModelShape(layers=num_layers(m), dim=m.decoder_embed_dim, ffn=m.decoder_ffn_embed_dim,
-                      heads=m.decoder_attention_heads, vocab=vocab, learned_positions=positions if learned else 0,
-                      tied=m.share_decoder_input_output_embed,
-                      norms_outside_layers=int(final_norm) + int(m.layernorm_embedding),
-                      activation_fn=m.activation_fn, dropout=m.dropout, attention_dropout=m.attention_dropout,
-                      activation_dropout=m.activation_dropout, vocab_params=adaptive_vocab_params(m, vocab),
-                      normformer_params=normformer_params(m), projection_params=projection_params(m, vocab),
-                      kv_heads=kv_heads(m), head_dim=head_dim(m), gated=m.gated_ffn, bias=not m.no_bias,
-                      norm=m.norm_type, norm_bias=not m.no_bias, qk_norm=m.qk_norm, rope=m.rope)
+    return ModelShape(
+        layers=num_layers(m),
+        dim=m.decoder_embed_dim,
+        ffn=m.decoder_ffn_embed_dim,
+        heads=m.decoder_attention_heads,
+        vocab=vocab,
+        learned_positions=positions if learned else 0,
+        tied=m.share_decoder_input_output_embed,
+        norms_outside_layers=int(final_norm) + int(m.layernorm_embedding),
+        activation_fn=m.activation_fn,
+        dropout=m.dropout,
+        attention_dropout=m.attention_dropout,
+        activation_dropout=m.activation_dropout,
+        vocab_params=adaptive_vocab_params(m, vocab),
+        normformer_params=normformer_params(m),
+        projection_params=projection_params(m, vocab),
+        kv_heads=kv_heads(m),
+        head_dim=head_dim(m),
+        gated=m.gated_ffn,
+        bias=not m.no_bias,
+        norm=m.norm_type,
+        norm_bias=not m.no_bias,
+        qk_norm=m.qk_norm,
+        rope=m.rope,
+    )
 
 
 def normformer_params(m):
     """One layer's NormFormer parameters, as models/layer.DecoderLayer builds them."""
     dim, ffn = m.decoder_embed_dim, m.decoder_ffn_embed_dim
     per_width = 2 if m.norm_type == "layernorm" and not m.no_bias else 1  # a norm's weight (and bias)
-    return (per_width * dim * m.scale_attn + m.decoder_attention_heads * m.scale_heads + per_width * ffn * m.scale_fc
-            + dim * m.scale_resids)
+    return (
+        per_width * dim * m.scale_attn
+        + m.decoder_attention_heads * m.scale_heads
+        + per_width * ffn * m.scale_fc
+        + dim * m.scale_resids
+    )
 
 
 def projection_params(m, vocab):
@@ -147,15 +170,25 @@ def setup_of(cfg, device, ranks_per_host):
         shard = distributed.shard_group_size or min(ranks_per_host, world)
     optimizer = cfg.optimizer
     states = OPTIMIZER_STATES.get(optimizer._name, 1 if optimizer.momentum else 0)
-    return Setup(device=device, world=world, ranks_per_host=ranks_per_host, backend=ddp_backend(cfg), shard=shard,
-                 reshard_after_forward=not distributed.no_reshard_after_forward,
-                 checkpoint_activations=cfg.model.checkpoint_activations,
-                 offload_activations=cfg.model.offload_activations, cpu_offload=distributed.cpu_offload,
-                 defer_grad_sync=distributed.defer_grad_sync, update_freq=cfg.optimization.update_freq,
-                 sequences=sequences_per_batch(cfg), seq_len=cfg.task.tokens_per_sample,
-                 precision="bf16" if common.bf16 else "fp16" if common.fp16 else "fp32",
-                 fp32_reduce_scatter=distributed.fp32_reduce_scatter, optimizer_states=states,
-                 spawned=infer_rendezvous(cfg).spawn > 1)
+    return Setup(
+        device=device,
+        world=world,
+        ranks_per_host=ranks_per_host,
+        backend=ddp_backend(cfg),
+        shard=shard,
+        reshard_after_forward=not distributed.no_reshard_after_forward,
+        checkpoint_activations=cfg.model.checkpoint_activations,
+        offload_activations=cfg.model.offload_activations,
+        cpu_offload=distributed.cpu_offload,
+        defer_grad_sync=distributed.defer_grad_sync,
+        update_freq=cfg.optimization.update_freq,
+        sequences=sequences_per_batch(cfg),
+        seq_len=cfg.task.tokens_per_sample,
+        precision="bf16" if common.bf16 else "fp16" if common.fp16 else "fp32",
+        fp32_reduce_scatter=distributed.fp32_reduce_scatter,
+        optimizer_states=states,
+        spawned=infer_rendezvous(cfg).spawn > 1,
+    )
 
 
 def with_flags(s: Setup, **flags):
@@ -175,25 +208,44 @@ def flag_sets(s: Setup):
         if s.world == 1:  # nothing to shard over: checkpointing is the next step
             sets.append((s.backend + " + checkpoint", with_flags(s, **{**off, "checkpoint_activations": True})))
     if s.world > 1 or s.sharded:
-        sets += [("no reshard", with_flags(fsdp, reshard_after_forward=False, **off)),
-                 ("reshard", with_flags(fsdp, reshard_after_forward=True, **off)),
-                 ("reshard + checkpoint", with_flags(fsdp, reshard_after_forward=True,
-                                                     **{**off, "checkpoint_activations": True}))]
+        sets += [
+            ("no reshard", with_flags(fsdp, reshard_after_forward=False, **off)),
+            ("reshard", with_flags(fsdp, reshard_after_forward=True, **off)),
+            (
+                "reshard + checkpoint",
+                with_flags(fsdp, reshard_after_forward=True, **{**off, "checkpoint_activations": True}),
+            ),
+        ]
     if s.device == "cuda":  # on a CPU, both offloads keep the same bytes in the same memory
-        sets += [("+ offload activations", with_flags(fsdp, reshard_after_forward=True, offload_activations=True,
-                                                      cpu_offload=False)),
-                 ("+ cpu offload", with_flags(fsdp, reshard_after_forward=True, checkpoint_activations=True,
-                                              offload_activations=False, cpu_offload=True)),
-                 ("+ both offloads", with_flags(fsdp, reshard_after_forward=True, offload_activations=True,
-                                                cpu_offload=True))]
+        sets += [
+            (
+                "+ offload activations",
+                with_flags(fsdp, reshard_after_forward=True, offload_activations=True, cpu_offload=False),
+            ),
+            (
+                "+ cpu offload",
+                with_flags(
+                    fsdp,
+                    reshard_after_forward=True,
+                    checkpoint_activations=True,
+                    offload_activations=False,
+                    cpu_offload=True,
+                ),
+            ),
+            (
+                "+ both offloads",
+                with_flags(fsdp, reshard_after_forward=True, offload_activations=True, cpu_offload=True),
+            ),
+        ]
     return sets
 
 
 def micro_batches(s: Setup):
     """The requested micro-batch, then its divisors, largest first: the global batch stays."""
     total = s.sequences
-    return [replace(s, sequences=b, update_freq=s.update_freq * total // b)
-            for b in range(total, 0, -1) if total % b == 0]
+    return [
+        replace(s, sequences=b, update_freq=s.update_freq * total // b) for b in range(total, 0, -1) if total % b == 0
+    ]
 
 
 def fits(p, device_gb, host_gb):
@@ -204,8 +256,11 @@ def fits(p, device_gb, host_gb):
 # The on/off flags a Setup stands for: (flag, config key, its value in Setup s), the value
 # a resolved config holds (trainer/launch/auto_tune.py writes them into the config).
 MEMORY_FLAGS = (
-    ("--no-reshard-after-forward", "distributed_training.no_reshard_after_forward",
-     lambda s: s.sharded and not s.reshard_after_forward),
+    (
+        "--no-reshard-after-forward",
+        "distributed_training.no_reshard_after_forward",
+        lambda s: s.sharded and not s.reshard_after_forward,
+    ),
     ("--checkpoint-activations", "model.checkpoint_activations", lambda s: s.checkpoint_activations),
     ("--offload-activations", "model.offload_activations", lambda s: s.offload_activations),
     ("--cpu-offload", "distributed_training.cpu_offload", lambda s: s.cpu_offload),

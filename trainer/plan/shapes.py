@@ -1,5 +1,6 @@
 """What the planner knows of a run: the model's shape and the trainer's setup, from the
 config (trainer/plan/search.py builds both). Torch-free: plain numbers and flags."""
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -79,8 +80,12 @@ class ModelShape:
         """Parameters outside the decoder layers: FSDP's root unit."""
         dim = self.dim
         tables = self.vocab * dim * (1 if self.tied else 2) if self.vocab_params is None else self.vocab_params
-        return (tables + self.learned_positions * dim + self.norms_outside_layers * self.norm_params(dim)
-                + self.projection_params)
+        return (
+            tables
+            + self.learned_positions * dim
+            + self.norms_outside_layers * self.norm_params(dim)
+            + self.projection_params
+        )
 
     @property
     def params(self):
@@ -90,6 +95,7 @@ class ModelShape:
 @dataclass
 class Setup:
     """What the trainer will do, from the config: precision, sharding, batch."""
+
     device: str  # "cpu" or "cuda"
     world: int
     ranks_per_host: int

@@ -6,19 +6,22 @@ So each mode reads them as late as its optimizer allows, and the loop settles th
 them now) only at the boundaries that need the update count exact: a log record,
 validation, a save, a stop.
 
-| mode             | used for                           | flags read                     | a bad update                        |
-|------------------|------------------------------------|--------------------------------|-------------------------------------|
-| loss_scale       | --fp16 (torch's GradScaler)        | the update before's, before    | skipped on the device and its scale |
-|                  |                                    | this one steps                 | halved; uncounted when read; at     |
-|                  |                                    |                                | --min-loss-scale the run stops      |
-| skip_on_device   | a fused step that takes found_inf  | the update before's, after     | skipped on the device, and every    |
-|                  | (adam, adamw, cpu_adam)            | this one's step is queued      | step after it; the run stops when   |
-|                  |                                    |                                | read, with the weights before it    |
-| read_before_step | any other optimizer (sgd, nag, …)  | this update's, before it steps | never stepped; the run stops        |
+| mode             | used for                | flags read                 | a bad update                     |
+|------------------|-------------------------|----------------------------|----------------------------------|
+| loss_scale       | --fp16 (GradScaler)     | the update before's,       | skipped on the device, its scale |
+|                  |                         | before this one steps      | halved; uncounted when read; at  |
+|                  |                         |                            | --min-loss-scale the run stops   |
+| skip_on_device   | a fused step taking     | the update before's, after | skipped on the device, and every |
+|                  | found_inf (adam, adamw, | this one's step is queued  | step after it; the run stops     |
+|                  | cpu_adam)               |                            | when read, weights of the one    |
+|                  |                         |                            | before                           |
+| read_before_step | any other optimizer     | this update's, before it   | never stepped; the run stops     |
+|                  | (sgd, nag, …)           | steps                      |                                  |
 
 Without fp16 a bad update stops the run with fairseq's messages; every rank decides on the
 same summed values, so all stop at the same update.
 """
+
 import logging
 import math
 
@@ -112,12 +115,16 @@ class DeferredRead:
             what = "gradients are" if not math.isfinite(gnorm) else "loss is"
             raise numerical_fault(
                 f"{what} Nan/Inf at update {update.number} (loss {loss:.4g}, gnorm {gnorm:.4g}); nothing was saved "
-                "from it: lower --lr or set --clip-norm, and resume from the last checkpoint", self.is_master)
+                "from it: lower --lr or set --clip-norm, and resume from the last checkpoint",
+                self.is_master,
+            )
         scale = self.scaler.get_scale()
         if scale <= self.min_loss_scale:  # fairseq's test and message
             raise numerical_fault(
                 f"Minimum loss scale reached ({self.min_loss_scale}) at update {update.number}, where the loss "
                 f"overflowed at scale {scale / BACKOFF}. Your loss is probably exploding. Try lowering the learning "
-                "rate, using gradient clipping or increasing the batch size.", self.is_master)
+                "rate, using gradient clipping or increasing the batch size.",
+                self.is_master,
+            )
         log.info(f"NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: {scale}")
         return False

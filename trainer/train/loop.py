@@ -1,4 +1,5 @@
 """The epoch loop: group micro-batches, step, log, validate, stop (fairseq_cli/train.py)."""
+
 import logging
 import math
 import time
@@ -42,9 +43,16 @@ class TrainLoop:
 
     def state_dict(self):
         dataset = self.cfg.dataset
-        return {"iterator": {**self.itr.state_dict(), "world_size": self.env.world_size,
-                             "batch_size": dataset.batch_size, "max_tokens": dataset.max_tokens},
-                "meters": self.epoch_meters.state_dict(), "best_valid_loss": _finite_or_none(self.best_valid_loss)}
+        return {
+            "iterator": {
+                **self.itr.state_dict(),
+                "world_size": self.env.world_size,
+                "batch_size": dataset.batch_size,
+                "max_tokens": dataset.max_tokens,
+            },
+            "meters": self.epoch_meters.state_dict(),
+            "best_valid_loss": _finite_or_none(self.best_valid_loss),
+        }
 
     def load_state_dict(self, state):
         """A resumed run's position; --reset-dataloader starts the data (and the meters) over,
@@ -66,8 +74,10 @@ class TrainLoop:
             return it
         consumed = it["iterations_in_epoch"] * old
         if not old or not new or consumed % new:
-            log.warning(f"the checkpoint's data position ({it['iterations_in_epoch']} batches of {old} sequences) "
-                        f"is not a whole number of this run's batches of {new}: resuming at the nearest earlier one")
+            log.warning(
+                f"the checkpoint's data position ({it['iterations_in_epoch']} batches of {old} sequences) "
+                f"is not a whole number of this run's batches of {new}: resuming at the nearest earlier one"
+            )
         return {**it, "iterations_in_epoch": consumed // new if new else 0}
 
     def reached_max_update(self):
@@ -82,8 +92,10 @@ class TrainLoop:
         would use, after the last epoch's lr_step."""
         lr, floor = self.trainer.next_lr(), self.cfg.optimization.stop_min_lr
         if lr <= floor:
-            log.info(f"stopping training because current learning rate ({lr}) is smaller than or equal to "
-                     f"minimum learning rate (--stop-min-lr={floor})")
+            log.info(
+                f"stopping training because current learning rate ({lr}) is smaller than or equal to "
+                f"minimum learning rate (--stop-min-lr={floor})"
+            )
             return True
         return False
 
@@ -102,8 +114,10 @@ class TrainLoop:
             interval = TrainMeters(self.env.device)
             first_step = self.itr.iterations_in_epoch // optimization.update_freq + 1
             peak_memory_gb(self.env.device)  # start this epoch's first interval from now
-            for step, samples in enumerate(self.progress.epoch_bar(grouped(batches, optimization.update_freq), epoch,
-                                                                    updates_per_epoch), start=first_step):
+            for step, samples in enumerate(
+                self.progress.epoch_bar(grouped(batches, optimization.update_freq), epoch, updates_per_epoch),
+                start=first_step,
+            ):
                 update = self.trainer.train_step(samples)
                 interval.add(update)  # on the device; an update found bad later adds nothing
                 self.epoch_meters.add(update)
@@ -134,8 +148,10 @@ class TrainLoop:
         self.progress.close()
         floor = getattr(self.task, "valid_loss_floor", None)
         if floor is not None and self.best_valid_loss < math.inf:
-            log.info(f"best valid loss {self.best_valid_loss:.3f} is {self.best_valid_loss - floor:.3f} bits per "
-                     f"token above the embedded corpus's floor {floor:.3f}")
+            log.info(
+                f"best valid loss {self.best_valid_loss:.3f} is {self.best_valid_loss - floor:.3f} bits per "
+                f"token above the embedded corpus's floor {floor:.3f}"
+            )
         log.info(f"done training in {time.perf_counter() - self.start:.1f} seconds")
         return self.best_valid_loss
 
@@ -182,9 +198,12 @@ class TrainLoop:
         checkpoint_cfg, dataset, n = self.cfg.checkpoint, self.cfg.dataset, self.trainer.num_updates
         interval_save = checkpoint_cfg.save_interval_updates > 0 and n % checkpoint_cfg.save_interval_updates == 0
         do_save = (end_of_epoch and epoch % checkpoint_cfg.save_interval == 0) or stop or interval_save
-        do_validate = ((not end_of_epoch and do_save)
-                       or (end_of_epoch and epoch % dataset.validate_interval == 0) or stop
-                       or (dataset.validate_interval_updates > 0 and n % dataset.validate_interval_updates == 0))
+        do_validate = (
+            (not end_of_epoch and do_save)
+            or (end_of_epoch and epoch % dataset.validate_interval == 0)
+            or stop
+            or (dataset.validate_interval_updates > 0 and n % dataset.validate_interval_updates == 0)
+        )
         if do_save and not checkpoint_cfg.no_save:
             # Nan/Inf weights raise here, before they are validated or saved; the way out of
             # the loop publishes nothing (an asynchronous save in flight stays under its .tmp-
@@ -205,9 +224,14 @@ class TrainLoop:
     def log_train(self, tag, meters, epoch, position=None, step=None):
         self.trainer.settle()  # the record boundary
         peak = self.cfg.common.peak_tflops  # per rank; tflops counts the whole job's tokens
-        rec = meters.record(self.trainer.num_updates, self.trainer.lr, self.cfg.optimization.clip_norm,
-                            self.trainer.loss_scale, self.flops_per_token,
-                            peak * self.env.world_size if peak else None)
+        rec = meters.record(
+            self.trainer.num_updates,
+            self.trainer.lr,
+            self.cfg.optimization.clip_norm,
+            self.trainer.loss_scale,
+            self.flops_per_token,
+            peak * self.env.world_size if peak else None,
+        )
         rec["mem_gb"] = peak_memory_gb(self.env.device)
         rec["wall"] = round(time.perf_counter() - self.start)
         self.progress.log(tag, rec, step, self.trainer.num_updates, epoch, position)
@@ -232,18 +256,25 @@ class TrainLoop:
                 if self.preemption.agreed():
                     log.info(f"stopped validating {subset!r} after {nbatches} batches: its figures are not a result")
                     raise ValidationStopped
-                l, t, s = self.trainer.valid_step(batch)  # l stays on the device: read once below
-                loss_sum, ntokens, nsentences, nbatches = loss_sum + l, ntokens + t, nsentences + s, nbatches + 1
+                loss, tokens, sentences = self.trainer.valid_step(batch)  # loss stays on the device: read below
+                loss_sum, ntokens = loss_sum + loss, ntokens + tokens
+                nsentences, nbatches = nsentences + sentences, nbatches + 1
             # Token and sentence counts over all ranks; batches are steps (the same on every rank).
             loss_sum, ntokens, nsentences = all_reduce_sum([float(loss_sum), ntokens, nsentences], self.env)
             loss = loss_sum / max(ntokens, 1) / LN2
             if subset == self.valid_subsets[0]:
                 self.best_valid_loss = min(self.best_valid_loss, loss)
-                metric = loss if self.cfg.checkpoint.best_checkpoint_metric == "loss" else 2 ** loss
+                metric = loss if self.cfg.checkpoint.best_checkpoint_metric == "loss" else 2**loss
             elapsed = max(time.perf_counter() - start, 1e-9)
-            rec = {"loss": round(loss, 3), "ppl": perplexity(loss), "wps": round(ntokens / elapsed),
-                   "wpb": round(ntokens / max(nbatches, 1), 1), "bsz": round(nsentences / max(nbatches, 1), 1),
-                   "num_updates": self.trainer.num_updates, "best_loss": round(self.best_valid_loss, 3)}
+            rec = {
+                "loss": round(loss, 3),
+                "ppl": perplexity(loss),
+                "wps": round(ntokens / elapsed),
+                "wpb": round(ntokens / max(nbatches, 1), 1),
+                "bsz": round(nsentences / max(nbatches, 1), 1),
+                "num_updates": self.trainer.num_updates,
+                "best_loss": round(self.best_valid_loss, 3),
+            }
             self.progress.log("valid" if subset == "valid" else subset, rec, None, self.trainer.num_updates, epoch)
         return metric
 

@@ -1,4 +1,5 @@
 """`train` after its config is composed: build everything, print it, train."""
+
 import logging
 import random
 from pathlib import Path
@@ -22,8 +23,8 @@ from trainer.train.loop import TrainLoop
 from trainer.train.meters import flops_per_token
 from trainer.train.preemption import Preemption
 from trainer.train.progress import Progress, setup_logging
-from trainer.train.trainer import Trainer
 from trainer.train.task import LMTask
+from trainer.train.trainer import Trainer
 
 log = logging.getLogger("shardlm")
 
@@ -50,13 +51,15 @@ def build(cfg, env):
     max_positions = model_positions(cfg)
     # Sharded models start on the meta device: no rank ever holds the whole model.
     device = "meta" if uses_fsdp(cfg) else env.device
-    model = build_model(cfg.model, vocab_size, max_positions, device=device, padding_idx=task.pad,
-                        seed=cfg.common.seed)
+    model = build_model(cfg.model, vocab_size, max_positions, device=device, padding_idx=task.pad, seed=cfg.common.seed)
     n_params = num_parameters(model)
-    log.info(f"model {cfg.model._name}, {len(model.layers)} layers x {cfg.model.decoder_embed_dim}, "
-             f"vocabulary {vocab_size}")
-    log.info(f"num. model params: {n_params:,} (num. trained: "
-             f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,})")
+    log.info(
+        f"model {cfg.model._name}, {len(model.layers)} layers x {cfg.model.decoder_embed_dim}, vocabulary {vocab_size}"
+    )
+    log.info(
+        f"num. model params: {n_params:,} (num. trained: "
+        f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,})"
+    )
     vocab_modules = (model.embed_tokens, model.embed_positions, model.output_projection, model.adaptive_softmax)
     embed_params = sum(p.numel() for m in vocab_modules if m is not None for p in m.parameters())
     # An adaptive softmax scores the head (first band + clusters) for every token; a tail
@@ -64,8 +67,10 @@ def build(cfg, env):
     scored = vocab_size if model.adaptive_softmax is None else model.adaptive_softmax.head_size
     fpt = flops_per_token(cfg.model, n_params, scored, embed_params, cfg.task.tokens_per_sample)
     model, grad_sync = parallelize(model, cfg, env)
-    log.info(f"rank {env.rank} holds {sharded_bytes(model) / 2 ** 20:,.1f} MiB of parameters "
-             f"({cfg.distributed_training.ddp_backend}, {env.world_size} rank(s))")
+    log.info(
+        f"rank {env.rank} holds {sharded_bytes(model) / 2**20:,.1f} MiB of parameters "
+        f"({cfg.distributed_training.ddp_backend}, {env.world_size} rank(s))"
+    )
     return task, Trainer(cfg, model, env, task.pad, grad_sync), fpt
 
 
@@ -89,8 +94,10 @@ def train(cfg, env):
     lock = lock_save_dir(cfg, env)
     try:
         task, trainer, fpt = build(cfg, env)
-        log.info(f"training on {env.world_size} rank(s), device {env.device}, backend "
-                 f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank")
+        log.info(
+            f"training on {env.world_size} rank(s), device {env.device}, backend "
+            f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank"
+        )
         checkpointer = Checkpointer(cfg, env, trainer.model, trainer.optimizer, getattr(task, "data_dir", None))
         preemption = Preemption(env, collective_timeout(cfg), cfg.checkpoint)
         loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer, preemption)

@@ -1,4 +1,5 @@
 """Running sums behind the log records (fairseq's meters), and peak memory."""
+
 import math
 import time
 
@@ -75,8 +76,7 @@ class TrainMeters:
         return self.values()
 
     def load_state_dict(self, state):
-        self.sums = torch.tensor([float(state[k]) for k in self.FIELDS[:-1]], dtype=torch.float64,
-                                 device=self.device)
+        self.sums = torch.tensor([float(state[k]) for k in self.FIELDS[:-1]], dtype=torch.float64, device=self.device)
         self.train_wall = float(state["train_wall"])
 
     def record(self, num_updates, lr, clip_norm, loss_scale=None, flops_per_token=0.0, peak_tflops=None):
@@ -85,10 +85,17 @@ class TrainMeters:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         n = max(v["updates"], 1)
         loss = v["loss_sum"] / max(v["ntokens"], 1) / LN2
-        rec = {"loss": round(loss, 3), "ppl": perplexity(loss), "wps": round(v["ntokens"] / elapsed),
-               "ups": round(v["updates"] / elapsed, 2), "wpb": round(v["ntokens"] / n, 1),
-               "bsz": round(v["nsentences"] / n, 1), "num_updates": num_updates, "lr": float(f"{lr:.6g}"),
-               "gnorm": round(v["gnorm_sum"] / n, 3)}
+        rec = {
+            "loss": round(loss, 3),
+            "ppl": perplexity(loss),
+            "wps": round(v["ntokens"] / elapsed),
+            "ups": round(v["updates"] / elapsed, 2),
+            "wpb": round(v["ntokens"] / n, 1),
+            "bsz": round(v["nsentences"] / n, 1),
+            "num_updates": num_updates,
+            "lr": float(f"{lr:.6g}"),
+            "gnorm": round(v["gnorm_sum"] / n, 3),
+        }
         if clip_norm > 0:
             rec["clip"] = round(100.0 * v["clipped"] / n, 1)
         if loss_scale is not None:
@@ -104,7 +111,7 @@ class TrainMeters:
 
 def perplexity(loss_base2):
     try:
-        return round(2 ** loss_base2, 2)
+        return round(2**loss_base2, 2)
     except OverflowError:
         return float("inf")
 
@@ -115,16 +122,17 @@ def peak_memory_gb(device):
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        return round(peak / 2 ** 30, 3)
+        return round(peak / 2**30, 3)
     try:
         with open("/proc/self/status") as f:
             hwm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
-        return round(hwm_kb / 2 ** 20, 3)
+        return round(hwm_kb / 2**20, 3)
     except (OSError, StopIteration):
         import resource
-        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 3)
+
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
 
 
 def flops_per_token(model_cfg, num_params, vocab_size, embed_params, seq_len):

@@ -1,4 +1,5 @@
 """Optimizers (adam, adamw, cpu_adam, sgd, nag) and fairseq's learning-rate schedules."""
+
 import math
 
 import torch
@@ -19,9 +20,11 @@ def param_groups(model, weight_decay):
     return [g for g in groups if g["params"]]
 
 
-CPU_ADAM = ("--optimizer cpu_adam: Adam with decoupled weight decay (fairseq's cpu_adam, adam_w_mode), "
-            "stepped by torch's fused CPU kernel on the host-resident shards of --cpu-offload; its state is "
-            "Adam's, so its checkpoints resume with --optimizer adam and adam's with cpu_adam")
+CPU_ADAM = (
+    "--optimizer cpu_adam: Adam with decoupled weight decay (fairseq's cpu_adam, adam_w_mode), "
+    "stepped by torch's fused CPU kernel on the host-resident shards of --cpu-offload; its state is "
+    "Adam's, so its checkpoints resume with --optimizer adam and adam's with cpu_adam"
+)
 
 
 def build_optimizer(model, cfg):
@@ -39,7 +42,9 @@ def build_optimizer(model, cfg):
         # hooks the gradients (no post-accumulate-grad hook): such a hook would make
         # FSDP2 copy each gradient to the host synchronously instead of overlapping the
         # copy with the rest of backward.
-        return ShardLocalAdamW(groups, lr=lr, betas=tuple(optimizer_cfg.adam_betas), eps=optimizer_cfg.adam_eps, fused=True)
+        return ShardLocalAdamW(
+            groups, lr=lr, betas=tuple(optimizer_cfg.adam_betas), eps=optimizer_cfg.adam_eps, fused=True
+        )
     if optimizer_cfg._name == "nag":
         return NAG(groups, lr=lr, momentum=optimizer_cfg.momentum)
     return torch.optim.SGD(groups, lr=lr, momentum=optimizer_cfg.momentum)
@@ -98,16 +103,32 @@ class ShardLocalAdamW(torch.optim.AdamW):
         if not indices:
             return
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = (
-            local_shards([t[i] for i in indices]) if t else [] for t in lists)
+            local_shards([t[i] for i in indices]) if t else [] for t in lists
+        )
         beta1, beta2 = group["betas"]
         adam(
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"],
-            has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-            foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
-            fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            steps,
+            amsgrad=group["amsgrad"],
+            has_complex=has_complex,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=group["differentiable"],
+            fused=group["fused"],
+            grad_scale=getattr(self, "grad_scale", None),
             found_inf=getattr(self, "found_inf", None),
-            decoupled_weight_decay=group["decoupled_weight_decay"])
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+        )
 
 
 class NAG(torch.optim.Optimizer):
@@ -133,13 +154,14 @@ class NAG(torch.optim.Optimizer):
 
     def state_dict(self):
         sd = super().state_dict()  # its per-parameter dicts are self.state's own: copied
-        sd["state"] = {k: {**v, "lr_old": torch.tensor(v["lr_old"], dtype=torch.float64)} if "lr_old" in v else v
-                       for k, v in sd["state"].items()}
+        sd["state"] = {
+            k: {**v, "lr_old": torch.tensor(v["lr_old"], dtype=torch.float64)} if "lr_old" in v else v
+            for k, v in sd["state"].items()
+        }
         return sd
 
     def load_state_dict(self, state_dict):
-        state = {k: {**v, "lr_old": float(v["lr_old"])} if "lr_old" in v else v
-                 for k, v in state_dict["state"].items()}
+        state = {k: {**v, "lr_old": float(v["lr_old"])} if "lr_old" in v else v for k, v in state_dict["state"].items()}
         super().load_state_dict({**state_dict, "state": state})
 
     @torch.no_grad()
@@ -193,18 +215,36 @@ class LRSchedule:
         self.name, self.peak = scheduler_cfg._name, cfg.optimization.lr
         self.warmup = scheduler_cfg.warmup_updates
         self.warmup_init = 0.0 if scheduler_cfg.warmup_init_lr < 0 else scheduler_cfg.warmup_init_lr
-        self.end_lr, self.power, self.min_lr = scheduler_cfg.end_learning_rate, scheduler_cfg.power, scheduler_cfg.min_lr
+        self.end_lr, self.power, self.min_lr = (
+            scheduler_cfg.end_learning_rate,
+            scheduler_cfg.power,
+            scheduler_cfg.min_lr,
+        )
         max_update = cfg.optimization.max_update
         self.total = scheduler_cfg.total_num_update or max_update
         if self.name == "cosine":  # fairseq's cosine_lr_scheduler.py
             self.min_lr = min(scheduler_cfg.min_lr, self.peak)
             self.warmup_init = self.min_lr if scheduler_cfg.warmup_init_lr < 0 else scheduler_cfg.warmup_init_lr
             # Past the last update only (checks.py requires max_update or the period).
-            self.period = scheduler_cfg.lr_period_updates if scheduler_cfg.lr_period_updates > 0 else max(max_update - self.warmup, 1)
+            self.period = (
+                scheduler_cfg.lr_period_updates
+                if scheduler_cfg.lr_period_updates > 0
+                else max(max_update - self.warmup, 1)
+            )
             self.t_mult, self.shrink = scheduler_cfg.t_mult, scheduler_cfg.lr_shrink
         if self.name == "reduce_lr_on_plateau":  # fairseq's reduce_lr_on_plateau.py over torch's ReduceLROnPlateau
-            self.warmup_init = scheduler_cfg.warmup_init_lr if scheduler_cfg.warmup_init_lr >= 0 else 0.0 if self.warmup > 0 else self.peak
-            self.shrink, self.threshold, self.patience = scheduler_cfg.lr_shrink, scheduler_cfg.lr_threshold, scheduler_cfg.lr_patience
+            self.warmup_init = (
+                scheduler_cfg.warmup_init_lr
+                if scheduler_cfg.warmup_init_lr >= 0
+                else 0.0
+                if self.warmup > 0
+                else self.peak
+            )
+            self.shrink, self.threshold, self.patience = (
+                scheduler_cfg.lr_shrink,
+                scheduler_cfg.lr_threshold,
+                scheduler_cfg.lr_patience,
+            )
             self.maximize = cfg.checkpoint.maximize_best_checkpoint_metric
         self.warmup_step = (self.peak - self.warmup_init) / self.warmup if self.warmup > 0 else 0.0
         if self.name == "reduce_lr_on_plateau":
@@ -227,7 +267,7 @@ class LRSchedule:
         if num_updates >= self.total:
             return self.end_lr
         frac = 1 - (num_updates - self.warmup) / max(self.total - self.warmup, 1)
-        return (self.peak - self.end_lr) * frac ** self.power + self.end_lr
+        return (self.peak - self.end_lr) * frac**self.power + self.end_lr
 
     def cosine(self, num_updates):
         """fairseq's step_update: warmup from --warmup-init-lr (default --min-lr), then cosine
@@ -238,13 +278,13 @@ class LRSchedule:
         curr, period, t_mult = num_updates - self.warmup, self.period, self.t_mult
         if t_mult != 1:
             i = math.floor(math.log(1 - curr / period * (1 - t_mult), t_mult))
-            t_i = t_mult ** i * period
-            t_curr = curr - (1 - t_mult ** i) / (1 - t_mult) * period
+            t_i = t_mult**i * period
+            t_curr = curr - (1 - t_mult**i) / (1 - t_mult) * period
         else:
             i = math.floor(curr / period)
             t_i = period
             t_curr = curr - period * i
-        shrink = self.shrink ** i
+        shrink = self.shrink**i
         min_lr, max_lr = self.min_lr * shrink, self.peak * shrink
         return min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * t_curr / t_i))
 
@@ -284,8 +324,12 @@ class LRSchedule:
     def state_dict(self):
         if self.name != "reduce_lr_on_plateau":
             return None
-        return {"name": self.name, "lr": self.current, "bad_epochs": self.bad_epochs,
-                "best": self.best if math.isfinite(self.best) else None}
+        return {
+            "name": self.name,
+            "lr": self.current,
+            "bad_epochs": self.bad_epochs,
+            "best": self.best if math.isfinite(self.best) else None,
+        }
 
     def load_state_dict(self, state):
         """A saved plateau's state; anything else (another schedule's, none) leaves this one fresh."""

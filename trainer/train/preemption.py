@@ -11,6 +11,7 @@ A second signal, later, means "now": a second SIGTERM kills the rank the default
 second Ctrl-C raises InterruptedAgain, which ends the job with one line; either first says
 what --save-dir holds.
 """
+
 import ctypes
 import logging
 import os
@@ -51,8 +52,11 @@ class Preemption:
             if self.env.is_master:  # (a second Ctrl-C's line says it: trainer.errors.interrupted_line)
                 # Straight to the file descriptor: a signal handler must not wait on a lock
                 # the interrupted code may hold (logging's, a stream's).
-                os.write(2, f"second SIGTERM: stopping at once, not waiting for a save; "
-                            f"{last_saved(self.checkpoint_cfg)}\n".encode())
+                os.write(
+                    2,
+                    f"second SIGTERM: stopping at once, not waiting for a save; "
+                    f"{last_saved(self.checkpoint_cfg)}\n".encode(),
+                )
             # A second TERM: the cluster is out of patience; die the default way.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
@@ -94,8 +98,10 @@ class Preemption:
         # The job id is one argument, never a shell string.
         r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
         if r.returncode != 0:
-            log.warning(f"could not requeue SLURM job {job}: {(r.stderr or r.stdout).strip()}; "
-                        "resubmit it to resume from checkpoint_last")
+            log.warning(
+                f"could not requeue SLURM job {job}: {(r.stderr or r.stdout).strip()}; "
+                "resubmit it to resume from checkpoint_last"
+            )
             return False
         log.info(f"requeued SLURM job {job}: it resumes from checkpoint_last")
         return True

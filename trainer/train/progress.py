@@ -6,6 +6,7 @@ Tags: `train_inner` every --log-interval updates, `train` per epoch (keys prefix
 from the first `{` to the end of the line. TensorBoard gets one directory per tag, W&B
 keys `tag/key` (fairseq's), both at step num_updates; only rank 0 writes either.
 """
+
 import json
 import logging
 import os
@@ -55,6 +56,7 @@ class Progress:
         if self.fmt != "tqdm":
             return iterable
         from tqdm import tqdm
+
         self.bar = tqdm(iterable, total=total, desc=f"epoch {epoch:03d}", leave=False, file=sys.stderr)
         return self.bar
 
@@ -64,8 +66,10 @@ class Progress:
         record = {prefix + k: v for k, v in stats.items()}
         self._tensorboard(tag, stats, num_updates)
         if self.wandb is not None:
-            self.wandb.log({f"{tag}/{k}": v for k, v in stats.items()
-                            if isinstance(v, (int, float)) and k != "num_updates"}, step=num_updates)
+            self.wandb.log(
+                {f"{tag}/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and k != "num_updates"},
+                step=num_updates,
+            )
         if self.fmt == "none":
             return
         logger = logging.getLogger(tag)
@@ -89,6 +93,7 @@ class Progress:
             return
         if tag not in self.writers:
             from torch.utils.tensorboard import SummaryWriter  # a slow import: only when asked for
+
             self.writers[tag] = SummaryWriter(os.path.join(self.tb_dir, tag))
         for k, v in stats.items():
             if isinstance(v, (int, float)) and k != "num_updates":
@@ -113,8 +118,11 @@ def start_wandb(cfg):
     import wandb  # a slow import: only rank 0 of a run that asked for it pays it
 
     save_dir = os.path.basename(os.path.normpath(cfg.checkpoint.save_dir))
-    kwargs = dict(project=cfg.common.wandb_project, name=os.environ.get("WANDB_NAME", save_dir),
-                  config=OmegaConf.to_container(cfg, resolve=True))
+    kwargs = dict(
+        project=cfg.common.wandb_project,
+        name=os.environ.get("WANDB_NAME", save_dir),
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
     if os.environ.get("WANDB_MODE"):
         return wandb.init(**kwargs)
     api = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")

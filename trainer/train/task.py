@@ -7,6 +7,7 @@ first); without DATA it prepares the embedded corpus once. As in fairseq, the tr
 split is read with its pieces (train, train1, train2, … of that directory), and a
 validation split with them only under --combine-valid-subsets.
 """
+
 import functools
 import json
 import logging
@@ -62,11 +63,15 @@ class LMTask:
             self.pad, self.bos = self.tokenizer.pad, self.tokenizer.bos
             self.valid_loss_floor = None if task_cfg.data else embedded_loss_floor(self.data_dir)
             if self.valid_loss_floor is not None:
-                log.info(f"embedded corpus: the true model's valid loss is {self.valid_loss_floor:.3f} "
-                         f"(ppl {2 ** self.valid_loss_floor:.2f}); no model can do better")
+                log.info(
+                    f"embedded corpus: the true model's valid loss is {self.valid_loss_floor:.3f} "
+                    f"(ppl {2**self.valid_loss_floor:.2f}); no model can do better"
+                )
             if len(self.data_dirs) > 1:
-                log.info(f"sharded data: epoch e trains on the ((e - 1) mod {len(self.data_dirs)})-th of "
-                         f"{', '.join(map(str, self.data_dirs))}; validation reads {self.data_dir}")
+                log.info(
+                    f"sharded data: epoch e trains on the ((e - 1) mod {len(self.data_dirs)})-th of "
+                    f"{', '.join(map(str, self.data_dirs))}; validation reads {self.data_dir}"
+                )
             self._warn_unused_valid_subsets()
         # The model's rows: the data's vocabulary, or a Hugging Face model's own (Qwen3 pads its
         # embedding past its tokenizer's ids; preflight saw that the data fits in it).
@@ -98,11 +103,18 @@ class LMTask:
         task_cfg, dataset_cfg = self.cfg.task, self.cfg.dataset
         if task_cfg._name == "dummy_lm":
             stream = 0 if training else zlib.crc32(split.encode()) or 1
-            return DummyLMDataset(task_cfg.dict_size, task_cfg.tokens_per_sample, task_cfg.dataset_size, seed=self.cfg.common.seed,
-                                  stream=stream)
+            return DummyLMDataset(
+                task_cfg.dict_size,
+                task_cfg.tokens_per_sample,
+                task_cfg.dataset_size,
+                seed=self.cfg.common.seed,
+                stream=stream,
+            )
         if not exists(data_dir / split):
-            raise DataError(f"no split {split!r} in {data_dir} (expected {split}.bin and {split}.idx); "
-                            "check --train-subset/--valid-subset or re-run preprocess")
+            raise DataError(
+                f"no split {split!r} in {data_dir} (expected {split}.bin and {split}.idx); "
+                "check --train-subset/--valid-subset or re-run preprocess"
+            )
         names = [split]
         if training or dataset_cfg.combine_valid_subsets:  # fairseq's load_indexed_dataset(combine=True)
             while exists(data_dir / f"{split}{len(names)}"):
@@ -116,18 +128,29 @@ class LMTask:
         """fairseq drops samples longer than the model's positions from training with a
         warning, and refuses them in validation unless told to skip them."""
         task_cfg = self.cfg.task
-        blocks = TokenBlockDataset(IndexedDataset(str(prefix)), task_cfg.tokens_per_sample, task_cfg.sample_break_mode,
-                                   pad=self.pad, eos=self.tokenizer.eos)
+        blocks = TokenBlockDataset(
+            IndexedDataset(str(prefix)),
+            task_cfg.tokens_per_sample,
+            task_cfg.sample_break_mode,
+            pad=self.pad,
+            eos=self.tokenizer.eos,
+        )
         if len(blocks.too_long):
             first = int(blocks.too_long[0])
-            size = f"{int(blocks.indexed.sizes[first])} tokens, more than --tokens-per-sample {task_cfg.tokens_per_sample}"
+            size = (
+                f"{int(blocks.indexed.sizes[first])} tokens, more than --tokens-per-sample {task_cfg.tokens_per_sample}"
+            )
             if not training and not self.cfg.dataset.skip_invalid_size_inputs_valid_test:
-                raise DataError(f"sentence #{first} of {prefix} has an invalid size ({size}; --sample-break-mode "
-                                f"{task_cfg.sample_break_mode} cuts no sentence): skip such sentences with "
-                                "--skip-invalid-size-inputs-valid-test, or raise --tokens-per-sample")
+                raise DataError(
+                    f"sentence #{first} of {prefix} has an invalid size ({size}; --sample-break-mode "
+                    f"{task_cfg.sample_break_mode} cuts no sentence): skip such sentences with "
+                    "--skip-invalid-size-inputs-valid-test, or raise --tokens-per-sample"
+                )
             if self.env.is_master:
-                log.warning(f"{len(blocks.too_long):,} sentences of {prefix} are longer than a sample and are "
-                            f"skipped (the first: #{first}, {size})")
+                log.warning(
+                    f"{len(blocks.too_long):,} sentences of {prefix} are longer than a sample and are "
+                    f"skipped (the first: #{first}, {size})"
+                )
         return blocks
 
     def _warn_unused_valid_subsets(self):
@@ -135,11 +158,19 @@ class LMTask:
         dataset_cfg = self.cfg.dataset
         if dataset_cfg.disable_validation or dataset_cfg.combine_valid_subsets or not self.env.is_master:
             return
-        unused = sorted({p.stem for p in self.data_dir.glob("valid*.idx")
-                         if re.fullmatch(r"valid\d+", p.stem) and exists(p.with_suffix(""))} - set(valid_subsets(self.cfg)))
+        unused = sorted(
+            {
+                p.stem
+                for p in self.data_dir.glob("valid*.idx")
+                if re.fullmatch(r"valid\d+", p.stem) and exists(p.with_suffix(""))
+            }
+            - set(valid_subsets(self.cfg))
+        )
         if unused:
-            log.warning(f"{', '.join(unused)} in {self.data_dir} are not validated on: --combine-valid-subsets "
-                        "adds them to valid, or name them in --valid-subset")
+            log.warning(
+                f"{', '.join(unused)} in {self.data_dir} are not validated on: --combine-valid-subsets "
+                "adds them to valid, or name them in --valid-subset"
+            )
 
     def batch_iterator(self, split, training):
         dataset_cfg, task_cfg = self.cfg.dataset, self.cfg.task
@@ -151,9 +182,18 @@ class LMTask:
         width = task_cfg.tokens_per_sample + (bos is not None) if task_cfg.pad_to_fixed_length else None
         # Training takes each epoch's dataset as the epoch starts (sharded data).
         dataset = functools.partial(self.dataset, split) if training else self.dataset(split)
-        return EpochBatchIterator(dataset, batch_size=batch_size, max_tokens=max_tokens,
-                                  seed=self.cfg.common.seed, num_shards=self.env.world_size,
-                                  shard_id=self.env.rank, shuffle=training, pad=self.pad,
-                                  every_batch=not training, required_batch_size_multiple=dataset_cfg.required_batch_size_multiple,
-                                  num_workers=dataset_cfg.num_workers, worker_init=leave_stop_signals_to_the_rank,
-                                  collater=functools.partial(collate, pad=self.pad, bos=bos, width=width))
+        return EpochBatchIterator(
+            dataset,
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            seed=self.cfg.common.seed,
+            num_shards=self.env.world_size,
+            shard_id=self.env.rank,
+            shuffle=training,
+            pad=self.pad,
+            every_batch=not training,
+            required_batch_size_multiple=dataset_cfg.required_batch_size_multiple,
+            num_workers=dataset_cfg.num_workers,
+            worker_init=leave_stop_signals_to_the_rank,
+            collater=functools.partial(collate, pad=self.pad, bos=bos, width=width),
+        )

@@ -5,6 +5,7 @@ all ranks and micro-batches (fairseq's sample_size), so --update-freq 2 --batch-
 gives the gradient of --batch-size 8. The division is folded into the loss before
 backward: no extra pass over the gradients.
 """
+
 import contextlib
 import hashlib
 import logging
@@ -46,14 +47,21 @@ class Trainer:
         self.lr = self.schedule.apply(self.optimizer, 0)
         dtype = mixed_precision_dtype(cfg.common)
         # FSDP2 casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does.
-        self.autocast = (torch.autocast(env.device.type, dtype=dtype) if dtype is not None and not uses_fsdp(cfg)
-                         else contextlib.nullcontext())
+        self.autocast = (
+            torch.autocast(env.device.type, dtype=dtype)
+            if dtype is not None and not uses_fsdp(cfg)
+            else contextlib.nullcontext()
+        )
         self.scaler = loss_scaler(cfg, env) if cfg.common.fp16 else None
         self.deferred = DeferredRead(self.optimizer, self.scaler, cfg.common.min_loss_scale, env.is_master)
 
     def state_dict(self):
-        return {"num_updates": self.num_updates, "lr_updates_offset": self.lr_updates_offset,
-                "lr_scheduler": self.schedule.state_dict(), "lr": self.lr}
+        return {
+            "num_updates": self.num_updates,
+            "lr_updates_offset": self.lr_updates_offset,
+            "lr_scheduler": self.schedule.state_dict(),
+            "lr": self.lr,
+        }
 
     def load_state_dict(self, state):
         """A resumed run's count and schedule; --reset-lr-scheduler starts the schedule over
@@ -82,8 +90,11 @@ class Trainer:
         computes it with its output projection, a chunk of logits at a time. layers: the
         decoder layers to run (LayerDrop's draw; None: all)."""
         with self.autocast:
-            return self.model(batch["src_tokens"].to(self.env.device, non_blocking=True),
-                              target=batch["target"].to(self.env.device, non_blocking=True), layers=layers)
+            return self.model(
+                batch["src_tokens"].to(self.env.device, non_blocking=True),
+                target=batch["target"].to(self.env.device, non_blocking=True),
+                layers=layers,
+            )
 
     def train_step(self, samples):
         """Forward/backward every micro-batch, then clip and step. Returns the update's
@@ -94,8 +105,9 @@ class Trainer:
         acts on it when the run's DeferredRead reads it (settle())."""
         start = time.perf_counter()
         self.model.train()
-        counts = on_device_sum(on_device([sum(s["ntokens"] for s in samples),
-                                          sum(s["nsentences"] for s in samples)], self.env), self.env)
+        counts = on_device_sum(
+            on_device([sum(s["ntokens"] for s in samples), sum(s["nsentences"] for s in samples)], self.env), self.env
+        )
         # Divide by the tokens of the whole update; DDP averages gradients over ranks,
         # which the weight undoes (FSDP sums them).
         loss_weight = ((self.env.world_size if self.grad_sync.averages else 1) / counts[0].clamp(min=1)).float()
@@ -140,8 +152,10 @@ class Trainer:
         except RuntimeError as e:  # torch refuses a step size beyond float32's range (--lr ~1e38 and up)
             if "without overflow" not in str(e):
                 raise
-            raise numerical_fault(f"the optimizer step of update {self.num_updates + 1} overflows float32 "
-                                  f"(--lr {self.lr:g}); lower --lr", self.env.is_master) from None
+            raise numerical_fault(
+                f"the optimizer step of update {self.num_updates + 1} overflows float32 (--lr {self.lr:g}); lower --lr",
+                self.env.is_master,
+            ) from None
 
     def settle(self):
         """Read the flags of the last update not yet read (trainer/train/deferred_read.py):
@@ -169,7 +183,9 @@ class Trainer:
         if bad:
             raise numerical_fault(
                 f"parameters are Nan/Inf after update {self.num_updates}; nothing was saved from them: "
-                "lower --lr or set --clip-norm, and resume from the last checkpoint", self.env.is_master)
+                "lower --lr or set --clip-norm, and resume from the last checkpoint",
+                self.env.is_master,
+            )
 
     def clip_grad_norm(self):
         """Global gradient norm over every shard, before clipping (what fairseq logs as gnorm),
@@ -195,12 +211,19 @@ class Trainer:
 def loss_scaler(cfg, env):
     """fp16's dynamic loss scale (fairseq's flags, on torch's GradScaler)."""
     common = cfg.common
-    window = common.fp16_scale_window or max(int(2 ** 14 / env.world_size / cfg.optimization.update_freq), 1)
+    window = common.fp16_scale_window or max(int(2**14 / env.world_size / cfg.optimization.update_freq), 1)
     if env.device.type == "cpu" and env.is_master:
-        log.warning("--fp16 on a CPU: there are no fast fp16 kernels here, so it runs but slowly; "
-                    "--bf16 is the fast mixed precision on CPUs")
-    return torch.amp.GradScaler(env.device.type, init_scale=common.fp16_init_scale, growth_factor=2.0,
-                                backoff_factor=BACKOFF, growth_interval=window)
+        log.warning(
+            "--fp16 on a CPU: there are no fast fp16 kernels here, so it runs but slowly; "
+            "--bf16 is the fast mixed precision on CPUs"
+        )
+    return torch.amp.GradScaler(
+        env.device.type,
+        init_scale=common.fp16_init_scale,
+        growth_factor=2.0,
+        backoff_factor=BACKOFF,
+        growth_interval=window,
+    )
 
 
 def layerdrop_seed(seed, num_updates, micro_batch):
@@ -226,5 +249,5 @@ def global_grad_norm(grads):
         return torch.nn.utils.get_total_norm(grads).full_tensor()  # not a layout parallelize() builds
     partial = [Partial("sum") if pl.is_shard() else Replicate() for pl in placements]
     # Under --cpu-offload the shards are on the host and the mesh is the GPUs': sum there.
-    squared = (norm ** 2).to(mesh.device_type)
+    squared = (norm**2).to(mesh.device_type)
     return DTensor.from_local(squared, mesh, partial).full_tensor().sqrt()

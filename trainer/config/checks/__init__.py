@@ -7,9 +7,9 @@ checkpoint), optim.py (optimization, optimizer, lr_scheduler), model.py, data.py
 dataset); values.py holds the range checks they share. A check that compares two groups
 sits with the group it limits, after the group it reads is checked.
 """
+
 from trainer.config.checks.data import check_dataset, check_task
-from trainer.config.checks.model import _check_model_features, check_adaptive_vocab, check_model, \
-    parse_model_overrides
+from trainer.config.checks.model import _check_model_features, check_adaptive_vocab, check_model, parse_model_overrides
 from trainer.config.checks.optim import check_lr_scheduler, check_optimization, check_optimizer
 from trainer.config.checks.run import check_checkpoint, check_common, check_distributed
 from trainer.config.checks.values import check_fields
@@ -20,8 +20,17 @@ __all__ = ["check_config", "check_adaptive_vocab", "parse_model_overrides", "_ch
 
 # Each group's check, in the order they run: the model before the task, whose samples its
 # positions limit; the optimization before the schedule, which reads --max-update.
-GROUP_CHECKS = (check_common, check_distributed, check_checkpoint, check_optimization, check_optimizer,
-                check_lr_scheduler, check_model, check_task, check_dataset)
+GROUP_CHECKS = (
+    check_common,
+    check_distributed,
+    check_checkpoint,
+    check_optimization,
+    check_optimizer,
+    check_lr_scheduler,
+    check_model,
+    check_task,
+    check_dataset,
+)
 
 
 def check_config(cfg):

@@ -1,5 +1,6 @@
 """Checks of the data groups: task (what the samples are) and dataset (how they are
 batched; trainer/train/task.py, data/iterator.py)."""
+
 from trainer.config.checks.model import check_adaptive_vocab
 from trainer.config.checks.values import non_negative, positive
 from trainer.errors import UsageError
@@ -10,31 +11,49 @@ def check_task(cfg):
     positive(cfg, "task.tokens_per_sample", "task.dict_size", "task.dataset_size")
     if task._name == "dummy_lm":
         if task.data:
-            raise UsageError(f"--task dummy_lm makes random tokens and reads no DATA ({task.data}); drop DATA or "
-                             "the task")
+            raise UsageError(
+                f"--task dummy_lm makes random tokens and reads no DATA ({task.data}); drop DATA or the task"
+            )
         if task.dict_size <= 4:
-            raise UsageError(f"--dict-size {task.dict_size} leaves no tokens beside the 4 special symbols; use at "
-                             "least 5")
+            raise UsageError(
+                f"--dict-size {task.dict_size} leaves no tokens beside the 4 special symbols; use at least 5"
+            )
         check_adaptive_vocab(model, task.dict_size)  # the vocabulary is known now; with DATA, once it is read
     if model.max_target_positions is not None and task.tokens_per_sample > model.max_target_positions:
-        raise UsageError(f"--tokens-per-sample {task.tokens_per_sample} exceeds the model's "
-                         f"--max-target-positions {model.max_target_positions}; lower one or raise the other")
-    if (task.add_bos_token and model.max_target_positions is not None
-            and task.tokens_per_sample + 1 > model.max_target_positions):
-        raise UsageError(f"--add-bos-token makes samples of --tokens-per-sample + 1 = {task.tokens_per_sample + 1} "
-                         f"tokens, more than --max-target-positions {model.max_target_positions}; raise it or lower "
-                         "--tokens-per-sample")
+        raise UsageError(
+            f"--tokens-per-sample {task.tokens_per_sample} exceeds the model's "
+            f"--max-target-positions {model.max_target_positions}; lower one or raise the other"
+        )
+    if (
+        task.add_bos_token
+        and model.max_target_positions is not None
+        and task.tokens_per_sample + 1 > model.max_target_positions
+    ):
+        raise UsageError(
+            f"--add-bos-token makes samples of --tokens-per-sample + 1 = {task.tokens_per_sample + 1} "
+            f"tokens, more than --max-target-positions {model.max_target_positions}; raise it or lower "
+            "--tokens-per-sample"
+        )
 
 
 def check_dataset(cfg):
     dataset, tokens_per_sample = cfg.dataset, cfg.task.tokens_per_sample
     positive(cfg, "dataset.validate_interval", "dataset.required_batch_size_multiple")
-    positive(cfg, "dataset.batch_size", "dataset.max_tokens", "dataset.batch_size_valid", "dataset.max_tokens_valid",
-             "dataset.max_valid_steps", optional=True)
+    positive(
+        cfg,
+        "dataset.batch_size",
+        "dataset.max_tokens",
+        "dataset.batch_size_valid",
+        "dataset.max_tokens_valid",
+        "dataset.max_valid_steps",
+        optional=True,
+    )
     non_negative(cfg, "dataset.validate_interval_updates", "dataset.num_workers")
     if dataset.batch_size is None and dataset.max_tokens is None:  # with DATA (compose sets one without)
         raise UsageError("set --batch-size or --max-tokens (sequences or tokens per batch per rank)")
     for flag, max_tokens in (("--max-tokens", dataset.max_tokens), ("--max-tokens-valid", dataset.max_tokens_valid)):
         if max_tokens is not None and max_tokens < tokens_per_sample:  # fairseq: "exceeds max_tokens limit"
-            raise UsageError(f"{flag} {max_tokens} is smaller than one sample (--tokens-per-sample "
-                             f"{tokens_per_sample}); raise it or lower --tokens-per-sample")
+            raise UsageError(
+                f"{flag} {max_tokens} is smaller than one sample (--tokens-per-sample "
+                f"{tokens_per_sample}); raise it or lower --tokens-per-sample"
+            )

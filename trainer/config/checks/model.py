@@ -2,21 +2,25 @@
 rotary embeddings, norms), LayerDrop and pruning, the embedding and output widths, the
 adaptive input and softmax (with the criterion that trains one), and fairseq options
 shardlm does not build; eval-lm's --model-overrides."""
+
 import ast
 import difflib
 from dataclasses import fields
 
-from models.config import adaptive_bands, parse_cutoffs
-from models.config import head_dim, layers_to_keep
-from models.config import TransformerLMConfig
+from models.config import TransformerLMConfig, adaptive_bands, head_dim, layers_to_keep, parse_cutoffs
 from trainer.config.checks.values import in_unit_interval, non_negative, positive
 from trainer.errors import UsageError
 
 
 def check_model(cfg):
     model = cfg.model
-    positive(cfg, "model.decoder_layers", "model.decoder_embed_dim", "model.decoder_ffn_embed_dim",
-             "model.decoder_attention_heads")
+    positive(
+        cfg,
+        "model.decoder_layers",
+        "model.decoder_embed_dim",
+        "model.decoder_ffn_embed_dim",
+        "model.decoder_attention_heads",
+    )
     positive(cfg, "model.max_target_positions", optional=True)
     non_negative(cfg, "model.min_params_to_wrap")
     in_unit_interval(cfg, "model.dropout", "model.attention_dropout", "model.activation_dropout")
@@ -30,12 +34,15 @@ def _check_unsupported_model_keys(m):
     """fairseq model options that shardlm does not build; their keys load at their do-nothing
     values (fairseq's own model YAML files list them all)."""
     if m.character_embeddings:
-        raise UsageError("--character-embeddings (fairseq's character-CNN input) is not supported: shardlm's models "
-                         "embed tokens (see --adaptive-input for smaller tables); drop it")
+        raise UsageError(
+            "--character-embeddings (fairseq's character-CNN input) is not supported: shardlm's models "
+            "embed tokens (see --adaptive-input for smaller tables); drop it"
+        )
     for flag, value in (("--quant-noise-pq", m.quant_noise_pq), ("--quant-noise-scalar", m.quant_noise_scalar)):
         if value:
-            raise UsageError(f"{flag} {value}: Quant-Noise (training for post-training quantization) is not "
-                             "supported; set it to 0")
+            raise UsageError(
+                f"{flag} {value}: Quant-Noise (training for post-training quantization) is not supported; set it to 0"
+            )
 
 
 def parse_model_overrides(text):
@@ -45,8 +52,10 @@ def parse_model_overrides(text):
     except (ValueError, SyntaxError):
         overrides = None
     if not isinstance(overrides, dict):
-        raise UsageError(f"--model-overrides {text!r} is not a dict; write it as fairseq does, e.g. "
-                         "\"{'decoder_layers_to_keep':'0,2,4'}\"")
+        raise UsageError(
+            f"--model-overrides {text!r} is not a dict; write it as fairseq does, e.g. "
+            "\"{'decoder_layers_to_keep':'0,2,4'}\""
+        )
     known = {f.name for f in fields(TransformerLMConfig)} - {"_name"}
     for key in overrides:
         if key not in known:
@@ -63,32 +72,46 @@ def _check_adaptive(cfg):
     if softmax and criterion != "adaptive_loss":
         raise UsageError("--adaptive-softmax-cutoff is trained by its own loss: add --criterion adaptive_loss")
     if criterion == "adaptive_loss" and not softmax:
-        raise UsageError("--criterion adaptive_loss needs an adaptive softmax: set --adaptive-softmax-cutoff "
-                         "(e.g. 20000,60000) or use --criterion cross_entropy")
+        raise UsageError(
+            "--criterion adaptive_loss needs an adaptive softmax: set --adaptive-softmax-cutoff "
+            "(e.g. 20000,60000) or use --criterion cross_entropy"
+        )
     if m.adaptive_input and m.adaptive_input_cutoff is None:
         raise UsageError("--adaptive-input needs --adaptive-input-cutoff (e.g. 20000,60000)")
     if m.share_decoder_input_output_embed and (m.adaptive_input or softmax):
-        raise UsageError("--share-decoder-input-output-embed ties one full table to a full output projection; with "
-                         "--adaptive-input / --adaptive-softmax-cutoff use --tie-adaptive-weights instead")
+        raise UsageError(
+            "--share-decoder-input-output-embed ties one full table to a full output projection; with "
+            "--adaptive-input / --adaptive-softmax-cutoff use --tie-adaptive-weights instead"
+        )
     for flag, value, unset, needs, on in (
-            ("--adaptive-input-cutoff", m.adaptive_input_cutoff, None, "--adaptive-input", m.adaptive_input),
-            ("--adaptive-input-factor", m.adaptive_input_factor, 4.0, "--adaptive-input", m.adaptive_input),
-            ("--adaptive-softmax-dropout", m.adaptive_softmax_dropout, 0.0, "--adaptive-softmax-cutoff", softmax),
-            ("--adaptive-softmax-factor", m.adaptive_softmax_factor, 4.0, "--adaptive-softmax-cutoff", softmax),
-            ("--tie-adaptive-weights", m.tie_adaptive_weights, False, "--adaptive-input and --adaptive-softmax-cutoff",
-             m.adaptive_input and softmax),
-            ("--tie-adaptive-proj", m.tie_adaptive_proj, False, "--tie-adaptive-weights", m.tie_adaptive_weights)):
+        ("--adaptive-input-cutoff", m.adaptive_input_cutoff, None, "--adaptive-input", m.adaptive_input),
+        ("--adaptive-input-factor", m.adaptive_input_factor, 4.0, "--adaptive-input", m.adaptive_input),
+        ("--adaptive-softmax-dropout", m.adaptive_softmax_dropout, 0.0, "--adaptive-softmax-cutoff", softmax),
+        ("--adaptive-softmax-factor", m.adaptive_softmax_factor, 4.0, "--adaptive-softmax-cutoff", softmax),
+        (
+            "--tie-adaptive-weights",
+            m.tie_adaptive_weights,
+            False,
+            "--adaptive-input and --adaptive-softmax-cutoff",
+            m.adaptive_input and softmax,
+        ),
+        ("--tie-adaptive-proj", m.tie_adaptive_proj, False, "--tie-adaptive-weights", m.tie_adaptive_weights),
+    ):
         if value != unset and not on:
             raise UsageError(f"{flag} {value} does nothing without {needs}; add {needs} or drop {flag}")
-    for flag, value in (("--adaptive-input-factor", m.adaptive_input_factor),
-                        ("--adaptive-softmax-factor", m.adaptive_softmax_factor)):
+    for flag, value in (
+        ("--adaptive-input-factor", m.adaptive_input_factor),
+        ("--adaptive-softmax-factor", m.adaptive_softmax_factor),
+    ):
         if value <= 0:
             raise UsageError(f"{flag} must be positive, got {value}")
     if not 0.0 <= m.adaptive_softmax_dropout < 1.0:
         raise UsageError(f"--adaptive-softmax-dropout must be in [0, 1), got {m.adaptive_softmax_dropout}")
     cutoffs = {}
-    for flag, text in (("--adaptive-input-cutoff", m.adaptive_input_cutoff),
-                       ("--adaptive-softmax-cutoff", m.adaptive_softmax_cutoff)):
+    for flag, text in (
+        ("--adaptive-input-cutoff", m.adaptive_input_cutoff),
+        ("--adaptive-softmax-cutoff", m.adaptive_softmax_cutoff),
+    ):
         if text is not None:
             try:
                 cutoffs[flag] = parse_cutoffs(text)
@@ -96,15 +119,21 @@ def _check_adaptive(cfg):
                 raise UsageError(f"{flag} {text!r} {e}") from None
     if m.tie_adaptive_weights:  # fairseq's asserts in TransformerLanguageModel.build_model
         if m.adaptive_input_factor != m.adaptive_softmax_factor:
-            raise UsageError(f"--tie-adaptive-weights needs --adaptive-input-factor {m.adaptive_input_factor} equal to "
-                             f"--adaptive-softmax-factor {m.adaptive_softmax_factor}")
+            raise UsageError(
+                f"--tie-adaptive-weights needs --adaptive-input-factor {m.adaptive_input_factor} equal to "
+                f"--adaptive-softmax-factor {m.adaptive_softmax_factor}"
+            )
         if cutoffs["--adaptive-input-cutoff"] != cutoffs["--adaptive-softmax-cutoff"]:
-            raise UsageError(f"--tie-adaptive-weights needs --adaptive-input-cutoff {m.adaptive_input_cutoff} equal to "
-                             f"--adaptive-softmax-cutoff {m.adaptive_softmax_cutoff}")
+            raise UsageError(
+                f"--tie-adaptive-weights needs --adaptive-input-cutoff {m.adaptive_input_cutoff} equal to "
+                f"--adaptive-softmax-cutoff {m.adaptive_softmax_cutoff}"
+            )
         dim = m.decoder_embed_dim
         if (m.decoder_input_dim or dim) != dim or (m.decoder_output_dim or dim) != dim:
-            raise UsageError("--tie-adaptive-weights needs --decoder-input-dim and --decoder-output-dim equal to "
-                             f"--decoder-embed-dim {dim} (the tied tables serve both ends)")
+            raise UsageError(
+                "--tie-adaptive-weights needs --decoder-input-dim and --decoder-output-dim equal to "
+                f"--decoder-embed-dim {dim} (the tied tables serve both ends)"
+            )
 
 
 def check_adaptive_vocab(m, vocab_size, padding_idx=1):
@@ -112,30 +141,51 @@ def check_adaptive_vocab(m, vocab_size, padding_idx=1):
     each adaptive input band at least 1 wide."""
     width = m.decoder_embed_dim
     for on, flag, text, dim_flag, dim, factor_flag, factor in (
-            (m.adaptive_input, "--adaptive-input-cutoff", m.adaptive_input_cutoff, "--decoder-input-dim",
-             m.decoder_input_dim or width, "--adaptive-input-factor", m.adaptive_input_factor),
-            (m.adaptive_softmax_cutoff is not None, "--adaptive-softmax-cutoff", m.adaptive_softmax_cutoff,
-             "--decoder-output-dim", m.decoder_output_dim or width, "--adaptive-softmax-factor",
-             m.adaptive_softmax_factor)):
+        (
+            m.adaptive_input,
+            "--adaptive-input-cutoff",
+            m.adaptive_input_cutoff,
+            "--decoder-input-dim",
+            m.decoder_input_dim or width,
+            "--adaptive-input-factor",
+            m.adaptive_input_factor,
+        ),
+        (
+            m.adaptive_softmax_cutoff is not None,
+            "--adaptive-softmax-cutoff",
+            m.adaptive_softmax_cutoff,
+            "--decoder-output-dim",
+            m.decoder_output_dim or width,
+            "--adaptive-softmax-factor",
+            m.adaptive_softmax_factor,
+        ),
+    ):
         if not on:
             continue
         try:
             bands = adaptive_bands(text, vocab_size, dim, factor)
         except ValueError as e:
-            fix = ("smaller --adaptive-input-cutoff and --adaptive-softmax-cutoff (equal, as --tie-adaptive-weights "
-                   "needs)" if m.tie_adaptive_weights else f"a smaller {flag}")
+            fix = (
+                "smaller --adaptive-input-cutoff and --adaptive-softmax-cutoff (equal, as --tie-adaptive-weights needs)"
+                if m.tie_adaptive_weights
+                else f"a smaller {flag}"
+            )
             raise UsageError(f"{flag} {text} {e}: pass {fix}, every cutoff at most {vocab_size}") from None
         if flag != "--adaptive-input-cutoff":
             # A softmax tail 0 wide scores its words uniformly (its projections are empty
             # matrices), as in fairseq, whose own tests train one.
             continue
         if bands[0][1] <= padding_idx:
-            raise UsageError(f"{flag} {text}: the first band must hold the padding id {padding_idx}; "
-                             f"start the cutoffs above {padding_idx}")
+            raise UsageError(
+                f"{flag} {text}: the first band must hold the padding id {padding_idx}; "
+                f"start the cutoffs above {padding_idx}"
+            )
         narrow = next(((i, w) for i, (_, _, w) in enumerate(bands) if w < 1), None)
         if narrow is not None:  # fairseq fails initializing such a table (std = width^-0.5)
-            raise UsageError(f"{factor_flag} {factor} leaves band {narrow[0]} of {flag} {text} {narrow[1]} wide "
-                             f"from {dim_flag} {dim}; lower the factor or pass fewer cutoffs")
+            raise UsageError(
+                f"{factor_flag} {factor} leaves band {narrow[0]} of {flag} {text} {narrow[1]} wide "
+                f"from {dim_flag} {dim}; lower the factor or pass fewer cutoffs"
+            )
 
 
 def _check_attention_shape(cfg):
@@ -144,21 +194,30 @@ def _check_attention_shape(cfg):
     positive(cfg, "model.decoder_kv_heads", "model.decoder_head_dim", optional=True)
     positive(cfg, "model.norm_eps", "model.rope_theta")
     if m.decoder_head_dim is None and m.decoder_embed_dim % m.decoder_attention_heads:
-        raise UsageError(f"--decoder-attention-heads {m.decoder_attention_heads} does not divide "
-                         f"--decoder-embed-dim {m.decoder_embed_dim}; pick heads that divide it "
-                         "(or set --decoder-head-dim)")
+        raise UsageError(
+            f"--decoder-attention-heads {m.decoder_attention_heads} does not divide "
+            f"--decoder-embed-dim {m.decoder_embed_dim}; pick heads that divide it "
+            "(or set --decoder-head-dim)"
+        )
     if m.decoder_kv_heads is not None and m.decoder_attention_heads % m.decoder_kv_heads:
-        raise UsageError(f"--decoder-kv-heads {m.decoder_kv_heads} does not divide --decoder-attention-heads "
-                         f"{m.decoder_attention_heads}: each key/value head serves a whole group of query heads")
+        raise UsageError(
+            f"--decoder-kv-heads {m.decoder_kv_heads} does not divide --decoder-attention-heads "
+            f"{m.decoder_attention_heads}: each key/value head serves a whole group of query heads"
+        )
     if m.rope:
         if head_dim(m) % 2:
             raise UsageError(f"--rope rotates pairs of channels: the head width {head_dim(m)} must be even")
         if m.decoder_learned_pos:
             raise UsageError("--rope and --decoder-learned-pos are two position encodings; drop one")
-        if m.rope_scaling == "llama3" and not (m.rope_scaling_factor > 0 and 0 < m.rope_low_freq_factor
-                                               < m.rope_high_freq_factor and m.rope_original_max_positions > 0):
-            raise UsageError("--rope-scaling llama3 needs --rope-scaling-factor > 0, 0 < --rope-low-freq-factor < "
-                             "--rope-high-freq-factor and --rope-original-max-positions > 0")
+        if m.rope_scaling == "llama3" and not (
+            m.rope_scaling_factor > 0
+            and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor
+            and m.rope_original_max_positions > 0
+        ):
+            raise UsageError(
+                "--rope-scaling llama3 needs --rope-scaling-factor > 0, 0 < --rope-low-freq-factor < "
+                "--rope-high-freq-factor and --rope-original-max-positions > 0"
+            )
     elif m.rope_scaling is not None:
         raise UsageError(f"--rope-scaling {m.rope_scaling} scales rotary embeddings: add --rope")
 
@@ -167,16 +226,21 @@ def _check_model_features(cfg):
     """LayerDrop, pruning to --decoder-layers-to-keep, and the embedding/output widths."""
     m = cfg.model
     if not 0.0 <= m.decoder_layerdrop < 1.0:
-        raise UsageError(f"--decoder-layerdrop must be in [0, 1) (each layer's chance to be skipped), "
-                         f"got {m.decoder_layerdrop}")
+        raise UsageError(
+            f"--decoder-layerdrop must be in [0, 1) (each layer's chance to be skipped), got {m.decoder_layerdrop}"
+        )
     try:
         layers_to_keep(m)
     except ValueError as e:
-        raise UsageError(f"--decoder-layers-to-keep {m.decoder_layers_to_keep!r} {e}; give distinct ids "
-                         f"from 0 to {m.decoder_layers - 1}, e.g. 0,2") from None
+        raise UsageError(
+            f"--decoder-layers-to-keep {m.decoder_layers_to_keep!r} {e}; give distinct ids "
+            f"from 0 to {m.decoder_layers - 1}, e.g. 0,2"
+        ) from None
     positive(cfg, "model.decoder_input_dim", "model.decoder_output_dim", optional=True)
     dim = m.decoder_embed_dim
     width_in, width_out = m.decoder_input_dim or dim, m.decoder_output_dim or dim
     if m.share_decoder_input_output_embed and not m.adaptive_input and width_in != width_out:
-        raise UsageError(f"--share-decoder-input-output-embed uses the embedding table as the output projection: "
-                         f"--decoder-input-dim {width_in} and --decoder-output-dim {width_out} must be equal")
+        raise UsageError(
+            f"--share-decoder-input-output-embed uses the embedding table as the output projection: "
+            f"--decoder-input-dim {width_in} and --decoder-output-dim {width_out} must be equal"
+        )

@@ -1,6 +1,7 @@
 """Checks of the optimization groups: optimization (updates, lr, clipping), optimizer and
 lr_scheduler — their pairings, their options' ranges, and options set for an optimizer or
 schedule that does not read them."""
+
 from dataclasses import MISSING
 
 from trainer.config.checks.values import get, non_negative, positive
@@ -27,29 +28,35 @@ OPTION_READERS = {
 
 def check_optimization(cfg):
     positive(cfg, "optimization.update_freq")
-    non_negative(cfg, "optimization.lr", "optimization.max_update", "optimization.max_epoch",
-                 "optimization.clip_norm")
+    non_negative(cfg, "optimization.lr", "optimization.max_update", "optimization.max_epoch", "optimization.clip_norm")
 
 
 def check_optimizer(cfg):
     optimizer = cfg.optimizer
     non_negative(cfg, "optimizer.weight_decay")
     if len(optimizer.adam_betas) != 2:
-        raise UsageError(f"--adam-betas needs two numbers like \"(0.9, 0.98)\", got {list(optimizer.adam_betas)}")
+        raise UsageError(f'--adam-betas needs two numbers like "(0.9, 0.98)", got {list(optimizer.adam_betas)}')
     if not all(0.0 <= b < 1.0 for b in optimizer.adam_betas):
         raise UsageError(f"--adam-betas must each be in [0, 1), got {list(optimizer.adam_betas)}")
     non_negative(cfg, "optimizer.adam_eps", "optimizer.momentum")
     _check_options_read(cfg, "optimizer")
     if optimizer._name == "cpu_adam" and not cfg.distributed_training.cpu_offload:
-        raise UsageError("--optimizer cpu_adam steps Adam on the host, over the shards --cpu-offload keeps there "
-                         "(fairseq's pairing); add --cpu-offload (with --ddp-backend fully_sharded), or use "
-                         "--optimizer adam")
+        raise UsageError(
+            "--optimizer cpu_adam steps Adam on the host, over the shards --cpu-offload keeps there "
+            "(fairseq's pairing); add --cpu-offload (with --ddp-backend fully_sharded), or use "
+            "--optimizer adam"
+        )
 
 
 def check_lr_scheduler(cfg):
     schedule, max_update = cfg.lr_scheduler, cfg.optimization.max_update
-    non_negative(cfg, "lr_scheduler.warmup_updates", "lr_scheduler.power", "lr_scheduler.end_learning_rate",
-                 "lr_scheduler.min_lr")
+    non_negative(
+        cfg,
+        "lr_scheduler.warmup_updates",
+        "lr_scheduler.power",
+        "lr_scheduler.end_learning_rate",
+        "lr_scheduler.min_lr",
+    )
     if schedule.warmup_init_lr < 0 and schedule.warmup_init_lr != -1:
         raise UsageError(f"--warmup-init-lr must be >= 0 (or -1: start at 0), got {schedule.warmup_init_lr}")
     if schedule._name == "polynomial_decay" and not (schedule.total_num_update or max_update):
@@ -59,31 +66,39 @@ def check_lr_scheduler(cfg):
         _check_cosine(schedule, max_update)
     if schedule._name == "reduce_lr_on_plateau":
         if not 0 < schedule.lr_shrink < 1:
-            raise UsageError(f"--lr-shrink must be in (0, 1) for reduce_lr_on_plateau (the lr's factor on a "
-                             f"plateau), got {schedule.lr_shrink}")
+            raise UsageError(
+                f"--lr-shrink must be in (0, 1) for reduce_lr_on_plateau (the lr's factor on a "
+                f"plateau), got {schedule.lr_shrink}"
+            )
         non_negative(cfg, "lr_scheduler.lr_threshold", "lr_scheduler.lr_patience")
 
 
 def _check_cosine(schedule, max_update):
     if schedule.t_mult <= 0:
-        raise UsageError(f"--t-mult must be positive (each cosine cycle's length over the last's), "
-                         f"got {schedule.t_mult}")
+        raise UsageError(
+            f"--t-mult must be positive (each cosine cycle's length over the last's), got {schedule.t_mult}"
+        )
     if schedule.lr_shrink <= 0:
-        raise UsageError(f"--lr-shrink must be positive (each cosine cycle's lr over the last's), "
-                         f"got {schedule.lr_shrink}")
+        raise UsageError(
+            f"--lr-shrink must be positive (each cosine cycle's lr over the last's), got {schedule.lr_shrink}"
+        )
     if schedule.lr_period_updates != -1 and schedule.lr_period_updates <= 0:
-        raise UsageError(f"--lr-period-updates must be positive (or -1: --max-update minus --warmup-updates), "
-                         f"got {schedule.lr_period_updates}")
+        raise UsageError(
+            f"--lr-period-updates must be positive (or -1: --max-update minus --warmup-updates), "
+            f"got {schedule.lr_period_updates}"
+        )
     if schedule.lr_period_updates == -1 and not max_update:
         raise UsageError("--lr-scheduler cosine needs --lr-period-updates or --max-update")
     warmup = schedule.warmup_updates
     period = schedule.lr_period_updates if schedule.lr_period_updates > 0 else max(max_update - warmup, 1)
     if schedule.t_mult < 1 and not (max_update and max_update - warmup < period / (1 - schedule.t_mult)):
         # fairseq's formula has no cycle past the sum of the shrinking cycles' lengths
-        raise UsageError(f"--t-mult {schedule.t_mult} shrinks the cosine cycles to "
-                         f"{period / (1 - schedule.t_mult):g} updates in all, fewer than --max-update "
-                         f"{max_update or 'unlimited'} after warmup; use --t-mult 1 or more, or a longer "
-                         "--lr-period-updates")
+        raise UsageError(
+            f"--t-mult {schedule.t_mult} shrinks the cosine cycles to "
+            f"{period / (1 - schedule.t_mult):g} updates in all, fewer than --max-update "
+            f"{max_update or 'unlimited'} after warmup; use --t-mult 1 or more, or a longer "
+            "--lr-period-updates"
+        )
 
 
 def _check_options_read(cfg, group):
@@ -101,5 +116,4 @@ def _check_options_read(cfg, group):
             flag = "--optimizer" if group == "optimizer" else "--lr-scheduler"
             hint = "; to stop training at a low lr: --stop-min-lr" if key == "lr_scheduler.min_lr" else ""
             names = f"{', '.join(readers[:-1])} or {readers[-1]}" if len(readers) > 1 else readers[0]
-            raise UsageError(f"{flag_name(f)} is read by {flag} {names} only (got {chosen}); "
-                             f"drop it{hint}")
+            raise UsageError(f"{flag_name(f)} is read by {flag} {names} only (got {chosen}); drop it{hint}")

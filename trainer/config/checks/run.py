@@ -1,5 +1,6 @@
 """Checks of the run's own groups: common (precision, seed, logging), distributed_training
 (backend, ranks, rendezvous, --auto-tune) and checkpoint."""
+
 import importlib.util
 
 from trainer.config.checks.values import non_negative, positive
@@ -14,7 +15,7 @@ def check_common(cfg):
     positive(cfg, "common.log_interval")
     positive(cfg, "common.peak_tflops", optional=True)
     positive(cfg, "common.fp16_init_scale", "common.min_loss_scale")
-    if not 0 <= common.seed < 2 ** 32:
+    if not 0 <= common.seed < 2**32:
         raise UsageError(f"--seed must be in [0, 2**32), got {common.seed}")
     if common.fp16 and common.bf16:
         raise UsageError("--fp16 and --bf16 are exclusive; pick one")
@@ -28,23 +29,29 @@ def check_distributed(cfg):
     distributed = cfg.distributed_training
     positive(cfg, "distributed_training.distributed_world_size")
     sharded = uses_fsdp(cfg)
-    for flag, on in (("--cpu-offload", distributed.cpu_offload),
-                     ("--no-reshard-after-forward", distributed.no_reshard_after_forward),
-                     ("--fp32-reduce-scatter", distributed.fp32_reduce_scatter),
-                     ("--use-sharded-state", distributed.use_sharded_state)):
+    for flag, on in (
+        ("--cpu-offload", distributed.cpu_offload),
+        ("--no-reshard-after-forward", distributed.no_reshard_after_forward),
+        ("--fp32-reduce-scatter", distributed.fp32_reduce_scatter),
+        ("--use-sharded-state", distributed.use_sharded_state),
+    ):
         if on and not sharded:
-            raise UsageError(f"{flag} needs --ddp-backend fully_sharded or hybrid_shard "
-                             f"(got {distributed.ddp_backend})")
+            raise UsageError(
+                f"{flag} needs --ddp-backend fully_sharded or hybrid_shard (got {distributed.ddp_backend})"
+            )
     port, rank, world = distributed.distributed_port, distributed.distributed_rank, distributed.distributed_world_size
     if port != -1 and not 0 < port < 65536:
         raise UsageError(f"--distributed-port {port} is not a port; use 1-65535 or -1 for any free port")
     if not 0 <= rank < world:
-        raise UsageError(f"--distributed-rank {rank} is not a rank of --distributed-world-size "
-                         f"{world}; use 0 to {world - 1}")
+        raise UsageError(
+            f"--distributed-rank {rank} is not a rank of --distributed-world-size {world}; use 0 to {world - 1}"
+        )
     init_method = distributed.distributed_init_method
     if init_method and not init_method.startswith(INIT_METHOD_SCHEMES):
-        raise UsageError(f"--distributed-init-method {init_method!r} is not a rendezvous address; "
-                         "use tcp://HOST:PORT, env:// or file:///SHARED/PATH")
+        raise UsageError(
+            f"--distributed-init-method {init_method!r} is not a rendezvous address; "
+            "use tcp://HOST:PORT, env:// or file:///SHARED/PATH"
+        )
     positive(cfg, "distributed_training.memory_budget_gb", optional=True)
     if distributed.memory_budget_gb is not None and not distributed.auto_tune:
         raise UsageError("--memory-budget-gb is the budget of --auto-tune; add --auto-tune (or run `plan`)")
@@ -55,18 +62,24 @@ def check_distributed(cfg):
         raise UsageError("--shard-group-size needs --ddp-backend hybrid_shard")
     # A world size of 1 in the config may be torchrun's or SLURM's to fill in: checked there.
     if group and world > 1 and world % group:
-        raise UsageError(f"--shard-group-size {group} does not divide --distributed-world-size "
-                         f"{world}; pick a divisor")
+        raise UsageError(f"--shard-group-size {group} does not divide --distributed-world-size {world}; pick a divisor")
 
 
 def check_checkpoint(cfg):
     checkpoint = cfg.checkpoint
-    resets = [flag for flag, on in (("--reset-optimizer", checkpoint.reset_optimizer),
-                                    ("--reset-lr-scheduler", checkpoint.reset_lr_scheduler),
-                                    ("--reset-dataloader", checkpoint.reset_dataloader),
-                                    ("--reset-meters", checkpoint.reset_meters)) if on]
+    resets = [
+        flag
+        for flag, on in (
+            ("--reset-optimizer", checkpoint.reset_optimizer),
+            ("--reset-lr-scheduler", checkpoint.reset_lr_scheduler),
+            ("--reset-dataloader", checkpoint.reset_dataloader),
+            ("--reset-meters", checkpoint.reset_meters),
+        )
+        if on
+    ]
     if checkpoint.finetune_from_model and resets:
-        raise UsageError(f"--finetune-from-model already resets the optimizer, lr schedule, data and meters; "
-                         f"drop {resets[0]}")
+        raise UsageError(
+            f"--finetune-from-model already resets the optimizer, lr schedule, data and meters; drop {resets[0]}"
+        )
     non_negative(cfg, "checkpoint.save_interval_updates")
     positive(cfg, "checkpoint.save_interval")

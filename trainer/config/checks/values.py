@@ -1,5 +1,6 @@
 """What every config group's check uses: one field by its dotted key, the range checks, and
 the pass over every field (its choices, a finite number)."""
+
 import math
 
 from trainer.config.flags import flag_name, iter_fields
