@@ -253,7 +253,7 @@ def test_submitit_launcher_runs_a_two_job_sweep(cluster, tmp_path):
     for job in ("0", "1"):
         state = json.loads((sweep / job / "checkpoints" / "checkpoint_last" / "trainer_state.json").read_text())
         assert state["num_updates"] == 3
-        lrs.add(state["lr"])
+        lrs.add(state["state"]["trainer"]["lr"])
     assert lrs == {0.001, 0.003}
     logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_0_log.out"))
     assert logs.count("training on 2 rank(s)") == 2  # each job: one rank on each of the 2 nodes
