@@ -127,6 +127,37 @@ def run_train(argv, cwd=None, check=True, env=None):
     return parse_records(r.stdout), r
 
 
+def train_here(argv, capfd, check=True):
+    """`train` run in this process through its console script's entry point (cli.py): the same
+    flags, records, exit code and stderr lines as `run_train`, without a fresh interpreter's
+    seconds of imports. One rank only (spawned ranks write to their own streams). For the runs
+    whose check is not about the process itself (signals, exit at once, what outlives it),
+    such as a reference curve or the run that resumes. The signal handlers and logging that
+    training installs are put back. Returns (records by tag, completed process)."""
+    import logging
+    import signal
+
+    import cli
+    from trainer.errors import STOP_SIGNALS
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    dispositions = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    capfd.readouterr()
+    try:
+        code = cli.COMMANDS["train"]([str(a) for a in argv]) or 0
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for sig, handler in dispositions.items():
+            signal.signal(sig, handler)
+    out, err = capfd.readouterr()
+    r = subprocess.CompletedProcess(argv, code, out, err)
+    if check and code != 0:
+        raise AssertionError(f"train failed ({code}):\n{out[-3000:]}\n{err[-3000:]}")
+    return parse_records(out), r
+
+
 def parse_records(text):
     """json log lines → {tag: [record, …]}; the object runs from the first `{` to the line end."""
     records = {}

@@ -1,7 +1,11 @@
 """Process faults with real processes: a rank killed or hung ends the job with a line
 naming it and the same command resumes; a save killed halfway or a full disk keeps the
 previous checkpoint; one save directory takes one run; a save directory that cannot be
-used, or a checkpoint of another model, is refused before anything is written."""
+used, or a checkpoint of another model, is refused before anything is written.
+
+The faults happen to real processes; a one-rank run that only resumes from what they left
+(or writes a checkpoint for another to be refused against) runs in this process
+(tests/helpers.py train_here: the same entry point, records and stderr)."""
 
 import json
 import os
@@ -14,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DUMMY, compose, parse_records, run_train
+from helpers import DUMMY, compose, parse_records, run_train, train_here
 from trainer.launch.launcher import launch
 from trainer.rendezvous import free_port
 
@@ -223,7 +227,7 @@ def test_separately_started_ranks_end_within_the_heartbeat_timeout(fault, tmp_pa
     assert [x["num_updates"] for x in parse_records(outs[0][0])["train_inner"]] == [saved + 1, saved + 2, saved + 3]
 
 
-def test_a_save_killed_halfway_leaves_the_previous_checkpoint_and_its_leftovers_go(tmp_path):
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint_and_its_leftovers_go(tmp_path, capfd):
     """The process is frozen the moment a save's temporary directory has shards in it, then
     killed there: checkpoint_last is the previous save, the next run loads it and removes
     the unfinished directory, and the other checkpoints are left alone."""
@@ -247,7 +251,7 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint_and_its_leftovers_
     before = saved_updates(save)
     older = [p.name for p in save.glob("checkpoint_*_*")]
     untouched = {name: snapshot(save / name) for name in older}
-    records, r = run_train(SAVE + ["--max-update", str(before + 1), "--save-dir", str(save)])
+    records, r = train_here(SAVE + ["--max-update", str(before + 1), "--save-dir", str(save)], capfd)
     assert f"@ {before} updates" in r.stdout
     assert [x["num_updates"] for x in records["train_inner"]] == [before + 1]
     assert f"removed {caught.name}, left by a run that died while saving" in r.stdout
@@ -267,7 +271,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
-def test_a_full_disk_fails_that_save_and_keeps_the_previous_checkpoint(small_disk, tmp_path):
+def test_a_full_disk_fails_that_save_and_keeps_the_previous_checkpoint(small_disk, tmp_path, capfd):
     save = small_disk / "ckpt"
     _, r = run_train(
         SAVE + ["--max-update", "30", "--save-interval-updates", "10", "--save-dir", str(save), "--disable-validation"],
@@ -280,14 +284,15 @@ def test_a_full_disk_fails_that_save_and_keeps_the_previous_checkpoint(small_dis
     assert sorted(p.name for p in save.iterdir()) == ["checkpoint_1_10", "checkpoint_last", "config.yaml"]
     # the kept checkpoint loads (read from a copy: this disk has no room for the next save)
     subprocess.run(["cp", "-a", str(save / "checkpoint_last"), str(tmp_path / "kept")], check=True)
-    records, r = run_train(
+    records, r = train_here(
         SAVE
-        + ["--max-update", "11", "--restore-file", str(tmp_path / "kept"), "--save-dir", str(tmp_path / "elsewhere")]
+        + ["--max-update", "11", "--restore-file", str(tmp_path / "kept"), "--save-dir", str(tmp_path / "elsewhere")],
+        capfd,
     )
     assert "@ 10 updates" in r.stdout and [x["num_updates"] for x in records["train_inner"]] == [11]
 
 
-def test_one_save_dir_takes_one_run(tmp_path):
+def test_one_save_dir_takes_one_run(tmp_path, capfd):
     save = tmp_path / "ckpt"
     argv = SAVE + [
         "--max-update",
@@ -319,7 +324,7 @@ def test_one_save_dir_takes_one_run(tmp_path):
     # the kernel dropped the dead run's lock: the same command goes on from its checkpoint
     saved = saved_updates(save)
     argv[argv.index("100000")] = str(saved + 1)
-    records, r = run_train(argv)
+    records, r = train_here(argv, capfd)
     assert [x["num_updates"] for x in records["train_inner"]] == [saved + 1]
 
 
@@ -343,9 +348,9 @@ def test_a_save_dir_that_cannot_be_written_is_refused_before_training(tmp_path):
         subprocess.run(["umount", str(readonly)], check=True)
 
 
-def test_a_checkpoint_of_another_model_is_refused_naming_the_flag_and_nothing_is_written(tmp_path):
+def test_a_checkpoint_of_another_model_is_refused_naming_the_flag_and_nothing_is_written(tmp_path, capfd):
     save = tmp_path / "ckpt"
-    run_train(SAVE + ["--max-update", "2", "--save-dir", str(save)])
+    train_here(SAVE + ["--max-update", "2", "--save-dir", str(save)], capfd)
     before = snapshot(save)
     _, r = run_train(SAVE + ["--max-update", "4", "--save-dir", str(save), "--decoder-embed-dim", "32"], check=False)
     assert r.returncode != 0 and "train_inner" not in r.stdout

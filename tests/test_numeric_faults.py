@@ -1,13 +1,18 @@
 """Numerical faults, produced for real (a learning rate that diverges, an fp16 scale that
 overflows every step): fp32 stops with fairseq's message naming the update, fp16 skips
 updates until --min-loss-scale; the job ends non-zero with one line on stderr and the
-checkpoints written before the fault are left exactly as they were."""
+checkpoints written before the fault are left exactly as they were.
+
+The runs that fail are real `train` processes, but for three of one rank whose message is
+checked in this process (tests/helpers.py train_here: the same entry point, exit code and
+stderr); a run that only writes the checkpoints a failing one must leave alone is in this
+process too."""
 
 import hashlib
 import json
 from pathlib import Path
 
-from helpers import DUMMY, run_train
+from helpers import DUMMY, run_train, train_here
 
 # --no-save off, one checkpoint per update: any save after the fault would show (and no
 # validation: no checkpoint_best beside them).
@@ -39,11 +44,11 @@ def published(snap):
     return {k: v for k, v in snap.items() if k.startswith("checkpoint")}
 
 
-def fails_after_checkpoints(argv, good_updates, extra_second=()):
-    """Train `good_updates` updates (saved), snapshot, run the same command further: it must
-    fail, with one line on stderr, leaving the checkpoints byte-identical."""
+def fails_after_checkpoints(argv, good_updates, capfd, extra_second=()):
+    """Train `good_updates` updates (saved; in this process), snapshot, run the same command
+    further: it must fail, with one line on stderr, leaving the checkpoints byte-identical."""
     save = ["--save-dir", "ck"]
-    run_train(argv + save + ["--max-update", str(good_updates)])
+    train_here(argv + save + ["--max-update", str(good_updates)], capfd)
     before = snapshot("ck")
     assert f"checkpoint_1_{good_updates}/trainer_state.json" in before
     _, r = run_train(argv + save + list(extra_second) + ["--max-update", "8"], check=False)
@@ -55,17 +60,17 @@ def fails_after_checkpoints(argv, good_updates, extra_second=()):
     return errors[0], r.stdout
 
 
-def test_nan_loss_stops_naming_the_update_and_saves_nothing():
+def test_nan_loss_stops_naming_the_update_and_saves_nothing(capfd):
     # Adam at lr 1e6 moves every weight by ~1e6: the next forward's loss is NaN.
-    error, _ = fails_after_checkpoints(SAVING + ["--optimizer", "adam", "--lr", "1e6"], 1)
+    error, _ = fails_after_checkpoints(SAVING + ["--optimizer", "adam", "--lr", "1e6"], 1, capfd)
     assert "gradients are Nan/Inf at update 2 (loss nan" in error
 
 
-def test_inf_gradients_with_a_finite_loss_stop_too():
+def test_inf_gradients_with_a_finite_loss_stop_too(capfd):
     # SGD at lr 1e6: update 2's loss is huge but finite, its backward overflows. One run:
     # update 1 is saved, update 2 stops it, and checkpoint_last stays at update 1.
-    _, r = run_train(
-        SAVING + ["--optimizer", "sgd", "--lr", "1e6", "--save-dir", "ck", "--max-update", "8"], check=False
+    _, r = train_here(
+        SAVING + ["--optimizer", "sgd", "--lr", "1e6", "--save-dir", "ck", "--max-update", "8"], capfd, check=False
     )
     (error,) = r.stderr.strip().splitlines()
     assert r.returncode == 1 and error.startswith("train: error: gradients are Nan/Inf at update 2 (loss 2.")
@@ -74,12 +79,13 @@ def test_inf_gradients_with_a_finite_loss_stop_too():
     assert sorted(p.name for p in Path("ck").glob("checkpoint*")) == ["checkpoint_1_1", "checkpoint_last"]
 
 
-def test_weights_stepped_to_inf_are_never_saved(tmp_path):
+def test_weights_stepped_to_inf_are_never_saved(capfd):
     # An update with a finite loss and gradients can still step the weights to inf: the save
     # after it refuses, and no checkpoint appears at all.
-    _, r = run_train(
+    _, r = train_here(
         SAVING
         + ["--optimizer", "sgd", "--lr", "1e38", "--weight-decay", "10", "--save-dir", "ck", "--max-update", "4"],
+        capfd,
         check=False,
     )
     assert r.returncode == 1
@@ -90,9 +96,9 @@ def test_weights_stepped_to_inf_are_never_saved(tmp_path):
     assert not any(p.name.startswith("checkpoint") for p in Path("ck").iterdir())
 
 
-def test_a_learning_rate_beyond_float32_stops_in_one_line():
-    _, r = run_train(
-        SAVING + ["--optimizer", "sgd", "--lr", "1e300", "--save-dir", "ck", "--max-update", "2"], check=False
+def test_a_learning_rate_beyond_float32_stops_in_one_line(capfd):
+    _, r = train_here(
+        SAVING + ["--optimizer", "sgd", "--lr", "1e300", "--save-dir", "ck", "--max-update", "2"], capfd, check=False
     )
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         "train: error: the optimizer step of update 1 overflows float32 (--lr 1e+300); lower --lr"
@@ -100,12 +106,12 @@ def test_a_learning_rate_beyond_float32_stops_in_one_line():
     assert not any(Path("ck").glob("checkpoint*"))
 
 
-def test_fp16_skips_overflows_then_stops_at_min_loss_scale():
+def test_fp16_skips_overflows_then_stops_at_min_loss_scale(capfd):
     # --reset-optimizer takes the scale from --fp16-init-scale instead of the checkpoint:
     # 2**40 overflows every step; 2**39, 2**38, 2**37 are tried and skipped, 2**36 is the floor.
     argv = SAVING + ["--fp16"]
     error, stdout = fails_after_checkpoints(
-        argv, 1, ["--reset-optimizer", "--fp16-init-scale", str(2**40), "--min-loss-scale", str(2**36)]
+        argv, 1, capfd, ["--reset-optimizer", "--fp16-init-scale", str(2**40), "--min-loss-scale", str(2**36)]
     )
     notes = [line.split("shardlm | ")[1] for line in stdout.splitlines() if "NOTE:" in line]
     assert notes == [

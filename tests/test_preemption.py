@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DUMMY, parse_records, run_train
+from helpers import DUMMY, parse_records, run_train, train_here
 
 ARGV = [a for a in DUMMY if a != "--no-save"] + [
     "--batch-size",
@@ -48,11 +48,17 @@ FSDP_2_RANKS = ["--ddp-backend", "fully_sharded", "--distributed-world-size", "2
 _uninterrupted = {}
 
 
-def uninterrupted(extra):
+def same_command(argv, capfd):
+    """`train` run again as the user would: one rank in this process (its start-up is not what
+    these tests are about; the signalled run is always a real process), two as a real job."""
+    return train_here(argv, capfd) if "--distributed-world-size" not in argv else run_train(argv)
+
+
+def uninterrupted(extra, capfd):
     """train_inner records of the whole run, uninterrupted (shared by the cases with the same ranks)."""
     key = tuple(extra)
     if key not in _uninterrupted:
-        _uninterrupted[key] = run_train(ARGV + extra + ["--no-save"])[0]["train_inner"]
+        _uninterrupted[key] = same_command(ARGV + extra + ["--no-save"], capfd)[0]["train_inner"]
     return _uninterrupted[key]
 
 
@@ -61,16 +67,16 @@ def uninterrupted(extra):
     [(signal.SIGUSR1, FSDP_2_RANKS, False), (signal.SIGTERM, FSDP_2_RANKS, True), (signal.SIGTERM, [], False)],
     ids=["usr1_fsdp_2_ranks", "term_fsdp_2_ranks_whole_group", "term_1_rank"],
 )
-def test_signal_saves_stops_and_the_same_command_resumes(sig, extra, whole_group, tmp_path):
+def test_signal_saves_stops_and_the_same_command_resumes(sig, extra, whole_group, tmp_path, capfd):
     argv = ARGV + extra + ["--save-dir", str(tmp_path / "ckpt")]
-    whole = uninterrupted(extra)
+    whole = uninterrupted(extra, capfd)
     rc, out, err = _signal_after(argv, sig, 5, tmp_path, whole_group)
     assert rc == 0, err
     first = parse_records(out)["train_inner"]
     stopped = json.loads((tmp_path / "ckpt" / "checkpoint_last" / "trainer_state.json").read_text())["num_updates"]
     assert 5 <= stopped < 40 and first[-1]["num_updates"] == stopped
     assert f"received {signal.Signals(sig).name}: stopping after update {stopped}" in out + err
-    rest, _ = run_train(argv)
+    rest, _ = same_command(argv, capfd)
     updates = [r["num_updates"] for r in first + rest["train_inner"]]
     assert updates == list(range(1, 41)), "an update was lost or counted twice"
     assert [r["loss"] for r in first + rest["train_inner"]] == [r["loss"] for r in whole]
@@ -166,7 +172,7 @@ class _Terminal:
 
 
 @pytest.mark.parametrize("extra", [[], FSDP_2_RANKS], ids=["1_rank", "fsdp_2_ranks"])
-def test_ctrl_c_saves_stops_with_130_and_the_same_command_resumes(extra, tmp_path):
+def test_ctrl_c_saves_stops_with_130_and_the_same_command_resumes(extra, tmp_path, capfd):
     """Ctrl-C is SIGTERM's clean stop: the update finishes, checkpoint_last is saved, one line
     says how to resume, the exit status is 130 (an interrupted command's), and no process of
     the job (ranks, the server they are forked from) outlives `train`."""
@@ -181,7 +187,7 @@ def test_ctrl_c_saves_stops_with_130_and_the_same_command_resumes(extra, tmp_pat
     stopped = json.loads((tmp_path / "ckpt" / "checkpoint_last" / "trainer_state.json").read_text())["num_updates"]
     assert f"received SIGINT: stopping after update {stopped}" in out
     assert f"stopped at update {stopped}; run the same command again to resume from checkpoint_last" in out
-    records, r = run_train(argv + ["--max-update", str(stopped + 2)])  # the last --max-update counts
+    records, r = same_command(argv + ["--max-update", str(stopped + 2)], capfd)  # the last --max-update counts
     assert f"@ {stopped} updates" in r.stdout
     assert [x["num_updates"] for x in records["train_inner"]] == [stopped + 1, stopped + 2]
 
