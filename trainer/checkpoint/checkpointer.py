@@ -317,21 +317,25 @@ class Checkpointer:
     def names(self, epoch, end_of_epoch, valid_metric, n):
         """Which checkpoints a save after update n writes, fairseq's conditions; the first is
         written, the others are hard links to it."""
-        c = self.checkpoint_cfg
+        checkpoint_cfg = self.checkpoint_cfg
         names = []
-        if end_of_epoch and not c.no_epoch_checkpoints and epoch % c.save_interval == 0:
+        if end_of_epoch and not checkpoint_cfg.no_epoch_checkpoints and epoch % checkpoint_cfg.save_interval == 0:
             names.append(f"checkpoint{epoch}")
-        if not end_of_epoch and c.save_interval_updates > 0 and n % c.save_interval_updates == 0:
+        if (
+            not end_of_epoch
+            and checkpoint_cfg.save_interval_updates > 0
+            and n % checkpoint_cfg.save_interval_updates == 0
+        ):
             names.append(f"checkpoint_{epoch}_{n}")
         if valid_metric is not None:
-            better = max if c.maximize_best_checkpoint_metric else min
+            better = max if checkpoint_cfg.maximize_best_checkpoint_metric else min
             prev = self.best
             self.best = valid_metric if prev is None else better(valid_metric, prev)
             if prev is None or self.best == valid_metric:
                 names.append("checkpoint_best")
-                if c.keep_best_checkpoints > 0:
-                    names.append(f"checkpoint.best_{c.best_checkpoint_metric}_{valid_metric:.3f}")
-        if not c.no_last_checkpoints:
+                if checkpoint_cfg.keep_best_checkpoints > 0:
+                    names.append(f"checkpoint.best_{checkpoint_cfg.best_checkpoint_metric}_{valid_metric:.3f}")
+        if not checkpoint_cfg.no_last_checkpoints:
             names.append("checkpoint_last")
         return names
 

@@ -167,17 +167,17 @@ def hf_tensor_specs(model_cfg, vocab_size, max_positions, dtype):
 def hf_tensor(hf_name, get_ours, model_cfg, max_positions, dtype=None):
     """HF tensor `hf_name` built from our parameters; `get_ours(name)` returns one of
     ours (full, on the CPU) by its TransformerLM name. Cast to `dtype` when given."""
-    d = model_cfg.decoder_embed_dim
+    dim = model_cfg.decoder_embed_dim
     if hf_name == "transformer.wte.weight":
         table, scale = get_ours("embed_tokens.weight"), _embed_scale(model_cfg)
         tensor = table if scale == 1.0 else table.float() * scale  # as TransformerLM.embed does
     elif hf_name == "transformer.wpe.weight":
         if model_cfg.no_token_positional_embeddings:
-            tensor = torch.zeros(max_positions, d)
+            tensor = torch.zeros(max_positions, dim)
         elif model_cfg.decoder_learned_pos:
             tensor = get_ours("embed_positions.weight")
         else:
-            tensor = sinusoidal_positions(max_positions, d, "cpu", torch.float32)
+            tensor = sinusoidal_positions(max_positions, dim, "cpu", torch.float32)
     elif hf_name == "lm_head.weight":
         shared = model_cfg.share_decoder_input_output_embed
         tensor = get_ours("embed_tokens.weight" if shared else "output_projection.weight")

@@ -128,13 +128,13 @@ def _check_embedded_splits(ds):
 
 def _check_data(cfg, world_size):
 
-    ds = cfg.dataset
+    dataset_cfg = cfg.dataset
     # Every directory of a sharded DATA trains; validation reads the first.
-    tokenizer = check_data_dir(cfg.task.data, [], train_split=ds.train_subset)
+    tokenizer = check_data_dir(cfg.task.data, [], train_split=dataset_cfg.train_subset)
     dirs = data_dirs(cfg.task.data)
     data = dirs[0]
-    if not ds.disable_validation:
-        for subset in filter(None, ds.valid_subset.split(",")):
+    if not dataset_cfg.disable_validation:
+        for subset in filter(None, dataset_cfg.valid_subset.split(",")):
             if exists(data / subset):
                 check_token_ids(IndexedDataset(data / subset), tokenizer.vocab_size)
             elif subset != DEFAULT_VALID_SUBSET:  # the default may be absent: then nothing is validated
@@ -143,7 +143,7 @@ def _check_data(cfg, world_size):
                     "check --valid-subset, or pass --disable-validation"
                 )
     for path in dirs:
-        _check_batches_per_rank(cfg, path / ds.train_subset, tokenizer, world_size)
+        _check_batches_per_rank(cfg, path / dataset_cfg.train_subset, tokenizer, world_size)
     return tokenizer.vocab_size
 
 

@@ -99,10 +99,10 @@ def as_text(cfg, plan):
     else:
         host_verdict = "fits" if p.host_gb <= plan["host_gb"] else "does NOT fit"
         lines.append(f"host memory per host: {p.host_gb:.3f} GB of {plan['host_gb']:.1f} GB: {host_verdict}")
-    c = p.comm
+    comm = p.comm
     lines.append(
-        f"communication per rank per update: all-gather {c['all_gather']:.3f} GB, reduce-scatter "
-        f"{c['reduce_scatter']:.3f} GB, all-reduce {c['all_reduce']:.3f} GB"
+        f"communication per rank per update: all-gather {comm['all_gather']:.3f} GB, reduce-scatter "
+        f"{comm['reduce_scatter']:.3f} GB, all-reduce {comm['all_reduce']:.3f} GB"
     )
     lines += ["", "flag sets, fastest first (per-rank GB, host GB):"]
     for label, t, q, ok in plan["tried"]:

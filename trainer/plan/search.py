@@ -69,34 +69,34 @@ def apply_hf_config(cfg, model_dir):
 
 
 def model_shape(cfg, vocab):
-    m = cfg.model
+    model_cfg = cfg.model
     positions = model_positions(cfg)
-    learned = m.decoder_learned_pos and not m.no_token_positional_embeddings
-    final_norm = m.decoder_normalize_before and not m.no_decoder_final_norm
+    learned = model_cfg.decoder_learned_pos and not model_cfg.no_token_positional_embeddings
+    final_norm = model_cfg.decoder_normalize_before and not model_cfg.no_decoder_final_norm
     return ModelShape(
-        layers=num_layers(m),
-        dim=m.decoder_embed_dim,
-        ffn=m.decoder_ffn_embed_dim,
-        heads=m.decoder_attention_heads,
+        layers=num_layers(model_cfg),
+        dim=model_cfg.decoder_embed_dim,
+        ffn=model_cfg.decoder_ffn_embed_dim,
+        heads=model_cfg.decoder_attention_heads,
         vocab=vocab,
         learned_positions=positions if learned else 0,
-        tied=m.share_decoder_input_output_embed,
-        norms_outside_layers=int(final_norm) + int(m.layernorm_embedding),
-        activation_fn=m.activation_fn,
-        dropout=m.dropout,
-        attention_dropout=m.attention_dropout,
-        activation_dropout=m.activation_dropout,
-        vocab_params=adaptive_vocab_params(m, vocab),
-        normformer_params=normformer_params(m),
-        projection_params=projection_params(m, vocab),
-        kv_heads=kv_heads(m),
-        head_dim=head_dim(m),
-        gated=m.gated_ffn,
-        bias=not m.no_bias,
-        norm=m.norm_type,
-        norm_bias=not m.no_bias,
-        qk_norm=m.qk_norm,
-        rope=m.rope,
+        tied=model_cfg.share_decoder_input_output_embed,
+        norms_outside_layers=int(final_norm) + int(model_cfg.layernorm_embedding),
+        activation_fn=model_cfg.activation_fn,
+        dropout=model_cfg.dropout,
+        attention_dropout=model_cfg.attention_dropout,
+        activation_dropout=model_cfg.activation_dropout,
+        vocab_params=adaptive_vocab_params(model_cfg, vocab),
+        normformer_params=normformer_params(model_cfg),
+        projection_params=projection_params(model_cfg, vocab),
+        kv_heads=kv_heads(model_cfg),
+        head_dim=head_dim(model_cfg),
+        gated=model_cfg.gated_ffn,
+        bias=not model_cfg.no_bias,
+        norm=model_cfg.norm_type,
+        norm_bias=not model_cfg.no_bias,
+        qk_norm=model_cfg.qk_norm,
+        rope=model_cfg.rope,
     )
 
 

@@ -190,56 +190,57 @@ def check_adaptive_vocab(m, vocab_size, padding_idx=1):
 
 def _check_attention_shape(cfg):
     """Heads, their width, grouped-query attention, rotary embeddings and norms."""
-    m = cfg.model
+    model_cfg = cfg.model
     positive(cfg, "model.decoder_kv_heads", "model.decoder_head_dim", optional=True)
     positive(cfg, "model.norm_eps", "model.rope_theta")
-    if m.decoder_head_dim is None and m.decoder_embed_dim % m.decoder_attention_heads:
+    if model_cfg.decoder_head_dim is None and model_cfg.decoder_embed_dim % model_cfg.decoder_attention_heads:
         raise UsageError(
-            f"--decoder-attention-heads {m.decoder_attention_heads} does not divide "
-            f"--decoder-embed-dim {m.decoder_embed_dim}; pick heads that divide it "
+            f"--decoder-attention-heads {model_cfg.decoder_attention_heads} does not divide "
+            f"--decoder-embed-dim {model_cfg.decoder_embed_dim}; pick heads that divide it "
             "(or set --decoder-head-dim)"
         )
-    if m.decoder_kv_heads is not None and m.decoder_attention_heads % m.decoder_kv_heads:
+    if model_cfg.decoder_kv_heads is not None and model_cfg.decoder_attention_heads % model_cfg.decoder_kv_heads:
         raise UsageError(
-            f"--decoder-kv-heads {m.decoder_kv_heads} does not divide --decoder-attention-heads "
-            f"{m.decoder_attention_heads}: each key/value head serves a whole group of query heads"
+            f"--decoder-kv-heads {model_cfg.decoder_kv_heads} does not divide --decoder-attention-heads "
+            f"{model_cfg.decoder_attention_heads}: each key/value head serves a whole group of query heads"
         )
-    if m.rope:
-        if head_dim(m) % 2:
-            raise UsageError(f"--rope rotates pairs of channels: the head width {head_dim(m)} must be even")
-        if m.decoder_learned_pos:
+    if model_cfg.rope:
+        if head_dim(model_cfg) % 2:
+            raise UsageError(f"--rope rotates pairs of channels: the head width {head_dim(model_cfg)} must be even")
+        if model_cfg.decoder_learned_pos:
             raise UsageError("--rope and --decoder-learned-pos are two position encodings; drop one")
-        if m.rope_scaling == "llama3" and not (
-            m.rope_scaling_factor > 0
-            and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor
-            and m.rope_original_max_positions > 0
+        if model_cfg.rope_scaling == "llama3" and not (
+            model_cfg.rope_scaling_factor > 0
+            and 0 < model_cfg.rope_low_freq_factor < model_cfg.rope_high_freq_factor
+            and model_cfg.rope_original_max_positions > 0
         ):
             raise UsageError(
                 "--rope-scaling llama3 needs --rope-scaling-factor > 0, 0 < --rope-low-freq-factor < "
                 "--rope-high-freq-factor and --rope-original-max-positions > 0"
             )
-    elif m.rope_scaling is not None:
-        raise UsageError(f"--rope-scaling {m.rope_scaling} scales rotary embeddings: add --rope")
+    elif model_cfg.rope_scaling is not None:
+        raise UsageError(f"--rope-scaling {model_cfg.rope_scaling} scales rotary embeddings: add --rope")
 
 
 def _check_model_features(cfg):
     """LayerDrop, pruning to --decoder-layers-to-keep, and the embedding/output widths."""
-    m = cfg.model
-    if not 0.0 <= m.decoder_layerdrop < 1.0:
+    model_cfg = cfg.model
+    if not 0.0 <= model_cfg.decoder_layerdrop < 1.0:
         raise UsageError(
-            f"--decoder-layerdrop must be in [0, 1) (each layer's chance to be skipped), got {m.decoder_layerdrop}"
+            "--decoder-layerdrop must be in [0, 1) (each layer's chance to be skipped), "
+            f"got {model_cfg.decoder_layerdrop}"
         )
     try:
-        layers_to_keep(m)
+        layers_to_keep(model_cfg)
     except ValueError as e:
         raise UsageError(
-            f"--decoder-layers-to-keep {m.decoder_layers_to_keep!r} {e}; give distinct ids "
-            f"from 0 to {m.decoder_layers - 1}, e.g. 0,2"
+            f"--decoder-layers-to-keep {model_cfg.decoder_layers_to_keep!r} {e}; give distinct ids "
+            f"from 0 to {model_cfg.decoder_layers - 1}, e.g. 0,2"
         ) from None
     positive(cfg, "model.decoder_input_dim", "model.decoder_output_dim", optional=True)
-    dim = m.decoder_embed_dim
-    width_in, width_out = m.decoder_input_dim or dim, m.decoder_output_dim or dim
-    if m.share_decoder_input_output_embed and not m.adaptive_input and width_in != width_out:
+    dim = model_cfg.decoder_embed_dim
+    width_in, width_out = model_cfg.decoder_input_dim or dim, model_cfg.decoder_output_dim or dim
+    if model_cfg.share_decoder_input_output_embed and not model_cfg.adaptive_input and width_in != width_out:
         raise UsageError(
             f"--share-decoder-input-output-embed uses the embedding table as the output projection: "
             f"--decoder-input-dim {width_in} and --decoder-output-dim {width_out} must be equal"
