@@ -1,6 +1,9 @@
 """Checkpoints users can trust: a resumed run continues the same curve, on any number
 of ranks and any backend; a save killed halfway leaves the previous one loadable;
-retention keeps what it says; a checkpoint of another model is refused in one line."""
+retention keeps what it says; a checkpoint of another model is refused in one line.
+
+One-rank runs that set up or resume run in this process (helpers.train_here); each refusal
+is a real `train` process (its exit status and one stderr line)."""
 
 import json
 import os
@@ -13,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DUMMY, run_train, train_updates
+from helpers import DUMMY, run_train, train_here, train_updates
 
 # Batches of exactly --batch-size (none cut to fairseq's multiple of 8): one global batch
 # of 12 is 1 x 12 or 2 x 6 (RESHARD).
@@ -124,9 +127,9 @@ def test_ddp_checkpoint_resumes_under_fsdp(tmp_path):
         assert split[n][0] == pytest.approx(ref[n][0], rel=1e-5), f"update {n}"
 
 
-def test_names_and_retention(tmp_path):
+def test_names_and_retention(tmp_path, capfd):
     save = tmp_path / "ckpt"
-    run_train(
+    train_here(
         SAVE
         + [
             "--batch-size",
@@ -145,7 +148,8 @@ def test_names_and_retention(tmp_path):
             "1",
             "--log-format",
             "json",
-        ]
+        ],
+        capfd,
     )
     # 4 updates per epoch: epochs end at 4 and 8; update checkpoints at 3, 6, 9 (kept: 6, 9).
     names = sorted(p.name for p in save.iterdir() if p.is_dir())
@@ -153,7 +157,7 @@ def test_names_and_retention(tmp_path):
     state = json.loads((save / "checkpoint_last" / "trainer_state.json").read_text())
     assert state["num_updates"] == 10 and state["epoch"] == state["state"]["loop"]["iterator"]["epoch"] == 3
     # checkpoint_last is a second name of the same files when both are written at once
-    run_train(
+    train_here(
         SAVE
         + [
             "--batch-size",
@@ -168,15 +172,29 @@ def test_names_and_retention(tmp_path):
             "3",
             "--log-format",
             "json",
-        ]
+        ],
+        capfd,
     )
     assert os.path.samefile(save / "checkpoint3" / ".metadata", save / "checkpoint_last" / ".metadata")
     assert not any(p.name.startswith(".tmp") for p in save.iterdir())
 
 
-def test_a_different_model_is_refused_in_one_line(tmp_path):
-    save = tmp_path / "ckpt"
-    run_train(SAVE + ["--batch-size", "4", "--max-update", "2", "--save-dir", str(save)])
+_saved_2 = {}
+
+
+@pytest.fixture
+def saved_2(tmp_path_factory, tmp_path, capfd):
+    """tmp_path/ckpt: a copy of the save dir of one 2-update run (SAVE, batch 4), trained once
+    for the tests that damage or refuse it."""
+    if "dir" not in _saved_2:
+        source = tmp_path_factory.mktemp("saved-2") / "ckpt"
+        train_here(SAVE + ["--batch-size", "4", "--max-update", "2", "--save-dir", str(source)], capfd)
+        _saved_2["dir"] = source
+    return Path(shutil.copytree(_saved_2["dir"], tmp_path / "ckpt", symlinks=True))
+
+
+def test_a_different_model_is_refused_in_one_line(saved_2):
+    save = saved_2
     before = sorted((p.name, p.stat().st_mtime_ns) for p in (save / "checkpoint_last").iterdir())
     _, r = run_train(
         SAVE + ["--batch-size", "4", "--max-update", "4", "--save-dir", str(save), "--decoder-ffn-embed-dim", "96"],
@@ -189,7 +207,7 @@ def test_a_different_model_is_refused_in_one_line(tmp_path):
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (save / "checkpoint_last").iterdir()) == before
 
 
-def test_a_restore_file_that_does_not_exist_starts_afresh_only_in_an_empty_save_dir(tmp_path):
+def test_a_restore_file_that_does_not_exist_starts_afresh_only_in_an_empty_save_dir(tmp_path, capfd):
     """fairseq's job scripts pass the same --restore-file on every launch of a requeued job.
     With nothing saved yet the run starts afresh (fairseq's line); once --save-dir holds
     checkpoints, a name that does not exist is a typo, refused before it could overwrite them.
@@ -208,7 +226,7 @@ def test_a_restore_file_that_does_not_exist_starts_afresh_only_in_an_empty_save_
         "--save-interval-updates",
         "2",
     ]
-    first, r = run_train(argv + ["--max-update", "3", "--restore-file", "x.pt"])
+    first, r = train_here(argv + ["--max-update", "3", "--restore-file", "x.pt"], capfd)
     assert f"No existing checkpoint found {save / 'x.pt'}" in r.stdout
     assert [x["num_updates"] for x in first["train_inner"]] == [1, 2, 3]
     before = sorted((p.relative_to(save), p.stat().st_mtime_ns) for p in save.rglob("*"))
@@ -218,7 +236,7 @@ def test_a_restore_file_that_does_not_exist_starts_afresh_only_in_an_empty_save_
         "fix the path, or drop --restore-file to resume from checkpoint_last"
     ]
     assert sorted((p.relative_to(save), p.stat().st_mtime_ns) for p in save.rglob("*")) == before
-    resumed, r = run_train(argv + ["--max-update", "3", "--restore-file", str(save / "checkpoint_1_2.pt")])
+    resumed, r = train_here(argv + ["--max-update", "3", "--restore-file", str(save / "checkpoint_1_2.pt")], capfd)
     assert f"loaded checkpoint {save / 'checkpoint_1_2'} (epoch 1 @ 2 updates)" in r.stdout
     assert resumed["train_inner"] == [
         dict(
@@ -277,9 +295,10 @@ def test_fairseq_checkpoint_names_and_restore_choices(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, capfd):
     """Saves every update of a ~12 M-parameter model (≈150 MB per checkpoint); SIGKILL
-    lands while the next one is being written; the previous checkpoint_last resumes."""
+    lands while the next one is being written; the previous checkpoint_last resumes (one
+    rank, in this process)."""
     save = tmp_path / "ckpt"
     big = [
         "--dict-size",
@@ -328,8 +347,17 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert tmp is not None, "never caught a save in progress"
+    # Resumed once the killed job is gone, ranks too (rank 0 holds the save dir's lock until
+    # it has exited; the resume below starts at once, without a fresh process's start-up).
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
     before = json.loads((save / "checkpoint_last" / "trainer_state.json").read_text())["num_updates"]
-    records, r = run_train(
+    records, r = train_here(
         SAVE
         + big
         + [
@@ -343,15 +371,16 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
             "json",
             "--log-interval",
             "1",
-        ]
+        ],
+        capfd,
     )
     assert f"@ {before} updates" in r.stdout + r.stderr
     assert [rec["num_updates"] for rec in records["train_inner"]] == [before + 1]
 
 
-def test_finetune_from_model_takes_weights_only(tmp_path):
-    run_train(SAVE + ["--batch-size", "4", "--max-update", "10", "--save-dir", str(tmp_path / "pre")])
-    records, r = run_train(
+def test_finetune_from_model_takes_weights_only(tmp_path, capfd):
+    train_here(SAVE + ["--batch-size", "4", "--max-update", "10", "--save-dir", str(tmp_path / "pre")], capfd)
+    records, r = train_here(
         SAVE
         + [
             "--batch-size",
@@ -366,11 +395,12 @@ def test_finetune_from_model_takes_weights_only(tmp_path):
             "json",
             "--log-interval",
             "1",
-        ]
+        ],
+        capfd,
     )
     assert [rec["num_updates"] for rec in records["train_inner"]] == [1, 2, 3]
-    fresh, _ = run_train(
-        SAVE + ["--batch-size", "4", "--max-update", "1", "--log-format", "json", "--log-interval", "1"]
+    fresh, _ = train_here(
+        SAVE + ["--batch-size", "4", "--max-update", "1", "--log-format", "json", "--log-interval", "1"], capfd
     )
     assert records["train_inner"][0]["loss"] < fresh["train_inner"][0]["loss"] - 0.1  # it starts trained
     _, r = run_train(
@@ -391,12 +421,11 @@ def test_finetune_from_model_takes_weights_only(tmp_path):
     assert r.returncode != 0 and "--finetune-from-model" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_loading_never_runs_pickled_code(tmp_path):
+def test_loading_never_runs_pickled_code(saved_2, tmp_path):
     """A .metadata that would call a function when unpickled is refused before it runs."""
     import pickle
 
-    save = tmp_path / "ckpt"
-    run_train(SAVE + ["--batch-size", "4", "--max-update", "2", "--save-dir", str(save)])
+    save = saved_2
     marker = tmp_path / "pwned"
 
     class Evil:
@@ -409,9 +438,8 @@ def test_loading_never_runs_pickled_code(tmp_path):
     assert "not allowed" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def test_a_damaged_shard_is_reported_in_one_line(tmp_path):
-    save = tmp_path / "ckpt"
-    run_train(SAVE + ["--batch-size", "4", "--max-update", "2", "--save-dir", str(save)])
+def test_a_damaged_shard_is_reported_in_one_line(saved_2):
+    save = saved_2
     shard = next((save / "checkpoint_last").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])
     _, r = run_train(SAVE + ["--batch-size", "4", "--max-update", "4", "--save-dir", str(save)], check=False)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from test_fairseq_configs import WIKI103_YAML
 
-from helpers import parse_records
+from helpers import parse_records, train_here
 
 LETTERS = [chr(c) for c in range(97, 123)]
 # Appended to every training line: the model and the run shrunk, nothing else changed.
@@ -55,20 +55,24 @@ def data_bin(tmp_path_factory):
     return fairseq_data_bin(tmp_path_factory.mktemp("data-bin") / "wikitext-103")
 
 
-def _run(line, data_bin, tmp_path, *extra, capsys=None):
+def _run(line, data_bin, tmp_path, *extra, capfd=None):
     """A documented command line: `{DATA}` and `{CK}` stand for the data-bin and a save dir.
-    With capsys, the command's entry point runs in this process (the same argv; an eval-lm
-    needs no fresh process, and a fresh one costs seconds of torch start-up)."""
+    With capfd, the command's entry point runs in this process (the same argv; a fresh process
+    costs seconds of torch start-up): `train` through helpers.train_here (one rank only; its
+    signal handlers and logging put back), eval-lm as it is."""
     argv = shlex.split(line.format(DATA=data_bin, CK=tmp_path / "checkpoints"))
     prog, args = argv[0], argv[1:] + shlex.split(" ".join(extra))
-    if capsys is not None:
+    if capfd is not None:
         import cli
 
         assert Path.cwd() == tmp_path  # as the subprocess's cwd below (conftest's chdir)
-        capsys.readouterr()
-        code = cli.COMMANDS[prog](args)
-        out, err = capsys.readouterr()
-        r = subprocess.CompletedProcess(args, code or 0, out, err)
+        if prog == "train":
+            _, r = train_here(args, capfd, check=False)
+        else:
+            capfd.readouterr()
+            code = cli.COMMANDS[prog](args)
+            out, err = capfd.readouterr()
+            r = subprocess.CompletedProcess(args, code or 0, out, err)
     else:
         cmd = [str(Path(sys.executable).with_name(prog))] + args
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
@@ -103,7 +107,7 @@ LM_README_EVAL = """eval-lm {DATA} \
     --context-window 400"""
 
 
-def test_language_model_readme_trains_and_evaluates(data_bin, tmp_path, capsys):
+def test_language_model_readme_trains_and_evaluates(data_bin, tmp_path, capfd):
     # fp16 is slow on a CPU: fewer tokens per update; warmup shortened so the loss moves in 8 updates.
     records, _ = _run(
         LM_README,
@@ -114,7 +118,7 @@ def test_language_model_readme_trains_and_evaluates(data_bin, tmp_path, capsys):
         "--distributed-world-size 2 --warmup-updates 2 --log-format json",
     )
     _loss_fell(records)
-    _, r = _run(LM_README_EVAL, data_bin, tmp_path, "--tokens-per-sample 32 --context-window 16", capsys=capsys)
+    _, r = _run(LM_README_EVAL, data_bin, tmp_path, "--tokens-per-sample 32 --context-window 16", capfd=capfd)
     assert re.search(r"Loss \(base 2\): [\d.]+, Perplexity: [\d.]+", r.stdout)
 
 
@@ -270,17 +274,17 @@ TEST_BINARIES_EVAL = "eval-lm {DATA} --path {CK}/checkpoint_last.pt --no-progres
     ],
     ids=["transformer_lm", "normformer_lm", "adaptive_softmax"],
 )
-def test_fairseq_test_suite_lines_train_and_evaluate(extra, data_bin, tmp_path, capsys):
+def test_fairseq_test_suite_lines_train_and_evaluate(extra, data_bin, tmp_path, capfd):
     size = (
         "--decoder-layers 2 --decoder-embed-dim 32 --decoder-ffn-embed-dim 64 --decoder-attention-heads 2 "
         "--tokens-per-sample 32 --max-tokens 256 --log-format json --log-interval 1"
     )
-    records, _ = _run(TEST_BINARIES, data_bin, tmp_path, extra, size)
+    records, _ = _run(TEST_BINARIES, data_bin, tmp_path, extra, size, capfd=capfd)
     _loss_fell(records)
     assert records["train"][-1]["train_num_updates"] > 0 and records["valid"]
-    _, r = _run(TEST_BINARIES_EVAL, data_bin, tmp_path, "--tokens-per-sample 32", capsys=capsys)
+    _, r = _run(TEST_BINARIES_EVAL, data_bin, tmp_path, "--tokens-per-sample 32", capfd=capfd)
     assert "Perplexity" in r.stdout
-    _, r = _run(TEST_BINARIES_EVAL, data_bin, tmp_path, "--tokens-per-sample 32 --context-window 25", capsys=capsys)
+    _, r = _run(TEST_BINARIES_EVAL, data_bin, tmp_path, "--tokens-per-sample 32 --context-window 25", capfd=capfd)
     assert "Perplexity" in r.stdout
 
 
@@ -325,29 +329,36 @@ HYDRA_SHRINK = (
 )
 
 
-def test_hydra_integration_docs_lines_train(data_bin, tmp_path):
-    records, _ = _run(HYDRA_CASE_1, data_bin, tmp_path, HYDRA_SHRINK, "optimization.lr=0.003")
+def test_hydra_integration_docs_lines_train(data_bin, tmp_path, capfd):
+    records, _ = _run(HYDRA_CASE_1, data_bin, tmp_path, HYDRA_SHRINK, "optimization.lr=0.003", capfd=capfd)
     _loss_fell(records)
     configs = tmp_path / "configs"
     configs.mkdir()
     (configs / "wiki103.yaml").write_text(WIKI103_YAML.replace("/path/to/data", str(data_bin)))
     records, _ = _run(
-        f"train --config-dir {configs} --config-name wiki103", data_bin, tmp_path, HYDRA_SHRINK, "optimization.lr=0.003"
+        f"train --config-dir {configs} --config-name wiki103",
+        data_bin,
+        tmp_path,
+        HYDRA_SHRINK,
+        "optimization.lr=0.003",
+        capfd=capfd,
     )
     _loss_fell(records)
 
 
 @pytest.mark.parametrize("line", ["train --ddp-backend=fully_sharded --cpu-offload", "train"])
-def test_the_users_own_line_trains_on_the_embedded_corpus(line, tmp_path):
+def test_the_users_own_line_trains_on_the_embedded_corpus(line, tmp_path, capfd):
     """The line shardlm was asked for, and bare `train`: no DATA, no batch size, no lr.
     Shrunk only in the model and the number of updates; the batch (8 sequences) and Adam's
-    lr are the embedded corpus's defaults."""
+    lr are the embedded corpus's defaults. The --cpu-offload line as a real process (its 2
+    ranks' offload), bare `train` in this process."""
     records, r = _run(
         line,
         None,
         tmp_path,
         "--arch transformer_lm_gpt2_tiny --tokens-per-sample 64",
         "--max-update 8 --log-interval 1 --log-format json --no-save",
+        capfd=capfd if line == "train" else None,
     )
     assert "embedded corpus" in r.stdout
     assert {rec["bsz"] for rec in records["train_inner"]} == {8}

@@ -1,12 +1,16 @@
 """fairseq-hydra-train's config surface in `train`: fairseq's model YAML files by group path,
 its key aliases and list spellings, docs/hydra_integration.md's three cases, and fairseq's own
-config.yaml, each as real files; the docs' cases and config.yaml as real tiny runs."""
+config.yaml, each as real files; the docs' cases and config.yaml as real tiny runs (one rank,
+through `train`'s entry point in this process: helpers.train_here), and a one-line error from
+a real `train` process."""
+
+import sys
 
 import numpy as np
 import pytest
 import yaml
 
-from helpers import run_train
+from helpers import run_train, train_here
 from trainer.config.compose import CONF_DIR, KEY_ALIASES, compose_config
 from trainer.config.flags import build_parser, parse_flags
 from trainer.errors import UsageError
@@ -204,7 +208,7 @@ def test_fairseq_key_aliases_in_files_and_overrides(tmp_path):
 
 
 # ----------------------------------------------- 3. fairseq's experiment file (docs case 2)
-def test_docs_case_2_external_config_composes_and_trains(tmp_path, data_bin):
+def test_docs_case_2_external_config_composes_and_trains(tmp_path, data_bin, capfd):
     write(tmp_path / "configs" / "wiki103.yaml", WIKI103_YAML.replace("/path/to/data", str(data_bin)))
     argv = ["--config-dir", str(tmp_path / "configs"), "--config-name", "wiki103"]
     cfg = compose(argv)
@@ -216,7 +220,7 @@ def test_docs_case_2_external_config_composes_and_trains(tmp_path, data_bin):
     assert (cfg.task._name, cfg.task.data, cfg.task.add_bos_token) == ("language_modeling", str(data_bin), False)
     assert (cfg.model.max_target_positions, cfg.optimization.max_update, cfg.optimization.lr) == (1024, 50000, 0.25)
     assert (cfg.criterion._name, cfg.optimizer._name, cfg.lr_scheduler._name) == ("cross_entropy", "adam", "cosine")
-    records, _ = run_train(argv + SHRINK, cwd=tmp_path)
+    records, _ = train_here(argv + SHRINK, capfd)
     assert records["train"][-1]["train_num_updates"] == 2
     # fairseq's per-epoch lists: one value is a value, more are refused in one line.
     write(tmp_path / "configs" / "epochs.yaml", "optimization:\n  lr: [0.25, 0.1]\n")
@@ -269,7 +273,7 @@ def test_fairseqs_config_yaml_composes(tmp_path):
     assert compose(["bpe=null", "hydra.run.dir=."]) == base
 
 
-def test_docs_case_1_overrides_train(tmp_path, data_bin):
+def test_docs_case_1_overrides_train(tmp_path, data_bin, capfd):
     overrides = [
         "distributed_training.distributed_world_size=1",
         "dataset.batch_size=2",
@@ -280,11 +284,11 @@ def test_docs_case_1_overrides_train(tmp_path, data_bin):
     ]
     cfg = compose(overrides)
     assert (cfg.model._name, cfg.model.decoder_layers, cfg.optimization.max_update) == ("transformer_lm_gpt", 12, 5000)
-    records, r = run_train(overrides + SHRINK, cwd=tmp_path)
+    records, r = train_here(overrides + SHRINK, capfd)
     assert records["train"][-1]["train_num_updates"] == 2 and "transformer_lm_gpt" in r.stdout
 
 
-def test_fairseqs_config_yaml_with_a_user_model_file_trains(tmp_path, data_bin):
+def test_fairseqs_config_yaml_with_a_user_model_file_trains(tmp_path, data_bin, capfd):
     """docs case 3 with fairseq's config.yaml in the --config-dir: the full fairseq layout."""
     write(tmp_path / "configs" / "config.yaml", FAIRSEQ_CONFIG_YAML)
     write(
@@ -301,13 +305,15 @@ def test_fairseqs_config_yaml_with_a_user_model_file_trains(tmp_path, data_bin):
         "--config-dir",
         str(tmp_path / "configs"),
     ] + SHRINK[1:]  # the file's 2 layers
-    records, r = run_train(argv, cwd=tmp_path)
+    records, r = train_here(argv, capfd)
     assert records["train"][-1]["train_num_updates"] == 2 and "2 layers" in r.stdout
 
 
-def test_a_sweep_takes_fairseqs_group_paths_and_aliases(tmp_path):
-    """`train -m`: Hydra expands the sweep without reading fairseq's files or aliases itself."""
-    records, r = run_train(
+def test_a_sweep_takes_fairseqs_group_paths_and_aliases(tmp_path, capfd, monkeypatch):
+    """`train -m`: Hydra expands the sweep without reading fairseq's files or aliases itself.
+    Its jobs run in the launcher's process (Hydra's basic launcher): here, this one."""
+    monkeypatch.setattr(sys, "argv", sys.argv[:])  # the sweep hands Hydra its own sys.argv
+    records, r = train_here(
         [
             "--task",
             "dummy_lm",
@@ -325,7 +331,7 @@ def test_a_sweep_takes_fairseqs_group_paths_and_aliases(tmp_path):
         + SHRINK[:7]
         + ["optimization.max_update=1"]
         + SHRINK[8:],
-        cwd=tmp_path,
+        capfd,
     )
     assert sorted(rec["train_lr"] for rec in records["train"]) == [0.125, 0.25]
     assert r.stdout.count("model transformer_lm_gpt, 2 layers") == 2
