@@ -23,8 +23,8 @@ from models.config import TransformerLMConfig
 from models.hf_llama import hf_parts
 from models.transformer_lm import build_model
 from trainer.checkpoint import files
-from trainer.checkpoint.checkpointer import NoBytesLoadPlanner, renumber_layers, saved_layer_ids
 from trainer.checkpoint.hf_dir import FLOAT_DTYPES, HFWeights, is_hf_dir, read_hf_config
+from trainer.checkpoint.tensors import NoBytesLoadPlanner, renumber_layers, saved_layer_ids
 from trainer.config.checks import _check_model_features
 from trainer.config.schema import TaskConfig, model_positions
 from trainer.errors import UsageError
