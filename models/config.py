@@ -31,6 +31,13 @@ class TransformerLMConfig:
         default=False, metadata={"help": "learned positional embeddings (default: sinusoidal)"}
     )
     no_token_positional_embeddings: bool = field(default=False, metadata={"help": "no positional embeddings at all"})
+    positions_offset: int = field(
+        default=0,
+        metadata={
+            "help": "the position the first token has in the positional table: fairseq's models count "
+            "from padding_idx + 1, so a fairseq checkpoint loads with 2 (set from the checkpoint)"
+        },
+    )
     share_decoder_input_output_embed: bool = field(
         default=False, metadata={"help": "tie the input embedding and the output projection"}
     )

@@ -35,13 +35,24 @@ def next_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
 
 
 def sample(
-    model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=1, eos=None, bos=None, use_cache=True
+    model,
+    prompt_ids,
+    max_new_tokens,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    seed=1,
+    eos=None,
+    bos=None,
+    use_cache=True,
+    banned=(),
 ):
     """Return up to `max_new_tokens` new token ids continuing `prompt_ids`.
 
     Stops early after sampling `eos` (which is not returned). An empty prompt starts from
     `bos` (fairseq LMs use eos as the beginning of a sentence). Draws come from a generator
-    seeded by `seed`: the same seed gives the same tokens and the global RNG is untouched."""
+    seeded by `seed`: the same seed gives the same tokens and the global RNG is untouched.
+    `banned`: token ids never picked (fairseq's generator bans <pad>)."""
     tokens = list(prompt_ids)
     if not tokens:
         if bos is None:
@@ -63,6 +74,8 @@ def sample(
             new, feed = [], tokens  # the cached path feeds the prompt once, then one token a step
             for _ in range(max_new_tokens):
                 logits = model(torch.tensor([feed], device=device), cache)[0, -1]
+                if banned:
+                    logits[list(banned)] = float("-inf")
                 token = next_token(logits, temperature, top_k, top_p, generator)
                 if token == eos:
                     break

@@ -75,7 +75,12 @@ class TransformerLM(nn.Module):
         # output projection's input (--decoder-output-dim) of another width than the layers.
         width_in = self.embed_tokens.embedding_dim
         self.project_in_dim = nn.Linear(width_in, dim, bias=False) if width_in != dim else None
-        self.embed_positions = nn.Embedding(max_positions, dim) if self.positions == "learned" else None
+        # fairseq's tables count positions from padding_idx + 1 (--positions-offset 2): they
+        # have that many more rows, read from there.
+        self.positions_offset = getattr(cfg, "positions_offset", 0)  # 0 in configs saved before it existed
+        self.embed_positions = (
+            nn.Embedding(max_positions + self.positions_offset, dim) if self.positions == "learned" else None
+        )
         self.layernorm_embedding = make_norm(cfg, dim) if cfg.layernorm_embedding else None
         # --decoder-layers-to-keep builds only those (renumbered from 0), as fairseq does.
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(num_layers(cfg)))
@@ -160,10 +165,11 @@ class TransformerLM(nn.Module):
         x = self.embed_scale * self.embed_tokens(tokens)
         if self.project_in_dim is not None:
             x = self.project_in_dim(x)
+        first = start + self.positions_offset
         if self.positions == "learned":
-            x = x + self.embed_positions(torch.arange(start, start + T, device=tokens.device))
+            x = x + self.embed_positions(torch.arange(first, first + T, device=tokens.device))
         elif self.positions == "sinusoidal":
-            x = x + sinusoidal_positions(T, x.shape[-1], x.device, x.dtype, start)
+            x = x + sinusoidal_positions(T, x.shape[-1], x.device, x.dtype, first)
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
         return dropout(x, self.dropout, self.training)

@@ -178,7 +178,8 @@ def test_no_help_says_a_default_twice(prog, capsys):
         ("generate", ["generate.top_p=0"], "need --temperature >= 0"),
         ("generate", ["--max-new-tokens", "0"], "argument --max-new-tokens: must be at least 1, got 0"),
         ("generate", ["--top-k", "1.5"], "argument --top-k: invalid int value: '1.5'"),
-        ("generate", ["prompt"], "unexpected argument 'prompt': options are --flags or key=value"),
+        # DATA is fairseq-interactive's data dir; a second positional is a prompt given without --prompt
+        ("generate", ["data", "prompt"], "unexpected argument 'prompt': only one DATA directory is accepted"),
         ("export-model", ["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
         ("export-model", ["export_model.format=onnx"], "cannot set export_model.format='onnx': expected one of"),
         ("plan", ["--cpu", "--device-memory-gb", "-5"], "argument --device-memory-gb: must be a positive number"),

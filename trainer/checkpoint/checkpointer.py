@@ -28,6 +28,7 @@ from data.atomic_file import write_atomically
 from data.tokenizer import TOKENIZER_FILES
 from models.hf_llama import hf_model_type
 from trainer.checkpoint import files
+from trainer.checkpoint.fairseq_checkpoint import fairseq_pieces, load_fairseq_adam, load_fairseq_weights
 from trainer.checkpoint.hf_dir import is_hf_dir, load_hf_weights
 from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.tensors import (
@@ -38,6 +39,7 @@ from trainer.checkpoint.tensors import (
     saved_layer_ids,
     tensor_state,
 )
+from trainer.config.fairseq_model import is_fairseq_checkpoint
 from trainer.errors import RankStopped, UsageError
 from trainer.parallel.ranks import all_reduce_sum
 
@@ -281,6 +283,8 @@ class Checkpointer:
                 "optimizer, lr schedule, data position and meters start fresh"
             )
             return path
+        if is_fairseq_checkpoint(path):
+            return self.restore_fairseq(path, finetune)
         saved = read_trainer_state(path)
         with_optim = not (finetune or self.checkpoint_cfg.reset_optimizer) and saved.get("has_optimizer")
         self.load_model_and_optimizer(path, with_optim)
@@ -298,6 +302,30 @@ class Checkpointer:
             set_rng_state(json.loads(rng.read_text()))
         log.info(
             f"loaded checkpoint {path} (epoch {saved['epoch']} @ {saved['num_updates']} updates"
+            + ("" if with_optim else ", optimizer reset")
+            + ")"
+        )
+        return path
+
+    def restore_fairseq(self, path, finetune):
+        """A fairseq-train checkpoint: its weights, and to resume its run, its Adam state, update
+        count, lr schedule, data position and best metric (trainer/checkpoint/fairseq_checkpoint.py)."""
+        src, n = load_fairseq_weights(self.model, self.cfg.model, path)
+        if finetune:
+            log.info(
+                f"fine-tuning from {path} (fairseq {self.cfg.model._name}, {n:,} parameters): optimizer, "
+                "lr schedule, data position and meters start fresh"
+            )
+            return path
+        with_optim = not self.checkpoint_cfg.reset_optimizer
+        if with_optim:
+            load_fairseq_adam(self.model, self.optimizer, src)
+        pieces, num_updates, epoch = fairseq_pieces(src)
+        for name, piece in self.pieces.items():
+            if name in pieces and (with_optim or name not in self.optimizer_pieces):
+                piece.load_state_dict({**piece.state_dict(), **pieces[name]})
+        log.info(
+            f"loaded fairseq checkpoint {path} (epoch {epoch} @ {num_updates} updates"
             + ("" if with_optim else ", optimizer reset")
             + ")"
         )

@@ -22,6 +22,7 @@ import re
 import shutil
 from pathlib import Path
 
+from trainer.config.fairseq_model import is_fairseq_checkpoint
 from trainer.config.hf_model import is_hf_dir, read_hf_config
 from trainer.errors import UsageError
 
@@ -90,10 +91,12 @@ def restore_choice(c):
     found = resolve(restore)
     if found is not None:
         return found, False, restore
+    if is_fairseq_checkpoint(restore):  # fairseq-train's own: its run resumes here
+        return restore, False, restore
     if not default:
         if restore.exists():
             what = (
-                "a file (fairseq's torch.save checkpoints are not read)"
+                "a file, but not one torch.save wrote"
                 if restore.is_file()
                 else "a directory without trainer_state.json and .metadata"
             )
@@ -114,15 +117,17 @@ def restore_choice(c):
                 "another --save-dir"
             )
     if c.finetune_from_model and default:
+        if is_fairseq_checkpoint(c.finetune_from_model):
+            return Path(c.finetune_from_model), True, Path(c.finetune_from_model)
         if is_hf_dir(c.finetune_from_model):
             read_hf_config(c.finetune_from_model)
             return Path(c.finetune_from_model), True, Path(c.finetune_from_model)
         found = resolve(c.finetune_from_model)
         if found is None:
             raise UsageError(
-                f"--finetune-from-model {c.finetune_from_model} is neither a checkpoint directory "
-                "nor a Hugging Face model directory (config.json and safetensors weights); pass one "
-                "written by train, or save_pretrained's"
+                f"--finetune-from-model {c.finetune_from_model} is neither a checkpoint directory, "
+                "nor a fairseq-train checkpoint, nor a Hugging Face model directory (config.json and "
+                "safetensors weights); pass one written by train, fairseq-train or save_pretrained"
             )
         return found, True, found
     return None, False, restore

@@ -17,8 +17,8 @@ from trainer.config.command_checks import non_negative_int, positive_float, posi
 from trainer.config.schema import BREAK_MODES
 
 MODEL_PATH_HELP = (
-    "checkpoint directory, export-model output, or Hugging Face model directory (Llama/Qwen3: "
-    "config.json, safetensors, tokenizer.json)"
+    "checkpoint directory, export-model output, fairseq-train checkpoint (.pt), or Hugging Face "
+    "model directory (Llama/Qwen3: config.json, safetensors, tokenizer.json)"
 )
 
 
@@ -66,6 +66,12 @@ class EvalLMConfig:
 class GenerateConfig:
     """generate (fairseq-interactive): trainer/inference/generate.py."""
 
+    data: Optional[str] = _f(
+        None,
+        "data directory whose tokenizer reads the prompts, as fairseq-interactive's DATA (default: the "
+        "model's own; a fairseq checkpoint has none: its dict.txt beside it, or pass its data-bin)",
+        flag="data",
+    )
     path: Optional[str] = _f(None, MODEL_PATH_HELP, required=True)
     prompt: Optional[List[str]] = _f(
         None, "prompt text (repeatable); default: one prompt per stdin line", repeatable=True
@@ -82,7 +88,7 @@ class GenerateConfig:
 class ExportModelConfig:
     """export-model: trainer/inference/export.py."""
 
-    path: Optional[str] = _f(None, "checkpoint directory", required=True)
+    path: Optional[str] = _f(None, "checkpoint directory, export, or fairseq-train checkpoint (.pt)", required=True)
     out: Optional[str] = _f(None, "output directory (must not hold a model yet)", required=True)
     format: str = _f(
         "safetensors",
@@ -118,9 +124,10 @@ class PlanConfig:
     format: str = _f("text", "json: one object", choices=("text", "json"))
     path: Optional[str] = _f(
         None,
-        "plan for the Hugging Face model in this directory (Llama, Qwen3): its "
-        "config.json gives the model's shape and vocabulary, over --arch and model flags",
-        metavar="HF_DIR",
+        "plan for the Hugging Face model in this directory (Llama, Qwen3), or the model of a "
+        "fairseq-train checkpoint (.pt): its config gives the model's shape and vocabulary, over "
+        "--arch and model flags",
+        metavar="MODEL",
     )
 
 

@@ -6,6 +6,7 @@ a file or a dotted override implies them as a flag does. The planner's flag sear
 candidate settings of its own: it applies `implies_activation_checkpointing` to them.
 """
 
+from trainer.config.fairseq_model import apply_fairseq_model
 from trainer.config.hf_model import apply_hf_model
 
 EMBEDDED_CORPUS_BATCH_SIZE = 8  # sequences per rank, as fairseq's FSDP examples use
@@ -23,9 +24,11 @@ def resolve_implied(cfg, given=()):
     """Set what some settings imply: fairseq's parse_args_and_arch rules
     (--memory-efficient-fp16 implies --fp16, --memory-efficient-bf16 --bf16),
     --offload-activations implies --checkpoint-activations, the embedded corpus's batch size
-    and Adam lr, and the model of --finetune-from-model HF_DIR (its config.json's).
+    and Adam lr, and the model of --finetune-from-model HF_DIR (its config.json's) or of a fairseq-train
+    checkpoint the run starts from (its config's).
     `given`: the keys the user set. Returns cfg."""
     apply_hf_model(cfg, given)
+    apply_fairseq_model(cfg, given)
     common = cfg.common
     common.fp16 = common.fp16 or common.memory_efficient_fp16
     common.bf16 = common.bf16 or common.memory_efficient_bf16

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from data.hf_convert import write_hf_tokenizer
 from data.tokenizer import SPECIAL_IDS, has_tokenizer, load_tokenizer
@@ -78,10 +79,13 @@ def _write_export(src, out, dtype):
     write_safetensors(
         out / EXPORT_FILE, specs, lambda n: cast(src.get(n)), metadata={"format": "pt", "producer": "shardlm"}
     )
-    shutil.copyfile(src.path / "config.yaml", out / "config.yaml")
+    if src.kind == "fairseq":  # its config is inside the .pt; its dict.txt, if any, beside it
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(src.cfg))
+    else:
+        shutil.copyfile(src.path / "config.yaml", out / "config.yaml")
     for name in SIDE_FILES[1:]:
-        if (src.path / name).is_file():
-            shutil.copyfile(src.path / name, out / name)
+        if (src.files_dir / name).is_file():
+            shutil.copyfile(src.files_dir / name, out / name)
 
 
 def _write_hf(src, out, dtype, max_bytes):
@@ -95,7 +99,7 @@ def _write_hf(src, out, dtype, max_bytes):
             f"nor a GPT-2 one ({gpt2_why})"
         )
     our_specs = _model_specs(src)
-    ids = _special_token_ids(src.path)
+    ids = _special_token_ids(src.files_dir)
     if llama_why is None:
         write_hf_llama(
             out,
@@ -119,8 +123,8 @@ def _write_hf(src, out, dtype, max_bytes):
             max_shard_size=max_bytes,
             **ids,
         )
-    if has_tokenizer(src.path):
-        write_hf_tokenizer(src.path, out)
+    if has_tokenizer(src.files_dir):
+        write_hf_tokenizer(src.files_dir, out)
 
 
 def _model_specs(src):

@@ -172,12 +172,15 @@ def hf_tensor(hf_name, get_ours, model_cfg, max_positions, dtype=None):
         table, scale = get_ours("embed_tokens.weight"), _embed_scale(model_cfg)
         tensor = table if scale == 1.0 else table.float() * scale  # as TransformerLM.embed does
     elif hf_name == "transformer.wpe.weight":
+        # GPT-2's wpe row i is position i: a table counted from --positions-offset (fairseq's
+        # models) starts that many rows in.
+        offset = getattr(model_cfg, "positions_offset", 0)
         if model_cfg.no_token_positional_embeddings:
             tensor = torch.zeros(max_positions, dim)
         elif model_cfg.decoder_learned_pos:
-            tensor = get_ours("embed_positions.weight")
+            tensor = get_ours("embed_positions.weight")[offset:]
         else:
-            tensor = sinusoidal_positions(max_positions, dim, "cpu", torch.float32)
+            tensor = sinusoidal_positions(max_positions, dim, "cpu", torch.float32, start=offset)
     elif hf_name == "lm_head.weight":
         shared = model_cfg.share_decoder_input_output_embed
         tensor = get_ours("embed_tokens.weight" if shared else "output_projection.weight")

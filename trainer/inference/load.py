@@ -23,9 +23,11 @@ from models.config import TransformerLMConfig
 from models.hf_llama import hf_parts
 from models.transformer_lm import build_model
 from trainer.checkpoint import files
+from trainer.checkpoint.fairseq_checkpoint import PADDING_IDX, FairseqTensors
 from trainer.checkpoint.hf_dir import FLOAT_DTYPES, HFWeights, is_hf_dir, read_hf_config
 from trainer.checkpoint.tensors import NoBytesLoadPlanner, renumber_layers, saved_layer_ids
 from trainer.config.checks import _check_model_features
+from trainer.config.fairseq_model import fairseq_settings, is_fairseq_checkpoint
 from trainer.config.schema import TaskConfig, model_positions
 from trainer.errors import UsageError
 from trainer.inference.safetensors_file import read_safetensors, safetensors_specs
@@ -54,6 +56,8 @@ def _kind(path, hf=False):
                 "directory (from --save-dir) or an export (from export-model)"
             )
         return "hf", path
+    if is_fairseq_checkpoint(path):
+        return "fairseq", path
     also = ", nor a Hugging Face model directory (config.json and safetensors)" if hf else ""
     raise UsageError(
         f"{path} is neither a checkpoint directory (from --save-dir) nor an export "
@@ -67,8 +71,13 @@ class CheckpointTensors:
 
     def __init__(self, path, hf=False):
         self.kind, self.path = _kind(path, hf)
+        # where the tokenizer and side files are: a fairseq checkpoint's dict.txt is beside it
+        self.files_dir = self.path.parent if self.kind == "fairseq" else self.path
         if self.kind == "hf":
             self._init_hf()
+            return
+        if self.kind == "fairseq":
+            self._init_fairseq()
             return
         if self.kind == "checkpoint":
             self.specs = files.tensor_specs(self.path)
@@ -103,6 +112,24 @@ class CheckpointTensors:
             for name, shape in shapes.items()
         }
 
+    def _init_fairseq(self):
+        """A fairseq-train checkpoint: its config as a run config, every tensor checked first."""
+        arch, fixed, training, task, vocab_size = fairseq_settings(self.path)
+        model = OmegaConf.merge(OmegaConf.structured(TransformerLMConfig), {**fixed, **training})
+        model._name = arch
+        task_cfg = OmegaConf.structured(TaskConfig)
+        for key in ("tokens_per_sample", "sample_break_mode", "add_bos_token"):
+            if task.get(key) is not None:
+                task_cfg[key] = task[key]
+        self.cfg = OmegaConf.create({"model": model, "task": task_cfg, "padding_idx": PADDING_IDX})
+        meta = build_model(model, vocab_size, model_positions(self.cfg), device="meta")
+        self._fairseq = FairseqTensors(self.path, copy.deepcopy(model))
+        shapes = {name: tuple(p.shape) for name, p in meta.named_parameters()}
+        self._fairseq.check(shapes)
+        self.specs = {
+            name: (shape, self._fairseq.tensors[self._fairseq.parts(name)[0]].dtype) for name, shape in shapes.items()
+        }
+
     def close(self):
         """Let go of the files a Hugging Face directory is memory-mapped from."""
         if self.kind == "hf":
@@ -112,6 +139,8 @@ class CheckpointTensors:
         shape, dtype = self.specs[name]
         if self.kind == "hf":
             return self._hf.rows(name, self._hf_model, 0, shape[0], dtype)
+        if self.kind == "fairseq":
+            return self._fairseq.get(name).to(dtype)
         if self.kind == "export":
             try:
                 return read_safetensors(self.path / EXPORT_FILE, names=[name])[0][name]
@@ -222,7 +251,7 @@ def load_model(path, device="cpu", model_overrides=None, pad=None):
     finally:
         src.close()
     model.eval()
-    return model, src.cfg, tokenizer_of(src.path)
+    return model, src.cfg, tokenizer_of(src.files_dir)
 
 
 def _overridden(model_cfg, overrides):

@@ -17,6 +17,7 @@ from data.errors import DataError
 from data.tokenizer import load_tokenizer
 from models.config import PUBLISHED_VOCABS, adaptive_bands, head_dim, kv_heads, num_layers
 from trainer.config.checks import check_adaptive_vocab
+from trainer.config.fairseq_model import fairseq_settings, is_fairseq_checkpoint
 from trainer.config.hf_model import hf_vocab_size, read_hf_config
 from trainer.config.implied import implies_activation_checkpointing
 from trainer.config.schema import ddp_backend, model_positions
@@ -55,11 +56,20 @@ def published_vocab(cfg):
 
 
 def apply_hf_config(cfg, model_dir):
-    """Set cfg.model to the Hugging Face model in model_dir (its config.json) and return
+    """Set cfg.model to the Hugging Face model in model_dir (its config.json), or to a
+    fairseq-train checkpoint's model (its saved config), and return
     (its vocabulary, where it comes from). UsageError, one line, when config.json is missing,
     not JSON, or describes a model we cannot build."""
+    if is_fairseq_checkpoint(model_dir):
+        _, fixed, training, _, vocab = fairseq_settings(model_dir)
+        for key, value in {**fixed, **training}.items():
+            cfg.model[key] = value
+        return vocab, f"from {model_dir}"
     if not Path(model_dir).is_dir():
-        raise UsageError(f"--path {model_dir}: no such directory (give a Hugging Face model directory)")
+        raise UsageError(
+            f"--path {model_dir}: no such directory or file (give a Hugging Face model directory or a "
+            "fairseq-train checkpoint)"
+        )
     if not (Path(model_dir) / "config.json").is_file():
         raise UsageError(f"{model_dir} is not a Hugging Face model directory: it has no config.json")
     _, fields, vocab, positions = read_hf_config(model_dir)
@@ -79,7 +89,7 @@ def model_shape(cfg, vocab):
         ffn=model_cfg.decoder_ffn_embed_dim,
         heads=model_cfg.decoder_attention_heads,
         vocab=vocab,
-        learned_positions=positions if learned else 0,
+        learned_positions=positions + getattr(model_cfg, "positions_offset", 0) if learned else 0,
         tied=model_cfg.share_decoder_input_output_embed,
         norms_outside_layers=int(final_norm) + int(model_cfg.layernorm_embedding),
         activation_fn=model_cfg.activation_fn,

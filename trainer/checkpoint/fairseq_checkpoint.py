@@ -1,0 +1,190 @@
+"""A fairseq-train checkpoint's tensors as ours: the weights, Adam's state and the training
+state (update count, lr schedule, data position, best metric) that `train --restore-file X.pt`
+resumes fairseq's run from.
+
+The file is memory-mapped (trainer/config/fairseq_model.py reads it safely); each of our
+parameters is built from its fairseq tensors (models/fairseq_lm.py: q, k and v stacked by
+rows into our qkv_proj) and a rank copies only the rows of its own shard.
+
+fairseq's optimizer state is keyed by the position of a parameter in its model's
+`parameters()`: the state dict's order, less buffers and tied duplicates. Its fp16 optimizer
+keeps one flat fp32 copy of them all, whose state is cut back into parameters by their sizes.
+fairseq's adam is AdamW (decoupled weight decay); its exp_avg and exp_avg_sq are torch's.
+"""
+
+import logging
+import math
+
+import torch
+
+from models.fairseq_lm import PADDING_IDX, fairseq_parts, is_buffer
+from trainer.config.fairseq_model import read_fairseq_checkpoint
+from trainer.errors import UsageError
+from trainer.parallel.parallelize import local_rows
+
+log = logging.getLogger("shardlm")
+
+
+class FairseqTensors:
+    """Our parameters by name from a fairseq checkpoint, for a model config built from it."""
+
+    def __init__(self, path, model_cfg):
+        self.path, self.model_cfg = path, model_cfg
+        self.state = read_fairseq_checkpoint(path)
+        self.tensors = self.state["model"]
+
+    def parts(self, name):
+        return fairseq_parts(name, self.model_cfg, self.tensors)
+
+    def check(self, shapes):
+        """Every tensor our parameters need is there with the rows they imply, before any is read."""
+        for name, shape in shapes.items():
+            parts = self.parts(name)
+            missing = next((p for p in parts if p not in self.tensors), None)
+            if missing is not None:
+                raise UsageError(
+                    f"{self.path} has no tensor {missing} (for our {name}); its config and weights disagree, "
+                    "or the model uses a fairseq feature shardlm does not load"
+                )
+            got = [sum(self.tensors[p].shape[0] for p in parts), *self.tensors[parts[0]].shape[1:]]
+            if got != list(shape) or not all(self.tensors[p].is_floating_point() for p in parts):
+                raise UsageError(
+                    f"{self.path}: {' + '.join(parts)} is {got} {self.tensors[parts[0]].dtype}, our {name} "
+                    f"needs {list(shape)} floats; the checkpoint's config and weights disagree"
+                )
+
+    def get(self, name):
+        parts = [self.tensors[p] for p in self.parts(name)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def rows(self, name, first, last, dtype):
+        """Rows first..last-1 of our parameter `name`, read from the memory-mapped parts."""
+        out, start = [], 0
+        for part in self.parts(name):
+            tensor = self.tensors[part]
+            lo, hi = max(first - start, 0), min(last - start, tensor.shape[0])
+            if lo < hi:
+                out.append(tensor[lo:hi])
+            start += tensor.shape[0]
+        return torch.cat(out).to(dtype) if len(out) > 1 else out[0].to(dtype)
+
+
+def _parameter_order(tensors):
+    """fairseq's `model.parameters()` order: the state dict's keys, less buffers and the
+    second name of a tied tensor (the same storage and shape)."""
+    seen, order = set(), []
+    for name, tensor in tensors.items():
+        if is_buffer(name):
+            continue
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            order.append(name)
+    return order
+
+
+def fairseq_adam_state(src):
+    """{fairseq tensor name: {step, exp_avg, exp_avg_sq}} of the checkpoint's Adam; UsageError
+    when its state does not match the model's parameters."""
+    history = src.state.get("optimizer_history") or [{}]
+    name = history[-1].get("optimizer_name", "")
+    optimizer_state = src.state.get("last_optimizer_state")
+    if "adam" not in name.lower() or not isinstance(optimizer_state, dict):
+        raise UsageError(
+            f"{src.path} holds no Adam state (its optimizer: {name or 'none saved'}); resume it with "
+            "--reset-optimizer, or fine-tune with --finetune-from-model"
+        )
+    order = _parameter_order(src.tensors)
+    states = [optimizer_state["state"][i] for i in sorted(optimizer_state["state"])]
+    numels = [src.tensors[n].numel() for n in order]
+    if len(states) == 1 and len(order) > 1 and states[0]["exp_avg"].numel() == sum(numels):
+        # fairseq's FP16Optimizer: one flat fp32 parameter; cut its state by parameter sizes
+        flat = states[0]
+        pieces = {k: flat[k].split(numels) for k in ("exp_avg", "exp_avg_sq")}
+        states = [
+            {"step": flat["step"], **{k: pieces[k][i].view(src.tensors[n].shape) for k in pieces}}
+            for i, n in enumerate(order)
+        ]
+    if len(states) != len(order):
+        raise UsageError(
+            f"{src.path}: {len(states)} optimizer states for {len(order)} parameters; resume with --reset-optimizer"
+        )
+    return dict(zip(order, states))
+
+
+def load_fairseq_weights(model, model_cfg, path):
+    """Copy a fairseq checkpoint's weights into `model` (plain, DDP-wrapped or sharded), each
+    rank its own rows. Returns the source (for the optimizer's state) and the parameter count."""
+    model = getattr(model, "module", model)
+    params = dict(model.named_parameters())
+    src = FairseqTensors(path, model_cfg)
+    src.check({name: tuple(p.shape) for name, p in params.items()})
+    with torch.no_grad():
+        for name, p in params.items():
+            local, first = local_rows(p)
+            if local.numel():
+                local.copy_(src.rows(name, first, first + local.shape[0], local.dtype))
+    return src, sum(p.numel() for p in params.values())
+
+
+def load_fairseq_adam(model, optimizer, src):
+    """Set the optimizer's state from fairseq's Adam: each parameter's exp_avg and exp_avg_sq
+    built from its fairseq parts like its weight, this rank's rows only, and the step count."""
+    adam = fairseq_adam_state(src)
+    model = getattr(model, "module", model)
+    for name, p in model.named_parameters():
+        parts = src.parts(name)
+        if any(part not in adam for part in parts):  # tied elsewhere: stepped as that one
+            continue
+        state = {"step": torch.tensor(float(adam[parts[0]]["step"]), dtype=torch.float32, device=p.device)}
+        local, first = local_rows(p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            whole = torch.zeros_like(p)
+            mine, _ = local_rows(whole)
+            pieces, start = [], 0
+            for part in parts:
+                tensor = adam[part][key]
+                lo, hi = max(first - start, 0), min(first + local.shape[0] - start, tensor.shape[0])
+                if lo < hi:
+                    pieces.append(tensor[lo:hi])
+                start += tensor.shape[0]
+            if mine.numel():
+                mine.copy_(torch.cat(pieces))
+            state[key] = whole
+        optimizer.state[p] = state
+
+
+def fairseq_pieces(src):
+    """The states of our registered pieces (trainer, loop, checkpointer, loss scaler) that
+    continue fairseq's run: its update count and schedule, its data position (in batches of
+    its own world size and batch size), its best validation metric and fp16 loss scale."""
+    extra = src.state.get("extra_state") or {}
+    history = (src.state.get("optimizer_history") or [{}])[-1]
+    num_updates = int(history.get("num_updates", 0))
+    fairseq_cfg = src.state.get("cfg") or {}
+    args = vars(src.state["args"]) if src.state.get("args") is not None else {}  # fairseq < 0.10
+    dataset = fairseq_cfg.get("dataset") or args
+    world = (fairseq_cfg.get("distributed_training") or args).get("distributed_world_size", 1)
+    position = extra.get("train_iterator") or {}
+    best = extra.get("best")
+    pieces = {
+        "trainer": {"num_updates": num_updates, "lr_updates_offset": 0},
+        "loop": {
+            "iterator": {
+                "epoch": int(position.get("epoch", 1)),
+                "iterations_in_epoch": int(position.get("iterations_in_epoch", 0)),
+                "world_size": int(world or 1),
+                "batch_size": dataset.get("batch_size") or dataset.get("max_sentences"),
+                "max_tokens": dataset.get("max_tokens"),
+            },
+            "best_valid_loss": best if isinstance(best, float) and math.isfinite(best) else None,
+        },
+        "checkpointer": {"best": best},
+    }
+    scale = (src.state.get("last_optimizer_state") or {}).get("loss_scale")
+    if scale is not None:
+        pieces["loss_scaler"] = {"scale": float(scale)}
+    return pieces, num_updates, int(position.get("epoch", 1))
+
+
+__all__ = ["PADDING_IDX", "FairseqTensors", "fairseq_pieces", "load_fairseq_adam", "load_fairseq_weights"]

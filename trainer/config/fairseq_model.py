@@ -1,0 +1,145 @@
+"""A checkpoint written by fairseq-train (`checkpoint_last.pt`, a torch.save pickle) as the
+model of a command: `eval-lm`, `generate`, `export-model` and `plan --path X.pt`, and
+`train --finetune-from-model X.pt` or `--restore-file X.pt` (which resumes fairseq's run).
+
+The file is read by torch's weights_only unpickler with an allow-list of the types fairseq's
+checkpoints hold (dicts, tensors, and the argparse.Namespace of fairseq < 0.10), so a crafted
+file is refused unread instead of running its code. Its config decides the model, as a Hugging
+Face config.json does (trainer/config/hf_model.py): a model flag that contradicts it is
+refused, the training-time ones (dropout, LayerDrop, checkpointing, ...) take its values as
+defaults. models/fairseq_lm.py maps its options and tensors to ours.
+"""
+
+import argparse
+import functools
+import pickle
+import re
+import zipfile
+from pathlib import Path
+
+from models.config import PRESETS
+from models.fairseq_lm import FairseqConfigError, fairseq_model_config, model_from_fairseq
+from trainer.config.flags import flag_name, iter_fields
+from trainer.errors import UsageError
+
+# The legacy (non-zip) torch.save format starts with a pickle's protocol-2 opcode.
+_LEGACY_MAGIC = b"\x80\x02"
+
+
+def is_fairseq_checkpoint(path):
+    """A file torch.save wrote (zip or legacy format): the only kind of checkpoint that is a
+    file; ours are directories."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if zipfile.is_zipfile(path):
+        return True
+    with open(path, "rb") as f:
+        return f.read(2) == _LEGACY_MAGIC
+
+
+def _allowed_globals():
+    """What a fairseq checkpoint may hold beyond weights_only's tensors and containers:
+    fairseq < 0.10 saved its options as an argparse.Namespace, and numpy scalars appear in
+    the meters of some versions' extra_state."""
+    import numpy as np
+
+    allowed = [argparse.Namespace, np.dtype, *{type(np.dtype(t)) for t in ("float64", "float32", "int64")}]
+    core = getattr(np, "_core", None) or np.core
+    allowed.append(core.multiarray.scalar)
+    return allowed
+
+
+@functools.lru_cache(maxsize=4)
+def _load(path, mtime):
+    # The config is inside torch's pickle: only torch can read it, so a command given a
+    # fairseq checkpoint imports torch here, while composing.
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(_allowed_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f"a reference to {found[1]}" if found else "an object outside the allow-list"
+        raise UsageError(
+            f"{path} holds {what}, which no fairseq checkpoint does: refused unread (unpickling it could "
+            "run code); pass a checkpoint written by fairseq-train"
+        ) from None
+    except (RuntimeError, OSError, EOFError, ValueError, zipfile.BadZipFile) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UsageError(f"cannot read {path}: {reason}; the file is damaged or incomplete") from None
+
+
+def read_fairseq_checkpoint(path):
+    """The checkpoint's dict (tensors memory-mapped); UsageError in one line when it is not one."""
+    path = Path(path).resolve()
+    state = _load(str(path), path.stat().st_mtime_ns)
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise UsageError(f"{path} is a torch file but not a fairseq-train checkpoint (no `model` state dict)")
+    return state
+
+
+def vocab_size_of(model_state):
+    """The embedding's rows: the dictionary the model was trained with (its bands' when adaptive)."""
+    if "decoder.embed_tokens.weight" in model_state:
+        return int(model_state["decoder.embed_tokens.weight"].shape[0])
+    bands = [k for k in model_state if re.fullmatch(r"decoder\.embed_tokens\.embeddings\.\d+\.0\.weight", k)]
+    return sum(int(model_state[k].shape[0]) for k in bands)
+
+
+def fairseq_settings(path):
+    """(arch, our fixed model fields, training-time defaults, fairseq's task options, vocab
+    size) of a fairseq checkpoint; UsageError naming what shardlm cannot build."""
+    state = read_fairseq_checkpoint(path)
+    try:
+        arch, model, task = fairseq_model_config(state)
+        fixed, training = model_from_fairseq(arch, model)
+    except FairseqConfigError as e:
+        raise UsageError(f"{path}: {e}") from None
+    # fairseq's max_target_positions defaults to the task's --tokens-per-sample
+    fixed["max_target_positions"] = model.get("max_target_positions") or task.get("tokens_per_sample") or 1024
+    return arch, fixed, training, task, vocab_size_of(state["model"])
+
+
+def fairseq_source(cfg):
+    """The fairseq checkpoint a run starts from (--finetune-from-model X.pt, or --restore-file
+    X.pt as given or in --save-dir), or None."""
+    checkpoint_cfg = cfg.checkpoint
+    finetune = checkpoint_cfg.get("finetune_from_model")
+    if finetune and is_fairseq_checkpoint(finetune):
+        return Path(finetune)
+    restore = Path(checkpoint_cfg.restore_file)
+    for candidate in (restore, Path(checkpoint_cfg.save_dir) / restore):
+        if is_fairseq_checkpoint(candidate):
+            return candidate
+    return None
+
+
+def _shown(value):
+    return str(value).lower() if isinstance(value, bool) else value
+
+
+def apply_fairseq_model(cfg, given):
+    """Set the model of the fairseq checkpoint the run starts from on `cfg`, refusing the
+    model keys in `given` (set by the user) that contradict the checkpoint's config."""
+    path = fairseq_source(cfg)
+    if path is None:
+        return
+    arch, fixed, training, _, _ = fairseq_settings(path)
+    model_cfg = cfg.model
+    if "model._name" in given and model_cfg._name != arch:
+        raise UsageError(f"--arch {model_cfg._name} contradicts {path}, a fairseq {arch} model; drop --arch")
+    flags = {f.name: flag_name(f) for group, f in iter_fields() if group == "model"}
+    for key, value in fixed.items():
+        if f"model.{key}" in given and model_cfg[key] != value:
+            raise UsageError(
+                f"{flags[key]} {_shown(model_cfg[key])} contradicts {path} (its model has "
+                f"{key}={_shown(value)}); drop the flag"
+            )
+    for key, value in fixed.items():
+        model_cfg[key] = value
+    for key, value in training.items():
+        if f"model.{key}" not in given:
+            model_cfg[key] = value
+    model_cfg._name = arch if arch in PRESETS else "transformer_lm"
