@@ -102,6 +102,28 @@ def fairseq_settings(path):
     return arch, fixed, training, task, vocab_size_of(state["model"])
 
 
+def check_fairseq_dictionary(path, data_dir, data_vocab):
+    """A fairseq checkpoint holds no dictionary: its embedding rows are its data-bin's
+    dict.txt, in that order. DATA must have as many types, and be the very dict.txt where one
+    is found (beside the checkpoint, as fairseq's model archives ship it, or at the data-bin
+    its config names)."""
+    path, data_dir = Path(path), Path(data_dir)
+    _, _, _, task, model_vocab = fairseq_settings(path)
+    fix = "pass the data-bin the fairseq model was trained on"
+    if data_vocab != model_vocab:
+        raise UsageError(
+            f"DATA {data_dir} has a vocabulary of {data_vocab} types, {path}'s embeddings {model_vocab} rows: {fix}"
+        )
+    trained_on = str(task.get("data") or "").split(":")[0]  # fairseq's DATA, its first shard
+    candidates = [path.parent / "dict.txt"] + ([Path(trained_on).expanduser() / "dict.txt"] if trained_on else [])
+    ours = data_dir / "dict.txt"
+    for theirs in candidates:
+        if theirs.is_file() and ours.is_file() and theirs.read_bytes() != ours.read_bytes():
+            raise UsageError(
+                f"DATA {data_dir}'s dict.txt differs from {theirs}, the one {path} was trained with: {fix}"
+            )
+
+
 def fairseq_source(cfg):
     """The fairseq checkpoint a run starts from (--finetune-from-model X.pt, or --restore-file
     X.pt as given or in --save-dir), or None."""

@@ -26,6 +26,7 @@ from data.indexed_dataset import IndexedDataset, exists
 from data.iterator import EpochBatchIterator, collate_pairs
 from data.token_block import TokenBlockDataset
 from data.tokenizer import load_tokenizer
+from trainer.config.fairseq_model import check_fairseq_dictionary, is_fairseq_checkpoint
 from trainer.errors import UsageError
 from trainer.inference.load import load_model
 from trainer.parallel.ranks import all_reduce_sum, init_rank, teardown
@@ -98,6 +99,8 @@ def eval_lm(args, env):
             f"--max-tokens {args.max_tokens} is smaller than one block (--tokens-per-sample "
             f"{tokens_per_sample}); raise it or lower --tokens-per-sample"
         )
+    if is_fairseq_checkpoint(args.path):
+        check_fairseq_dictionary(args.path, data_dir, tok.vocab_size)
     check_same_tokenizer(data_dir, tok, model_tok, model.vocab_size)
     dataset = split_dataset(cfg, args, tokens_per_sample - args.context_window, data_dir, tok)
     start = time.perf_counter()

@@ -7,7 +7,7 @@ from data.data_dir import data_dirs
 from data.hf_tokenizer import HFTokenizer
 from data.tokenizer import load_tokenizer
 from models.generate import sample
-from trainer.config.fairseq_model import is_fairseq_checkpoint
+from trainer.config.fairseq_model import check_fairseq_dictionary, is_fairseq_checkpoint
 from trainer.errors import UsageError
 from trainer.inference.load import load_model
 
@@ -20,7 +20,7 @@ def generate(args):
         raise UsageError("no prompts: pass --prompt TEXT, or one prompt per line on stdin")
     model, _, tokenizer = load_model(args.path)
     if getattr(args, "data", None):
-        tokenizer = _data_tokenizer(args.data, tokenizer, model.vocab_size)
+        tokenizer = _data_tokenizer(args.data, args.path, tokenizer, model.vocab_size)
     if tokenizer is None:
         if is_fairseq_checkpoint(args.path):
             raise UsageError(
@@ -57,15 +57,14 @@ def generate(args):
     return 0
 
 
-def _data_tokenizer(data, model_tokenizer, vocab_size):
+def _data_tokenizer(data, path, model_tokenizer, vocab_size):
     """DATA's tokenizer, which must be the model's own when it has one, and fit its embedding."""
     data_dir = data_dirs(data)[0]
     tokenizer = load_tokenizer(data_dir)
     if model_tokenizer is not None and model_tokenizer.pieces() != tokenizer.pieces():
         raise UsageError(f"{data_dir}'s tokenizer is not the model's own; drop DATA or pass the model's data")
-    if tokenizer.vocab_size != vocab_size and model_tokenizer is None:
-        raise UsageError(
-            f"{data_dir} has a vocabulary of {tokenizer.vocab_size}, the model's embedding {vocab_size} rows: "
-            "pass the data-bin the model was trained on"
-        )
+    if is_fairseq_checkpoint(path):
+        check_fairseq_dictionary(path, data_dir, tokenizer.vocab_size)
+    elif tokenizer.vocab_size > vocab_size:
+        raise UsageError(f"{data_dir} has a vocabulary of {tokenizer.vocab_size}, the model {vocab_size}")
     return tokenizer

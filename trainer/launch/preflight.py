@@ -16,6 +16,7 @@ from data.iterator import EpochBatchIterator
 from data.token_block import TokenBlockDataset
 from data.tokenizer import has_tokenizer, tokenizer_identity
 from trainer.checkpoint.files import restore_choice
+from trainer.config.fairseq_model import check_fairseq_dictionary, fairseq_source
 from trainer.config.hf_model import hf_finetune_dir, hf_vocab_size
 from trainer.config.schema import uses_fsdp
 from trainer.errors import UsageError
@@ -37,6 +38,8 @@ def check_inputs(cfg, environ=None):
         _check_embedded_splits(cfg.dataset)
     if hf_finetune_dir(cfg) is not None:
         vocab = _check_hf_vocabulary(cfg, vocab)
+    if fairseq_source(cfg) is not None:
+        _check_fairseq_dictionary(cfg, vocab)
     _check_fits_host(cfg, vocab, world_size)
     _check_compiler(cfg, environ)
 
@@ -78,6 +81,16 @@ def _check_hf_vocabulary(cfg, data_vocab):
             f"({path}/config.json's vocab_size): {fix}"
         )
     return model_vocab
+
+
+def _check_fairseq_dictionary(cfg, data_vocab):
+    """A fairseq checkpoint's embedding rows are its data-bin's dict.txt, in that order."""
+    path = fairseq_source(cfg)
+    if cfg.task._name != "language_modeling" or not cfg.task.data:
+        raise UsageError(
+            f"{path} is a fairseq model: its vocabulary is its data-bin's dict.txt; pass that data-bin as DATA"
+        )
+    check_fairseq_dictionary(path, data_dirs(cfg.task.data)[0], data_vocab)
 
 
 def _check_compiler(cfg, environ):
