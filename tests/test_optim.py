@@ -20,8 +20,11 @@ def schedule(*argv):
 
 def test_inverse_sqrt_warms_up_then_decays_as_one_over_sqrt():
     s = schedule("--lr-scheduler", "inverse_sqrt", "--lr", "0.01", "--warmup-updates", "100")
-    assert s.lr(0) == pytest.approx(0.01 / 100) and s.lr(99) == pytest.approx(0.01)
+    # fairseq's step_update(k), the lr of update k + 1: the first update's is --warmup-init-lr (0)
+    assert s.lr(0) == 0 and s.lr(99) == pytest.approx(0.01 * 99 / 100) and s.lr(100) == pytest.approx(0.01)
     assert s.lr(400) == pytest.approx(0.01 * math.sqrt(100 / 400))
+    fixed = schedule("--lr", "0.01", "--warmup-updates", "4")  # fixed's warmup counts from 1/4
+    assert [fixed.lr(k) for k in range(5)] == pytest.approx([0.0025, 0.005, 0.0075, 0.01, 0.01])
 
 
 def test_polynomial_decay_reaches_end_lr():

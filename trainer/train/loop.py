@@ -226,7 +226,7 @@ class TrainLoop:
         peak = self.cfg.common.peak_tflops  # per rank; tflops counts the whole job's tokens
         rec = meters.record(
             self.trainer.num_updates,
-            self.trainer.lr,
+            self.trainer.next_lr(),  # fairseq logs get_lr() after the update's lr_step_update
             self.cfg.optimization.clip_norm,
             self.trainer.loss_scale,
             self.flops_per_token,

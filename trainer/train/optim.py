@@ -257,13 +257,20 @@ class LRSchedule:
             if self.warmup > 0 and num_updates <= self.warmup:
                 return self.warmup_init + num_updates * self.warmup_step
             return self.current
-        if self.warmup > 0 and num_updates < self.warmup:
-            return self.warmup_init + (self.peak - self.warmup_init) * (num_updates + 1) / self.warmup
+        # fairseq's step_update(num_updates) of each: the lr of update num_updates + 1 (its
+        # trainer calls step_update(0) before the first update, step_update(n) after the n-th),
+        # each warmup counted as its scheduler counts it.
         if self.name == "fixed":
+            if self.warmup > 0 and num_updates < self.warmup:
+                return self.peak * (num_updates + 1) / self.warmup
             return self.peak
         if self.name == "inverse_sqrt":
+            if self.warmup > 0 and num_updates < self.warmup:
+                return self.warmup_init + num_updates * self.warmup_step
             return self.peak * math.sqrt(max(self.warmup, 1)) / math.sqrt(max(num_updates, 1))
         # polynomial_decay
+        if self.warmup > 0 and num_updates <= self.warmup:
+            return self.peak * num_updates / self.warmup
         if num_updates >= self.total:
             return self.end_lr
         frac = 1 - (num_updates - self.warmup) / max(self.total - self.warmup, 1)
