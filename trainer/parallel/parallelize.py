@@ -229,11 +229,32 @@ def parallelize(model, cfg, env):
             model,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
             find_unused_parameters=model_cfg.decoder_layerdrop > 0,
+            bucket_cap_mb=dist_cfg.bucket_cap_mb,
         )
+    no_buckets = bucket_cap_mb_unused(cfg, env.world_size)
+    if no_buckets and env.is_master:  # the same on every rank: say it once
+        log.info(no_buckets)
     grad_sync = GradSync(
         model, env, backend, sharded, dist_cfg.defer_grad_sync, background_reduce, early_gather, prefetch
     )
     return model, grad_sync
+
+
+def bucket_cap_mb_unused(cfg, world_size):
+    """Why a --bucket-cap-mb other than fairseq's 25 does nothing in this run (a line to log
+    once), or None when it sizes DDP's buckets or was left at its default."""
+    value = cfg.distributed_training.bucket_cap_mb
+    if value == 25:
+        return None
+    if uses_fsdp(cfg):
+        why = "FSDP2 reduce-scatters each layer group's gradients in one collective as its backward ends: no buckets"
+    elif world_size == 1:
+        why = "one rank has no gradients to all-reduce"
+    elif ddp_backend(cfg) == "legacy_ddp":
+        why = "legacy_ddp all-reduces each gradient on its own after backward"
+    else:
+        return None
+    return f"--bucket-cap-mb {value} has no effect with --ddp-backend {cfg.distributed_training.ddp_backend}: {why}"
 
 
 def local_rows(p):
