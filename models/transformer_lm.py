@@ -25,6 +25,7 @@ from models.layer import ACTIVATION_FNS, DecoderLayer, dropout
 from models.linear_cross_entropy import linear_cross_entropy
 from models.norms import RMSNorm, _RMSNormFunction, make_norm
 from models.positions import apply_rope, rope_inverse_frequencies, rope_tables, sinusoidal_positions
+from models.quant_noise import NoisyLinear, noisy_modules, set_noise_seeds
 
 # Names other modules (trainer/, tests/, bench/) import from here, as before the model's
 # pieces had files of their own.
@@ -68,12 +69,19 @@ class TransformerLM(nn.Module):
                 cfg.adaptive_input_factor,
                 dim,
                 cfg.adaptive_input_cutoff,
+                getattr(cfg, "quant_noise_pq", 0.0),
+                getattr(cfg, "quant_noise_pq_block_size", 8),
             )
         else:
             self.embed_tokens = nn.Embedding(vocab_size, cfg.decoder_input_dim or dim, padding_idx=padding_idx)
         # fairseq's project_in_dim / project_out_dim: embeddings (--decoder-input-dim) and the
         # output projection's input (--decoder-output-dim) of another width than the layers.
         width_in = self.embed_tokens.embedding_dim
+        # fairseq's TransformerDecoder adds a learned dim×dim layer on the scaled embeddings
+        # when it trains with --quant-noise-pq without an adaptive input (which has its own
+        # noisy projections); kept in evaluation, its noise only in training.
+        pq, block_size = getattr(cfg, "quant_noise_pq", 0.0), getattr(cfg, "quant_noise_pq_block_size", 8)
+        self.quant_noise = NoisyLinear(dim, dim, False, pq, block_size) if pq > 0 and not cfg.adaptive_input else None
         self.project_in_dim = nn.Linear(width_in, dim, bias=False) if width_in != dim else None
         self.embed_positions = nn.Embedding(max_positions, dim) if self.positions == "learned" else None
         self.layernorm_embedding = make_norm(cfg, dim) if cfg.layernorm_embedding else None
@@ -104,6 +112,7 @@ class TransformerLM(nn.Module):
             else nn.Linear(width_out, vocab_size, bias=False)
         )
         self._param_kinds = self._kinds()
+        self._noisy = noisy_modules(self)  # [(name, module)] drawing Quant-Noise, seeded per micro-batch
 
     @torch.no_grad()
     def init_parameter(self, name, tensor, seed):
@@ -124,6 +133,8 @@ class TransformerLM(nn.Module):
                 tensor[self.padding_idx].zero_()
         elif kind == "linear":
             nn.init.xavier_uniform_(tensor, generator=g)
+        elif kind == "torch_linear":  # nn.Linear's own init, which fairseq leaves its quant_noise layer
+            nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=g)
         elif kind in ("norm_weight", "scale"):  # NormFormer's scales start at 1, as fairseq's
             tensor.fill_(1.0)
         else:  # biases
@@ -150,6 +161,8 @@ class TransformerLM(nn.Module):
                 kinds[prefix + "weight"], kinds[prefix + "bias"] = "linear", "bias"
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 kinds[prefix + "weight"], kinds[prefix + "bias"] = "norm_weight", "bias"
+        if self.quant_noise is not None:
+            kinds["quant_noise.weight"] = "torch_linear"
         return kinds
 
     def embed(self, tokens, start=0):
@@ -158,6 +171,8 @@ class TransformerLM(nn.Module):
         if start + T > self.max_positions:
             raise ValueError(f"sequence of {start + T} tokens exceeds the model's {self.max_positions} positions")
         x = self.embed_scale * self.embed_tokens(tokens)
+        if self.quant_noise is not None:
+            x = self.quant_noise(x)
         if self.project_in_dim is not None:
             x = self.project_in_dim(x)
         if self.positions == "learned":
@@ -188,14 +203,17 @@ class TransformerLM(nn.Module):
         draws = torch.rand(len(self.layers), generator=torch.Generator().manual_seed(seed), device="cpu")
         return [i for i, u in enumerate(draws.tolist()) if u > self.layerdrop]
 
-    def forward(self, tokens, cache=None, target=None, layers=None, softmax_batch=None):
+    def forward(self, tokens, cache=None, target=None, layers=None, softmax_batch=None, noise_seed=None):
         """tokens: B×T token ids → B×T×V logits. With a `KVCache`, tokens are the next T
         positions after those cached: they are appended to it and attend to all of them.
         With `target` (B×T ids; padding_idx is ignored), the summed cross-entropy in nats
         instead, computed without ever holding the B×T×V logits (training).
         layers: in training, the ids of the layers to run (`layerdrop_layers`); None, and
         always in eval mode, runs them all. softmax_batch: with `target`, score at most this
-        many tokens' output distributions at a time (eval-lm's --softmax-batch)."""
+        many tokens' output distributions at a time (eval-lm's --softmax-batch). noise_seed:
+        in training, the micro-batch's seed of Quant-Noise's draws (None: a random one)."""
+        if self.training and self._noisy:
+            set_noise_seeds(self._noisy, noise_seed)
         start = 0 if cache is None else cache.length
         x = self.embed(tokens, start)
         rope = self.rope_tables(start, tokens.shape[1], x)

@@ -145,8 +145,10 @@ def shard_model(model, sharding, env):
     # .py) and an embedding's backward needs only the ids. So the root gives its gathered
     # weights back after forward and is not gathered for backward (FSDP2's
     # set_unshard_in_backward), which saves their gathered size on every rank through all of
-    # backward. The norms outside the layers do read their weights in backward: each is a
-    # unit of its own, gathered from its forward to its backward (a few KB), and so are
+    # backward. Nor is the weight of --quant-noise-pq's quant_noise layer (in the root): its
+    # backward reads the noised copy its forward made. The norms outside the layers do read
+    # their weights in backward: each is a unit of its own, gathered from its forward to its
+    # backward (a few KB), and so are
     # project_in_dim / project_out_dim (--decoder-input-dim / --decoder-output-dim). Layers left
     # unwrapped (--min-params-to-wrap) are in the root and need it gathered, as before.
     # An adaptive input or softmax (tied or not: its tables and projections stay in the
@@ -223,7 +225,7 @@ def parallelize(model, cfg, env):
         from torch.nn.parallel import DistributedDataParallel
 
         # LayerDrop leaves the skipped layers without gradients, which DDP refuses unless it
-        # looks for unused parameters; every rank skips the same ones (trainer.layerdrop_seed),
+        # looks for unused parameters; every rank skips the same ones (trainer.micro_batch_seed),
         # so their gradients stay None everywhere, as in one process.
         model = DistributedDataParallel(
             model,

@@ -21,6 +21,8 @@ saves beside q/k/v (v stays a view of qkv_proj's output). Grouped-query attentio
 kv heads only in SDPA (enable_gqa), but a CPU's bf16 attention repeats them to every query
 head first and saves the repeated ones. The gated feed-forward saves fc1's output (gate and
 up, 2·ffn wide), the activation of the gate and their product.
+
+--quant-noise-pq's fc1 and fc2 keep the noised copy of their weights they multiplied by.
 """
 
 from models import chunks  # the kernels' chunk sizes (torch-free): the model's and the prediction's are one
@@ -100,4 +102,7 @@ def layer_activation_bytes(m: ModelShape, s: Setup):
     # else models/cpu_attention.py: nothing more; backward recomputes
     # autocast casts the rope tables to q's and k's dtype in every layer: four T×head_dim copies
     tables = 4 * s.seq_len * m.hd * elem if m.rope and autocast else 0
-    return n * (per_token + masks) + tables
+    # --quant-noise-pq: fc1 and fc2 keep the noised copy of their weights they multiplied by
+    # (under autocast that copy's cast is what they keep, as they would keep the weight's)
+    noised = elem * (m.dim * m.fc1_width + m.ffn * m.dim) if m.pq_noise and not autocast else 0
+    return n * (per_token + masks) + tables + noised
