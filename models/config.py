@@ -146,7 +146,14 @@ class TransformerLMConfig:
         default=8,
         metadata={"help": "--quant-noise-pq: input weights dropped together; must divide each noised layer's inputs"},
     )
-    quant_noise_scalar: float = field(default=0.0, metadata={"help": "Quant-Noise scalar noise: not supported, 0 only"})
+    quant_noise_scalar: float = field(
+        default=0.0,
+        metadata={
+            "help": "Quant-Noise for int8 (fairseq's quantize_model_scalar): in training each weight of every "
+            "linear layer and table that runs, attention's aside, is its int8 value with this probability and "
+            "outputs are clamped to their int8 range; evaluation makes all of them int8 values"
+        },
+    )
     # The Llama family's pieces (Llama 3, Qwen3): each one a field, off by default, so the
     # GPT-style models and their checkpoints are unchanged.
     norm_type: str = field(

@@ -25,7 +25,7 @@ from models.layer import ACTIVATION_FNS, DecoderLayer, dropout
 from models.linear_cross_entropy import linear_cross_entropy
 from models.norms import RMSNorm, _RMSNormFunction, make_norm
 from models.positions import apply_rope, rope_inverse_frequencies, rope_tables, sinusoidal_positions
-from models.quant_noise import NoisyLinear, noisy_modules, set_noise_seeds
+from models.quant_noise import embedding, linear, noisy_linear, noisy_modules, quantized_output, set_noise_seeds
 
 # Names other modules (trainer/, tests/, bench/) import from here, as before the model's
 # pieces had files of their own.
@@ -73,7 +73,7 @@ class TransformerLM(nn.Module):
                 getattr(cfg, "quant_noise_pq_block_size", 8),
             )
         else:
-            self.embed_tokens = nn.Embedding(vocab_size, cfg.decoder_input_dim or dim, padding_idx=padding_idx)
+            self.embed_tokens = embedding(cfg, vocab_size, cfg.decoder_input_dim or dim, padding_idx)
         # fairseq's project_in_dim / project_out_dim: embeddings (--decoder-input-dim) and the
         # output projection's input (--decoder-output-dim) of another width than the layers.
         width_in = self.embed_tokens.embedding_dim
@@ -81,9 +81,15 @@ class TransformerLM(nn.Module):
         # when it trains with --quant-noise-pq without an adaptive input (which has its own
         # noisy projections); kept in evaluation, its noise only in training.
         pq, block_size = getattr(cfg, "quant_noise_pq", 0.0), getattr(cfg, "quant_noise_pq_block_size", 8)
-        self.quant_noise = NoisyLinear(dim, dim, False, pq, block_size) if pq > 0 and not cfg.adaptive_input else None
-        self.project_in_dim = nn.Linear(width_in, dim, bias=False) if width_in != dim else None
-        self.embed_positions = nn.Embedding(max_positions, dim) if self.positions == "learned" else None
+        self.quant_noise = (
+            noisy_linear(dim, dim, False, pq, block_size, getattr(cfg, "quant_noise_scalar", 0.0))
+            if pq > 0 and not cfg.adaptive_input
+            else None
+        )
+        # --quant-noise-scalar takes every linear layer and table below (fairseq's
+        # quantize_model_ takes every nn.Linear and nn.Embedding), pq noise none of them.
+        self.project_in_dim = linear(cfg, width_in, dim, bias=False, pq=False) if width_in != dim else None
+        self.embed_positions = embedding(cfg, max_positions, dim) if self.positions == "learned" else None
         self.layernorm_embedding = make_norm(cfg, dim) if cfg.layernorm_embedding else None
         # --decoder-layers-to-keep builds only those (renumbered from 0), as fairseq does.
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(num_layers(cfg)))
@@ -93,7 +99,9 @@ class TransformerLM(nn.Module):
         width_out = cfg.decoder_output_dim or dim
         # fairseq: a tied adaptive softmax takes the layers' width (no projection).
         self.project_out_dim = (
-            nn.Linear(dim, width_out, bias=False) if width_out != dim and not cfg.tie_adaptive_weights else None
+            linear(cfg, dim, width_out, bias=False, pq=False)
+            if width_out != dim and not cfg.tie_adaptive_weights
+            else None
         )
         self.adaptive_softmax = None
         if cfg.adaptive_softmax_cutoff is not None:  # replaces the output projection
@@ -109,7 +117,7 @@ class TransformerLM(nn.Module):
         self.output_projection = (
             None
             if cfg.share_decoder_input_output_embed or self.adaptive_softmax is not None
-            else nn.Linear(width_out, vocab_size, bias=False)
+            else linear(cfg, width_out, vocab_size, bias=False, pq=False)
         )
         self._param_kinds = self._kinds()
         self._noisy = noisy_modules(self)  # [(name, module)] drawing Quant-Noise, seeded per micro-batch
@@ -210,7 +218,8 @@ class TransformerLM(nn.Module):
         instead, computed without ever holding the B×T×V logits (training).
         layers: in training, the ids of the layers to run (`layerdrop_layers`); None, and
         always in eval mode, runs them all. softmax_batch: with `target`, score at most this
-        many tokens' output distributions at a time (eval-lm's --softmax-batch). noise_seed:
+        many tokens' output distributions at a time (eval-lm's --softmax-batch; all at once
+        when --quant-noise-scalar makes them int8 values, from the whole logits). noise_seed:
         in training, the micro-batch's seed of Quant-Noise's draws (None: a random one)."""
         if self.training and self._noisy:
             set_noise_seeds(self._noisy, noise_seed)
@@ -228,7 +237,7 @@ class TransformerLM(nn.Module):
             x = self.layer_norm(x)
         if self.project_out_dim is not None:
             x = self.project_out_dim(x)
-        if target is not None and softmax_batch:
+        if target is not None and softmax_batch and not quantized_output(self.output_projection):
             x, target = x.reshape(-1, x.shape[-1]), target.reshape(-1)
             return sum(
                 self.output_loss(x[i : i + softmax_batch], target[i : i + softmax_batch])
@@ -238,13 +247,21 @@ class TransformerLM(nn.Module):
             return self.output_loss(x, target)
         if self.adaptive_softmax is not None:  # log-probabilities serve as logits
             return self.adaptive_softmax.log_probs(x)
-        weight = self.embed_tokens.weight if self.output_projection is None else self.output_projection.weight
-        return F.linear(x, weight)
+        if self.output_projection is not None:
+            return self.output_projection(x)
+        return F.linear(x, self.embed_tokens.weight)
 
     def output_loss(self, x, target):
         """Summed cross-entropy (nats) of the output layer on hidden states x."""
         if self.adaptive_softmax is not None:  # its loss; without a target, log-probabilities serve as logits
             return self.adaptive_softmax.loss(x, target, self.padding_idx)
+        if quantized_output(self.output_projection):
+            # --quant-noise-scalar clamps (in training) or rounds (in evaluation) the logits to
+            # their int8 range: they are made whole, once per forward, as fairseq makes them.
+            logits = self.output_projection(x).float()
+            return F.cross_entropy(
+                logits.view(-1, logits.shape[-1]), target.reshape(-1), ignore_index=self.padding_idx, reduction="sum"
+            )
         weight = self.embed_tokens.weight if self.output_projection is None else self.output_projection.weight
         return self.loss(x, weight, target)
 

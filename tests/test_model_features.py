@@ -302,6 +302,11 @@ def test_a_pruned_model_is_the_layers_it_keeps(tmp_path):
             "16 does not divide --decoder-ffn-embed-dim 100",
         ),
         (["--quant-noise-pq", "0.1", "--decoder-input-dim", "32"], "--decoder-input-dim 32 must equal it"),
+        (["--quant-noise-scalar", "1.5"], "--quant-noise-scalar must be in [0, 1]"),
+        (
+            ["--quant-noise-scalar", "0.1", "--adaptive-input", "--adaptive-input-cutoff", "100"],
+            "--quant-noise-scalar with an adaptive input or softmax is not built",
+        ),
     ],
 )
 def test_bad_model_features_are_refused(flags, message):

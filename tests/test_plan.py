@@ -227,6 +227,8 @@ def test_activation_arithmetic():
         {"normalize_before": False},
         {"pq_noise": True},
         {"precision": "bf16", "pq_noise": True},
+        {"scalar_noise": True, "activation_fn": "relu"},
+        {"precision": "bf16", "pq_noise": True, "scalar_noise": True},
     ],
 )
 def test_activation_bytes_are_what_autograd_saves_on_the_real_layer(variant):
@@ -253,6 +255,7 @@ def test_activation_bytes_are_what_autograd_saves_on_the_real_layer(variant):
             activation_dropout=shape.activation_dropout,
             quant_noise_pq=0.1 if shape.pq_noise else 0.0,
             quant_noise_pq_block_size=8,
+            quant_noise_scalar=0.5 if shape.scalar_noise else 0.0,
         )
     )
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32

@@ -43,8 +43,9 @@ class Sharding:
     reduce_dtype: Optional[torch.dtype]
     cpu_offload: bool
     min_params_to_wrap: int
-    # An adaptive input or softmax multiplies by its projections in backward: the root,
-    # which holds them, stays gathered for backward.
+    # An adaptive input or softmax multiplies by its projections in backward, and
+    # --quant-noise-scalar's clamps read the embedding and output weights: the root, which
+    # holds them, stays gathered for backward.
     root_read_in_backward: bool
 
 
@@ -61,7 +62,9 @@ def sharding_of(cfg):
         reduce_dtype=reduce_dtype,
         cpu_offload=dist_cfg.cpu_offload,
         min_params_to_wrap=cfg.model.min_params_to_wrap,
-        root_read_in_backward=cfg.model.adaptive_input or cfg.model.adaptive_softmax_cutoff is not None,
+        root_read_in_backward=cfg.model.adaptive_input
+        or cfg.model.adaptive_softmax_cutoff is not None
+        or cfg.model.quant_noise_scalar > 0,
     )
 
 

@@ -98,6 +98,7 @@ def model_shape(cfg, vocab):
         qk_norm=model_cfg.qk_norm,
         rope=model_cfg.rope,
         pq_noise=model_cfg.quant_noise_pq > 0,
+        scalar_noise=model_cfg.quant_noise_scalar > 0,
     )
 
 

@@ -38,6 +38,7 @@ class ModelShape:
     qk_norm: bool = False  # --qk-norm: an RMSNorm of head_dim on queries and keys
     rope: bool = False  # --rope: cos/sin tables, rotated q and k
     pq_noise: bool = False  # --quant-noise-pq: fc1 and fc2 multiply by a noised copy of their weights
+    scalar_noise: bool = False  # --quant-noise-scalar: so do they, and they clamp their outputs (and the logits)
 
     @property
     def hd(self):

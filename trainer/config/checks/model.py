@@ -39,10 +39,6 @@ def _check_unsupported_model_keys(m):
             "--character-embeddings (fairseq's character-CNN input) is not supported: shardlm's models "
             "embed tokens (see --adaptive-input for smaller tables); drop it"
         )
-    if m.quant_noise_scalar:
-        raise UsageError(
-            f"--quant-noise-scalar {m.quant_noise_scalar}: scalar Quant-Noise is not supported; set it to 0"
-        )
 
 
 def parse_model_overrides(text):
@@ -255,10 +251,19 @@ def _check_model_features(cfg):
 
 
 def _check_quant_noise(cfg):
-    """--quant-noise-pq's probability and blocks: fairseq's quant_noise asserts that each
-    noised layer's input width is a whole number of blocks (the adaptive input's bands are
-    checked with the vocabulary, in check_adaptive_vocab)."""
+    """Quant-Noise's probabilities, and --quant-noise-pq's blocks: fairseq's quant_noise
+    asserts that each noised layer's input width is a whole number of blocks (the adaptive
+    input's bands are checked with the vocabulary, in check_adaptive_vocab)."""
     m = cfg.model
+    if not 0.0 <= m.quant_noise_scalar <= 1.0:
+        raise UsageError(
+            f"--quant-noise-scalar must be in [0, 1] (a weight's chance to be int8), got {m.quant_noise_scalar}"
+        )
+    if m.quant_noise_scalar and (m.adaptive_input or m.adaptive_softmax_cutoff is not None):
+        raise UsageError(
+            "--quant-noise-scalar with an adaptive input or softmax is not built: their bands' tables and "
+            "projections (some tied) have no int8 noise here; drop one of them"
+        )
     if not 0.0 <= m.quant_noise_pq < 1.0:
         raise UsageError(f"--quant-noise-pq must be in [0, 1) (a block's chance to be dropped), got {m.quant_noise_pq}")
     block = m.quant_noise_pq_block_size
