@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.config import adaptive_bands
+from models.quant_noise import noisy_linear
 
 
 def _dropout(x, p, training):
@@ -37,17 +38,18 @@ class AdaptiveInput(nn.Module):
     The padding row (in band 0) starts at 0; fairseq also zeroes that row number of the
     other bands, whose tokens are not padding: not copied."""
 
-    def __init__(self, vocab_size, padding_idx, initial_dim, factor, output_dim, cutoff):
+    def __init__(self, vocab_size, padding_idx, initial_dim, factor, output_dim, cutoff, pq=0.0, block_size=8):
         super().__init__()
         self.bands = adaptive_bands(cutoff, vocab_size, initial_dim, factor)
         if padding_idx >= self.bands[0][1]:
             raise ValueError(f"the first adaptive input band must hold the padding id {padding_idx}")
         self.embedding_dim, self.padding_idx = output_dim, padding_idx
-        # fairseq's layout and names: embeddings.{band}.0 is the table, .1 the projection.
+        # fairseq's layout and names: embeddings.{band}.0 is the table, .1 the projection,
+        # which --quant-noise-pq (pq > 0) trains with noise, as fairseq's.
         self.embeddings = nn.ModuleList(
             nn.Sequential(
                 nn.Embedding(end - start, width, padding_idx if i == 0 else None),
-                nn.Linear(width, output_dim, bias=False),
+                noisy_linear(width, output_dim, False, pq, block_size),
             )
             for i, (start, end, width) in enumerate(self.bands)
         )

@@ -141,12 +141,26 @@ class TransformerLMConfig:
         default=2, metadata={"help": "character embedder highway layers (only with --character-embeddings)"}
     )
     quant_noise_pq: float = field(
-        default=0.0, metadata={"help": "Quant-Noise product-quantization noise: not supported, 0 only"}
+        default=0.0,
+        metadata={
+            "help": "Quant-Noise for product quantization (Fan et al., 2020): in training, drop each block of "
+            "input weights of fc1, fc2 and the adaptive input's projections with this probability, the rest "
+            "scaled by 1/(1-p), and add fairseq's dim×dim quant_noise layer on the embeddings; attention is "
+            "not noised, as in fairseq (models/quant_noise.py)"
+        },
     )
     quant_noise_pq_block_size: int = field(
-        default=8, metadata={"help": "Quant-Noise block size (only with --quant-noise-pq)"}
+        default=8,
+        metadata={"help": "--quant-noise-pq: input weights dropped together; must divide each noised layer's inputs"},
     )
-    quant_noise_scalar: float = field(default=0.0, metadata={"help": "Quant-Noise scalar noise: not supported, 0 only"})
+    quant_noise_scalar: float = field(
+        default=0.0,
+        metadata={
+            "help": "Quant-Noise for int8 (fairseq's quantize_model_scalar): in training each weight of every "
+            "linear layer and table that runs, attention's aside, is its int8 value with this probability and "
+            "outputs are clamped to their int8 range; evaluation makes all of them int8 values"
+        },
+    )
     # The Llama family's pieces (Llama 3, Qwen3): each one a field, off by default, so the
     # GPT-style models and their checkpoints are unchanged.
     norm_type: str = field(

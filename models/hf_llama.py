@@ -105,6 +105,10 @@ def llama_incompatibility(model_cfg):
         return "it has NormFormer's scales"
     if getattr(model_cfg, "adaptive_input", False) or getattr(model_cfg, "adaptive_softmax_cutoff", None):
         return "it has adaptive input/softmax bands"
+    if getattr(model_cfg, "quant_noise_pq", 0):
+        return "it has fairseq's quant_noise layer on the embeddings (--quant-noise-pq)"
+    if getattr(model_cfg, "quant_noise_scalar", 0):
+        return "its evaluation makes weights and outputs int8 values (--quant-noise-scalar)"
     if any(
         getattr(model_cfg, k, None) not in (None, model_cfg.decoder_embed_dim)
         for k in ("decoder_input_dim", "decoder_output_dim")

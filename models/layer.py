@@ -14,6 +14,7 @@ from models.config import head_dim, kv_heads
 from models.cpu_attention import causal_matmul_attention, use_matmul_attention
 from models.norms import RMSNorm, make_norm
 from models.positions import apply_rope
+from models.quant_noise import linear
 
 ACTIVATION_FNS = {
     "relu": F.relu,
@@ -69,9 +70,11 @@ class DecoderLayer(nn.Module):
         self.c_attn = nn.Parameter(torch.ones(self.num_heads)) if getattr(cfg, "scale_heads", False) else None
         self.attn_ln = norm(dim) if getattr(cfg, "scale_attn", False) else None
         self.final_layer_norm = norm(dim)
-        self.fc1 = nn.Linear(dim, 2 * ffn if self.gated else ffn, bias=bias)
+        # Quant-Noise takes the feed-forward's layers, not the attention's: fairseq's
+        # attention reads its projections' weights around their noise (models/quant_noise.py).
+        self.fc1 = linear(cfg, dim, 2 * ffn if self.gated else ffn, bias=bias)
         self.ffn_layernorm = norm(ffn) if getattr(cfg, "scale_fc", False) else None
-        self.fc2 = nn.Linear(ffn, dim, bias=bias)
+        self.fc2 = linear(cfg, ffn, dim, bias=bias)
         self.w_resid = nn.Parameter(torch.ones(dim)) if getattr(cfg, "scale_resids", False) else None
 
     def attention(self, x, cache=None, rope=None):

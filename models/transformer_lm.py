@@ -25,6 +25,7 @@ from models.layer import ACTIVATION_FNS, DecoderLayer, dropout
 from models.linear_cross_entropy import linear_cross_entropy
 from models.norms import RMSNorm, _RMSNormFunction, make_norm
 from models.positions import apply_rope, rope_inverse_frequencies, rope_tables, sinusoidal_positions
+from models.quant_noise import embedding, linear, noisy_linear, noisy_modules, quantized_output, set_noise_seeds
 
 # Names other modules (trainer/, tests/, bench/) import from here, as before the model's
 # pieces had files of their own.
@@ -68,18 +69,31 @@ class TransformerLM(nn.Module):
                 cfg.adaptive_input_factor,
                 dim,
                 cfg.adaptive_input_cutoff,
+                getattr(cfg, "quant_noise_pq", 0.0),
+                getattr(cfg, "quant_noise_pq_block_size", 8),
             )
         else:
-            self.embed_tokens = nn.Embedding(vocab_size, cfg.decoder_input_dim or dim, padding_idx=padding_idx)
+            self.embed_tokens = embedding(cfg, vocab_size, cfg.decoder_input_dim or dim, padding_idx)
         # fairseq's project_in_dim / project_out_dim: embeddings (--decoder-input-dim) and the
         # output projection's input (--decoder-output-dim) of another width than the layers.
         width_in = self.embed_tokens.embedding_dim
-        self.project_in_dim = nn.Linear(width_in, dim, bias=False) if width_in != dim else None
+        # fairseq's TransformerDecoder adds a learned dim×dim layer on the scaled embeddings
+        # when it trains with --quant-noise-pq without an adaptive input (which has its own
+        # noisy projections); kept in evaluation, its noise only in training.
+        pq, block_size = getattr(cfg, "quant_noise_pq", 0.0), getattr(cfg, "quant_noise_pq_block_size", 8)
+        self.quant_noise = (
+            noisy_linear(dim, dim, False, pq, block_size, getattr(cfg, "quant_noise_scalar", 0.0))
+            if pq > 0 and not cfg.adaptive_input
+            else None
+        )
+        # --quant-noise-scalar takes every linear layer and table below (fairseq's
+        # quantize_model_ takes every nn.Linear and nn.Embedding), pq noise none of them.
+        self.project_in_dim = linear(cfg, width_in, dim, bias=False, pq=False) if width_in != dim else None
         # fairseq's tables count positions from padding_idx + 1 (--positions-offset 2): they
         # have that many more rows, read from there.
         self.positions_offset = getattr(cfg, "positions_offset", 0)  # 0 in configs saved before it existed
         self.embed_positions = (
-            nn.Embedding(max_positions + self.positions_offset, dim) if self.positions == "learned" else None
+            embedding(cfg, max_positions + self.positions_offset, dim) if self.positions == "learned" else None
         )
         self.layernorm_embedding = make_norm(cfg, dim) if cfg.layernorm_embedding else None
         # --decoder-layers-to-keep builds only those (renumbered from 0), as fairseq does.
@@ -90,7 +104,9 @@ class TransformerLM(nn.Module):
         width_out = cfg.decoder_output_dim or dim
         # fairseq: a tied adaptive softmax takes the layers' width (no projection).
         self.project_out_dim = (
-            nn.Linear(dim, width_out, bias=False) if width_out != dim and not cfg.tie_adaptive_weights else None
+            linear(cfg, dim, width_out, bias=False, pq=False)
+            if width_out != dim and not cfg.tie_adaptive_weights
+            else None
         )
         self.adaptive_softmax = None
         if cfg.adaptive_softmax_cutoff is not None:  # replaces the output projection
@@ -106,9 +122,10 @@ class TransformerLM(nn.Module):
         self.output_projection = (
             None
             if cfg.share_decoder_input_output_embed or self.adaptive_softmax is not None
-            else nn.Linear(width_out, vocab_size, bias=False)
+            else linear(cfg, width_out, vocab_size, bias=False, pq=False)
         )
         self._param_kinds = self._kinds()
+        self._noisy = noisy_modules(self)  # [(name, module)] drawing Quant-Noise, seeded per micro-batch
 
     @torch.no_grad()
     def init_parameter(self, name, tensor, seed):
@@ -129,6 +146,8 @@ class TransformerLM(nn.Module):
                 tensor[self.padding_idx].zero_()
         elif kind == "linear":
             nn.init.xavier_uniform_(tensor, generator=g)
+        elif kind == "torch_linear":  # nn.Linear's own init, which fairseq leaves its quant_noise layer
+            nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=g)
         elif kind in ("norm_weight", "scale"):  # NormFormer's scales start at 1, as fairseq's
             tensor.fill_(1.0)
         else:  # biases
@@ -155,6 +174,8 @@ class TransformerLM(nn.Module):
                 kinds[prefix + "weight"], kinds[prefix + "bias"] = "linear", "bias"
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 kinds[prefix + "weight"], kinds[prefix + "bias"] = "norm_weight", "bias"
+        if self.quant_noise is not None:
+            kinds["quant_noise.weight"] = "torch_linear"
         return kinds
 
     def embed(self, tokens, start=0):
@@ -163,6 +184,8 @@ class TransformerLM(nn.Module):
         if start + T > self.max_positions:
             raise ValueError(f"sequence of {start + T} tokens exceeds the model's {self.max_positions} positions")
         x = self.embed_scale * self.embed_tokens(tokens)
+        if self.quant_noise is not None:
+            x = self.quant_noise(x)
         if self.project_in_dim is not None:
             x = self.project_in_dim(x)
         first = start + self.positions_offset
@@ -194,14 +217,18 @@ class TransformerLM(nn.Module):
         draws = torch.rand(len(self.layers), generator=torch.Generator().manual_seed(seed), device="cpu")
         return [i for i, u in enumerate(draws.tolist()) if u > self.layerdrop]
 
-    def forward(self, tokens, cache=None, target=None, layers=None, softmax_batch=None):
+    def forward(self, tokens, cache=None, target=None, layers=None, softmax_batch=None, noise_seed=None):
         """tokens: B×T token ids → B×T×V logits. With a `KVCache`, tokens are the next T
         positions after those cached: they are appended to it and attend to all of them.
         With `target` (B×T ids; padding_idx is ignored), the summed cross-entropy in nats
         instead, computed without ever holding the B×T×V logits (training).
         layers: in training, the ids of the layers to run (`layerdrop_layers`); None, and
         always in eval mode, runs them all. softmax_batch: with `target`, score at most this
-        many tokens' output distributions at a time (eval-lm's --softmax-batch)."""
+        many tokens' output distributions at a time (eval-lm's --softmax-batch; all at once
+        when --quant-noise-scalar makes them int8 values, from the whole logits). noise_seed:
+        in training, the micro-batch's seed of Quant-Noise's draws (None: a random one)."""
+        if self.training and self._noisy:
+            set_noise_seeds(self._noisy, noise_seed)
         start = 0 if cache is None else cache.length
         x = self.embed(tokens, start)
         rope = self.rope_tables(start, tokens.shape[1], x)
@@ -216,7 +243,7 @@ class TransformerLM(nn.Module):
             x = self.layer_norm(x)
         if self.project_out_dim is not None:
             x = self.project_out_dim(x)
-        if target is not None and softmax_batch:
+        if target is not None and softmax_batch and not quantized_output(self.output_projection):
             x, target = x.reshape(-1, x.shape[-1]), target.reshape(-1)
             return sum(
                 self.output_loss(x[i : i + softmax_batch], target[i : i + softmax_batch])
@@ -226,13 +253,21 @@ class TransformerLM(nn.Module):
             return self.output_loss(x, target)
         if self.adaptive_softmax is not None:  # log-probabilities serve as logits
             return self.adaptive_softmax.log_probs(x)
-        weight = self.embed_tokens.weight if self.output_projection is None else self.output_projection.weight
-        return F.linear(x, weight)
+        if self.output_projection is not None:
+            return self.output_projection(x)
+        return F.linear(x, self.embed_tokens.weight)
 
     def output_loss(self, x, target):
         """Summed cross-entropy (nats) of the output layer on hidden states x."""
         if self.adaptive_softmax is not None:  # its loss; without a target, log-probabilities serve as logits
             return self.adaptive_softmax.loss(x, target, self.padding_idx)
+        if quantized_output(self.output_projection):
+            # --quant-noise-scalar clamps (in training) or rounds (in evaluation) the logits to
+            # their int8 range: they are made whole, once per forward, as fairseq makes them.
+            logits = self.output_projection(x).float()
+            return F.cross_entropy(
+                logits.view(-1, logits.shape[-1]), target.reshape(-1), ignore_index=self.padding_idx, reduction="sum"
+            )
         weight = self.embed_tokens.weight if self.output_projection is None else self.output_projection.weight
         return self.loss(x, weight, target)
 

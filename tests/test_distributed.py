@@ -160,3 +160,46 @@ def test_the_first_all_gathers_start_during_the_optimizer_step(tmp_path):
         assert seen["built"] == [False, False, False] and seen["checkpoint_api"] == [False, False, False]
         assert seen["updated"] == [True, True, False]
         assert seen["finished"] == [False, False, False]  # nothing left in flight for teardown
+
+
+def _bucket_cap_rank(index, world, port, out):
+    """DDP's bucket size, and the lines each rank logs about --bucket-cap-mb, with DDP and
+    then with FSDP, in one process group."""
+    import logging
+
+    from helpers import compose
+    from trainer.parallel import ranks as distributed
+    from trainer.rendezvous import Rendezvous
+    from trainer.train.main import build
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("shardlm").addHandler(handler)
+    logging.getLogger("shardlm").setLevel(logging.INFO)
+    ddp = compose(BASE + ["--batch-size", "4", "--bucket-cap-mb", "3"])
+    rdv = Rendezvous(f"tcp://127.0.0.1:{port}", world, rank=index, local_rank=index, local_world_size=world)
+    env = distributed.init_rank(ddp, rdv, needs_process_group=True)
+    try:
+        seen = {"bucket_bytes_cap": build(ddp, env)[1].model.bucket_bytes_cap}
+        build(compose(BASE + ["--batch-size", "4", "--bucket-cap-mb", "3", "--ddp-backend", "fully_sharded"]), env)
+        seen["notes"] = [line for line in lines if "--bucket-cap-mb" in line]
+        Path(f"{out}.{index}").write_text(json.dumps(seen))
+    finally:
+        logging.getLogger("shardlm").removeHandler(handler)
+        distributed.teardown()
+
+
+def test_bucket_cap_mb_sizes_ddp_buckets_and_fsdp_says_it_has_none(tmp_path):
+    """--bucket-cap-mb is DDP's bucket_cap_mb on every rank; FSDP2 has no buckets: rank 0
+    says once that the flag does nothing there, and why."""
+    from helpers import run_ranks
+    from trainer.rendezvous import free_port
+
+    out = tmp_path / "buckets"
+    run_ranks(_bucket_cap_rank, (2, free_port(), str(out)), 2)
+    seen = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
+    assert [s["bucket_bytes_cap"] for s in seen] == [3 * 1024 * 1024] * 2
+    assert seen[1]["notes"] == []
+    (note,) = seen[0]["notes"]
+    assert note.startswith("--bucket-cap-mb 3 has no effect with --ddp-backend fully_sharded: FSDP2 reduce-scatters")

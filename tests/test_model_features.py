@@ -143,10 +143,10 @@ def _gathers_rank(index, world, port, out):
                 gathered.add(layer_of[id(group)])
             return unshard(group, *args, **kwargs)
 
-        def recording_forward(batch, layers=None):
+        def recording_forward(batch, layers=None, **kwargs):
             nonlocal gathered
             gathered = set()
-            loss = loss_sum(batch, layers)
+            loss = loss_sum(batch, layers, **kwargs)
             seen.append([sorted(gathered), layers])
             gathered = None
             return loss
@@ -182,13 +182,13 @@ def test_fsdp_gathers_only_the_layers_that_run(tmp_path):
 def _runs_of_each_layer(layerdrop_args, updates):
     """How many of the first `updates` updates run each layer (one micro-batch each)."""
     from models.transformer_lm import build_model
-    from trainer.train.trainer import layerdrop_seed
+    from trainer.train.trainer import micro_batch_seed
 
     cfg = compose(BASE + layerdrop_args + ["--batch-size", "4"])
     model = build_model(cfg.model, 256, 32, device="meta")
     runs = [0] * len(model.layers)
     for n in range(updates):
-        for i in model.layerdrop_layers(layerdrop_seed(cfg.common.seed, n, 0)):
+        for i in model.layerdrop_layers(micro_batch_seed(cfg.common.seed, n, 0)):
             runs[i] += 1
     return runs
 
@@ -210,12 +210,12 @@ def test_all_features_resume_exactly(tmp_path):
 
 def test_layerdrop_skips_layers_in_training_only():
     from models.transformer_lm import build_model
-    from trainer.train.trainer import layerdrop_seed
+    from trainer.train.trainer import micro_batch_seed
 
     cfg = compose(BASE + FEATURES["layerdrop"] + ["--batch-size", "4"])
     model = build_model(cfg.model, 256, 32, seed=1)
-    draws = [model.layerdrop_layers(layerdrop_seed(18, n, i)) for n in range(50) for i in range(2)]
-    assert draws[0] == model.layerdrop_layers(layerdrop_seed(18, 0, 0))  # a seed gives one draw, on every rank
+    draws = [model.layerdrop_layers(micro_batch_seed(18, n, i)) for n in range(50) for i in range(2)]
+    assert draws[0] == model.layerdrop_layers(micro_batch_seed(18, 0, 0))  # a seed gives one draw, on every rank
     kept = sum(len(d) for d in draws) / (4 * len(draws))
     assert 0.4 < kept < 0.6 and len({tuple(d) for d in draws}) > 8
     layers = next(d for d in draws if 0 < len(d) < 4)
@@ -231,7 +231,7 @@ def test_layerdrop_skips_layers_in_training_only():
     # loss of all 4 layers.
     dropping = update_losses(BASE + FEATURES["layerdrop"] + ["--batch-size", "4"], 1)
     keeping = update_losses(BASE + FEATURES["layerdrop"] + ["--decoder-layerdrop", "0", "--batch-size", "4"], 1)
-    assert model.layerdrop_layers(layerdrop_seed(18, 0, 0)) == [] and dropping != keeping
+    assert model.layerdrop_layers(micro_batch_seed(18, 0, 0)) == [] and dropping != keeping
 
 
 def test_a_pruned_model_is_the_layers_it_keeps(tmp_path):
@@ -294,6 +294,19 @@ def test_a_pruned_model_is_the_layers_it_keeps(tmp_path):
         (["--decoder-layers-to-keep", "0;2"], "is not a comma-separated list"),
         (["--decoder-layerdrop", "1"], "--decoder-layerdrop must be in [0, 1)"),
         (["--share-decoder-input-output-embed", "--decoder-input-dim", "32"], "must be equal"),
+        (["--quant-noise-pq", "1"], "--quant-noise-pq must be in [0, 1)"),
+        (["--quant-noise-pq", "0.1", "--quant-noise-pq-block-size", "0"], "block-size must be at least 1"),
+        (["--quant-noise-pq", "0.1", "--quant-noise-pq-block-size", "48"], "48 does not divide --decoder-embed-dim 64"),
+        (
+            ["--quant-noise-pq", "0.1", "--quant-noise-pq-block-size", "16", "--decoder-ffn-embed-dim", "100"],
+            "16 does not divide --decoder-ffn-embed-dim 100",
+        ),
+        (["--quant-noise-pq", "0.1", "--decoder-input-dim", "32"], "--decoder-input-dim 32 must equal it"),
+        (["--quant-noise-scalar", "1.5"], "--quant-noise-scalar must be in [0, 1]"),
+        (
+            ["--quant-noise-scalar", "0.1", "--adaptive-input", "--adaptive-input-cutoff", "100"],
+            "--quant-noise-scalar with an adaptive input or softmax is not built",
+        ),
     ],
 )
 def test_bad_model_features_are_refused(flags, message):

@@ -103,6 +103,7 @@ def cfg_of(*flags):
             "0,2",
         ],
         ["--share-decoder-input-output-embed", "--decoder-input-dim", "48", "--decoder-output-dim", "48"],
+        ["--quant-noise-pq", "0.1"],  # fairseq's quant_noise layer on the embeddings
     ],
 )
 def test_parameter_count_is_the_models(flags):
@@ -224,6 +225,10 @@ def test_activation_arithmetic():
         {"precision": "bf16"},
         {"precision": "bf16", "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1},
         {"normalize_before": False},
+        {"pq_noise": True},
+        {"precision": "bf16", "pq_noise": True},
+        {"scalar_noise": True, "activation_fn": "relu"},
+        {"precision": "bf16", "pq_noise": True, "scalar_noise": True},
     ],
 )
 def test_activation_bytes_are_what_autograd_saves_on_the_real_layer(variant):
@@ -248,6 +253,9 @@ def test_activation_bytes_are_what_autograd_saves_on_the_real_layer(variant):
             dropout=shape.dropout,
             attention_dropout=shape.attention_dropout,
             activation_dropout=shape.activation_dropout,
+            quant_noise_pq=0.1 if shape.pq_noise else 0.0,
+            quant_noise_pq_block_size=8,
+            quant_noise_scalar=0.5 if shape.scalar_noise else 0.0,
         )
     )
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32

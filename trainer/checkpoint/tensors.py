@@ -69,6 +69,7 @@ SHAPE_OPTIONS = (
     "model.adaptive_softmax_factor",
     "model.tie_adaptive_weights",
     "model.tie_adaptive_proj",
+    "model.quant_noise_pq",  # 0 or not: fairseq's quant_noise layer or none
     "model.max_target_positions",
     "task.tokens_per_sample",
     "task.dict_size",

@@ -115,6 +115,11 @@ class DistributedTrainingConfig:
         "micro-batch (FSDP: unsharded, more memory; DDP: no_sync)",
     )
     ddp_backend: str = _f("pytorch_ddp", "data-parallel backend", choices=DDP_BACKENDS)
+    bucket_cap_mb: int = _f(
+        25,
+        "pytorch_ddp: MiB of gradients per all-reduce bucket, each sent as soon as backward fills it "
+        "(FSDP backends reduce-scatter per layer group instead; legacy_ddp and one rank have no buckets)",
+    )
     cpu_offload: bool = _f(False, "FSDP: keep parameter shards and the optimizer step on the CPU")
     no_reshard_after_forward: bool = _f(
         False, "FSDP: keep parameters gathered from forward to backward (ZeRO-2-like: faster, more memory)"

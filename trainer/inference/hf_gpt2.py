@@ -69,6 +69,10 @@ def gpt2_incompatibility(model_cfg):
         head_dim(model_cfg) * model_cfg.decoder_attention_heads != model_cfg.decoder_embed_dim
     ):
         why = "grouped-query attention or heads of another width (decoder_kv_heads/decoder_head_dim)"
+    elif getattr(model_cfg, "quant_noise_pq", 0):
+        why = "fairseq's quant_noise layer on the embeddings (quant_noise_pq); GPT-2 has none"
+    elif getattr(model_cfg, "quant_noise_scalar", 0):
+        why = "int8 weights and outputs in evaluation (quant_noise_scalar); GPT-2 computes in floats"
     elif getattr(model_cfg, "adaptive_input", False) or getattr(model_cfg, "adaptive_softmax_cutoff", None) is not None:
         why = "adaptive input/softmax bands; GPT-2 has one full embedding table and output projection"
     elif not model_cfg.decoder_normalize_before:

@@ -43,8 +43,9 @@ class Sharding:
     reduce_dtype: Optional[torch.dtype]
     cpu_offload: bool
     min_params_to_wrap: int
-    # An adaptive input or softmax multiplies by its projections in backward: the root,
-    # which holds them, stays gathered for backward.
+    # An adaptive input or softmax multiplies by its projections in backward, and
+    # --quant-noise-scalar's clamps read the embedding and output weights: the root, which
+    # holds them, stays gathered for backward.
     root_read_in_backward: bool
 
 
@@ -61,7 +62,9 @@ def sharding_of(cfg):
         reduce_dtype=reduce_dtype,
         cpu_offload=dist_cfg.cpu_offload,
         min_params_to_wrap=cfg.model.min_params_to_wrap,
-        root_read_in_backward=cfg.model.adaptive_input or cfg.model.adaptive_softmax_cutoff is not None,
+        root_read_in_backward=cfg.model.adaptive_input
+        or cfg.model.adaptive_softmax_cutoff is not None
+        or cfg.model.quant_noise_scalar > 0,
     )
 
 
@@ -145,8 +148,10 @@ def shard_model(model, sharding, env):
     # .py) and an embedding's backward needs only the ids. So the root gives its gathered
     # weights back after forward and is not gathered for backward (FSDP2's
     # set_unshard_in_backward), which saves their gathered size on every rank through all of
-    # backward. The norms outside the layers do read their weights in backward: each is a
-    # unit of its own, gathered from its forward to its backward (a few KB), and so are
+    # backward. Nor is the weight of --quant-noise-pq's quant_noise layer (in the root): its
+    # backward reads the noised copy its forward made. The norms outside the layers do read
+    # their weights in backward: each is a unit of its own, gathered from its forward to its
+    # backward (a few KB), and so are
     # project_in_dim / project_out_dim (--decoder-input-dim / --decoder-output-dim). Layers left
     # unwrapped (--min-params-to-wrap) are in the root and need it gathered, as before.
     # An adaptive input or softmax (tied or not: its tables and projections stay in the
@@ -223,17 +228,38 @@ def parallelize(model, cfg, env):
         from torch.nn.parallel import DistributedDataParallel
 
         # LayerDrop leaves the skipped layers without gradients, which DDP refuses unless it
-        # looks for unused parameters; every rank skips the same ones (trainer.layerdrop_seed),
+        # looks for unused parameters; every rank skips the same ones (trainer.micro_batch_seed),
         # so their gradients stay None everywhere, as in one process.
         model = DistributedDataParallel(
             model,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
             find_unused_parameters=model_cfg.decoder_layerdrop > 0,
+            bucket_cap_mb=dist_cfg.bucket_cap_mb,
         )
+    no_buckets = bucket_cap_mb_unused(cfg, env.world_size)
+    if no_buckets and env.is_master:  # the same on every rank: say it once
+        log.info(no_buckets)
     grad_sync = GradSync(
         model, env, backend, sharded, dist_cfg.defer_grad_sync, background_reduce, early_gather, prefetch
     )
     return model, grad_sync
+
+
+def bucket_cap_mb_unused(cfg, world_size):
+    """Why a --bucket-cap-mb other than fairseq's 25 does nothing in this run (a line to log
+    once), or None when it sizes DDP's buckets or was left at its default."""
+    value = cfg.distributed_training.bucket_cap_mb
+    if value == 25:
+        return None
+    if uses_fsdp(cfg):
+        why = "FSDP2 reduce-scatters each layer group's gradients in one collective as its backward ends: no buckets"
+    elif world_size == 1:
+        why = "one rank has no gradients to all-reduce"
+    elif ddp_backend(cfg) == "legacy_ddp":
+        why = "legacy_ddp all-reduces each gradient on its own after backward"
+    else:
+        return None
+    return f"--bucket-cap-mb {value} has no effect with --ddp-backend {cfg.distributed_training.ddp_backend}: {why}"
 
 
 def local_rows(p):

@@ -21,6 +21,9 @@ saves beside q/k/v (v stays a view of qkv_proj's output). Grouped-query attentio
 kv heads only in SDPA (enable_gqa), but a CPU's bf16 attention repeats them to every query
 head first and saves the repeated ones. The gated feed-forward saves fc1's output (gate and
 up, 2·ffn wide), the activation of the gate and their product.
+
+Quant-Noise's fc1 and fc2 keep the noised copy of their weights they multiplied by, and
+--quant-noise-scalar's clamps their outputs before the clamps (models/quant_noise.py).
 """
 
 from models import chunks  # the kernels' chunk sizes (torch-free): the model's and the prediction's are one
@@ -100,4 +103,12 @@ def layer_activation_bytes(m: ModelShape, s: Setup):
     # else models/cpu_attention.py: nothing more; backward recomputes
     # autocast casts the rope tables to q's and k's dtype in every layer: four T×head_dim copies
     tables = 4 * s.seq_len * m.hd * elem if m.rope and autocast else 0
-    return n * (per_token + masks) + tables
+    # Quant-Noise: fc1 and fc2 keep the noised copy of their weights they multiplied by
+    # (under autocast that copy's cast, as they would keep the weight's); with both noises
+    # the scalar noise's clamp keeps the pq-noised copy too (in fp32 under autocast), and
+    # the scalar noise's output clamps keep fc1's and fc2's outputs.
+    weights = m.dim * m.fc1_width + m.ffn * m.dim
+    copies = 4 * (m.pq_noise and m.scalar_noise) if autocast else elem * (m.pq_noise + m.scalar_noise)
+    if m.scalar_noise:
+        per_token += elem * (m.fc1_width + m.dim)
+    return n * (per_token + masks) + tables + copies * weights

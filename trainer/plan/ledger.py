@@ -200,6 +200,8 @@ class UpdateWalk:
         gradients for the hidden states and for W (fp32) are made in forward and kept, then
         scaled in place in backward and handed on."""
         m, s, L, elem, n = self.m, self.s, self.ledger, self.elem, self.s.tokens
+        if m.scalar_noise and not m.tied:
+            return self.int8_logits_loss()
         low = 0 if elem == 4 else elem  # a low-precision copy, where there is one
         L.add("logits_and_loss", n * m.dim * elem + m.vocab * m.dim * 4)
         if self.autocast:  # the loss casts W itself (it runs outside autocast), for its forward
@@ -211,11 +213,26 @@ class UpdateWalk:
         )
         if self.autocast:
             L.sub("mixed_precision_copies", m.vocab * m.dim * elem)
-        if s.sharded:  # the root's weights are not read in backward: given back (trainer/parallel/parallelize.py)
-            L.sub("gathered_parameters", m.root_params * elem)
+        if s.sharded and not m.scalar_noise:  # the root's weights are not read in backward: given back
+            L.sub("gathered_parameters", m.root_params * elem)  # (trainer/parallel/parallelize.py)
         # backward: the kept gradients are scaled in place and handed on
         L.transient("logits_and_loss", m.vocab * m.dim * low)
         L.sub("logits_and_loss", n * m.dim * elem + m.vocab * m.dim * 4)
+
+    def int8_logits_loss(self):
+        """--quant-noise-scalar's output projection (untied): whole logits, clamped to their
+        int8 range, then cross-entropy (models/transformer_lm.py output_loss). Kept for
+        backward: the projection's input and noised weight, the logits the clamp keeps, and
+        log-softmax's fp32 output; for a moment the clamped logits and their fp32 copy, and
+        in backward two N×V gradients. The root stays gathered: the clamps read its weights."""
+        m, L, elem, n = self.m, self.ledger, self.elem, self.s.tokens
+        logits = n * m.vocab
+        kept = n * m.dim * elem + m.vocab * m.dim * elem + logits * elem
+        L.add("logits_and_loss", kept)
+        L.transient("logits_and_loss", logits * (elem + (4 if elem != 4 else 0)))
+        L.add("logits_and_loss", logits * 4)
+        L.transient("logits_and_loss", logits * (4 + elem))
+        L.sub("logits_and_loss", kept + logits * 4)
 
     def backward_layers(self, mb: MicroBatch):
         """The root's gradients appear, then each layer's backward, last layer first, and
@@ -288,6 +305,8 @@ class UpdateWalk:
             self.in_flight = 0
             if mb.first_reduce and not self.offload:
                 L.add("gradients", 4 * m.root_params / s.shard)
+        if s.sharded and m.scalar_noise:  # gathered through backward (int8_logits_loss)
+            L.sub("gathered_parameters", m.root_params * elem)
 
     def optimizer_step(self):
         """The step is fused and in place; then the gradients are freed. With adam (2 states)

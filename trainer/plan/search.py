@@ -107,6 +107,8 @@ def model_shape(cfg, vocab):
         norm_bias=not model_cfg.no_bias,
         qk_norm=model_cfg.qk_norm,
         rope=model_cfg.rope,
+        pq_noise=model_cfg.quant_noise_pq > 0,
+        scalar_noise=model_cfg.quant_noise_scalar > 0,
     )
 
 
@@ -123,11 +125,12 @@ def normformer_params(m):
 
 
 def projection_params(m, vocab):
-    """project_in_dim and project_out_dim, and, without adaptive bands (counted by
+    """project_in_dim and project_out_dim, fairseq's d×d quant_noise layer (--quant-noise-pq
+    without an adaptive input), and, without adaptive bands (counted by
     adaptive_vocab_params), the embedding and output tables' width other than d."""
     dim = m.decoder_embed_dim
     width_in, width_out = m.decoder_input_dim or dim, m.decoder_output_dim or dim
-    total = 0
+    total = dim * dim if m.quant_noise_pq > 0 and not m.adaptive_input else 0
     if not m.adaptive_input and width_in != dim:
         total += width_in * dim
     if width_out != dim and not m.tie_adaptive_weights:

@@ -26,7 +26,7 @@ class ModelShape:
     vocab_params: Optional[int] = None
     normformer_params: int = 0  # per layer: NormFormer's norms and scales (--scale-attn/fc/heads/resids)
     # project_in_dim/project_out_dim and the embedding/output tables' width beyond V×d
-    # (--decoder-input-dim/--decoder-output-dim)
+    # (--decoder-input-dim/--decoder-output-dim), and --quant-noise-pq's quant_noise layer
     projection_params: int = 0
     # The Llama family's pieces (models/config.py); the defaults are the GPT-style layer.
     kv_heads: int = 0  # --decoder-kv-heads (0: as many as the query heads)
@@ -37,6 +37,8 @@ class ModelShape:
     norm_bias: bool = True  # a LayerNorm's bias (--no-bias: none; RMSNorm has none)
     qk_norm: bool = False  # --qk-norm: an RMSNorm of head_dim on queries and keys
     rope: bool = False  # --rope: cos/sin tables, rotated q and k
+    pq_noise: bool = False  # --quant-noise-pq: fc1 and fc2 multiply by a noised copy of their weights
+    scalar_noise: bool = False  # --quant-noise-scalar: so do they, and they clamp their outputs (and the logits)
 
     @property
     def hd(self):

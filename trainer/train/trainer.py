@@ -85,15 +85,16 @@ class Trainer:
     def loss_scale(self):
         return self.scaler.get_scale() if self.scaler is not None else None
 
-    def loss_sum(self, batch, layers=None):
+    def loss_sum(self, batch, layers=None, noise_seed=None):
         """Summed cross-entropy (nats, fp32) over the batch's non-pad targets. The model
         computes it with its output projection, a chunk of logits at a time. layers: the
-        decoder layers to run (LayerDrop's draw; None: all)."""
+        decoder layers to run (LayerDrop's draw; None: all); noise_seed: Quant-Noise's."""
         with self.autocast:
             return self.model(
                 batch["src_tokens"].to(self.env.device, non_blocking=True),
                 target=batch["target"].to(self.env.device, non_blocking=True),
                 layers=layers,
+                noise_seed=noise_seed,
             )
 
     def train_step(self, samples):
@@ -114,11 +115,13 @@ class Trainer:
         loss_total = torch.zeros((), dtype=torch.float64, device=self.env.device)
         lm = getattr(self.model, "module", self.model)  # the TransformerLM inside DDP
         for i, batch in enumerate(samples):
-            # LayerDrop's draw for this micro-batch, from a seed every rank computes alike
-            # (fairseq reseeds each update from --seed + num_updates; here per micro-batch too).
-            layers = lm.layerdrop_layers(layerdrop_seed(self.cfg.common.seed, self.num_updates, i))
+            # LayerDrop's and Quant-Noise's draws for this micro-batch, from a seed every rank
+            # computes alike (fairseq reseeds each update from --seed + num_updates; here per
+            # micro-batch too).
+            seed = micro_batch_seed(self.cfg.common.seed, self.num_updates, i)
+            layers = lm.layerdrop_layers(seed)
             with self.grad_sync.micro_batch(is_first=i == 0, is_last=i == len(samples) - 1, layers=layers):
-                loss = self.loss_sum(batch, layers)
+                loss = self.loss_sum(batch, layers, noise_seed=seed)
                 loss_total += loss.detach()
                 scaled = loss * loss_weight
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
@@ -226,7 +229,7 @@ def loss_scaler(cfg, env):
     )
 
 
-def layerdrop_seed(seed, num_updates, micro_batch):
+def micro_batch_seed(seed, num_updates, micro_batch):
     """One 63-bit seed per (--seed, update, micro-batch): the same on every rank and in a
     resumed run, unrelated between neighbours."""
     key = f"{seed}/{num_updates}/{micro_batch}".encode()

@@ -1,7 +1,7 @@
 """Checks of the model group: its sizes, attention's shape (heads, grouped-query,
 rotary embeddings, norms), LayerDrop and pruning, the embedding and output widths, the
-adaptive input and softmax (with the criterion that trains one), and fairseq options
-shardlm does not build; eval-lm's --model-overrides."""
+adaptive input and softmax (with the criterion that trains one), Quant-Noise, and fairseq
+options shardlm does not build; eval-lm's --model-overrides."""
 
 import ast
 import difflib
@@ -28,6 +28,7 @@ def check_model(cfg):
     _check_unsupported_model_keys(model)
     _check_adaptive(cfg)
     _check_model_features(cfg)
+    _check_quant_noise(cfg)
 
 
 def _check_unsupported_model_keys(m):
@@ -38,11 +39,6 @@ def _check_unsupported_model_keys(m):
             "--character-embeddings (fairseq's character-CNN input) is not supported: shardlm's models "
             "embed tokens (see --adaptive-input for smaller tables); drop it"
         )
-    for flag, value in (("--quant-noise-pq", m.quant_noise_pq), ("--quant-noise-scalar", m.quant_noise_scalar)):
-        if value:
-            raise UsageError(
-                f"{flag} {value}: Quant-Noise (training for post-training quantization) is not supported; set it to 0"
-            )
 
 
 def parse_model_overrides(text):
@@ -186,6 +182,13 @@ def check_adaptive_vocab(m, vocab_size, padding_idx=1):
                 f"{factor_flag} {factor} leaves band {narrow[0]} of {flag} {text} {narrow[1]} wide "
                 f"from {dim_flag} {dim}; lower the factor or pass fewer cutoffs"
             )
+        block = m.quant_noise_pq_block_size
+        odd = next(((i, w) for i, (_, _, w) in enumerate(bands) if w % block), None)
+        if m.quant_noise_pq and odd is not None:  # each band's projection is noised
+            raise UsageError(
+                f"--quant-noise-pq-block-size {block} does not divide band {odd[0]}'s width {odd[1]} "
+                f"({dim_flag} {dim}, {factor_flag} {factor}): each noised projection's inputs must be whole blocks"
+            )
 
 
 def _check_attention_shape(cfg):
@@ -245,3 +248,38 @@ def _check_model_features(cfg):
             f"--share-decoder-input-output-embed uses the embedding table as the output projection: "
             f"--decoder-input-dim {width_in} and --decoder-output-dim {width_out} must be equal"
         )
+
+
+def _check_quant_noise(cfg):
+    """Quant-Noise's probabilities, and --quant-noise-pq's blocks: fairseq's quant_noise
+    asserts that each noised layer's input width is a whole number of blocks (the adaptive
+    input's bands are checked with the vocabulary, in check_adaptive_vocab)."""
+    m = cfg.model
+    if not 0.0 <= m.quant_noise_scalar <= 1.0:
+        raise UsageError(
+            f"--quant-noise-scalar must be in [0, 1] (a weight's chance to be int8), got {m.quant_noise_scalar}"
+        )
+    if m.quant_noise_scalar and (m.adaptive_input or m.adaptive_softmax_cutoff is not None):
+        raise UsageError(
+            "--quant-noise-scalar with an adaptive input or softmax is not built: their bands' tables and "
+            "projections (some tied) have no int8 noise here; drop one of them"
+        )
+    if not 0.0 <= m.quant_noise_pq < 1.0:
+        raise UsageError(f"--quant-noise-pq must be in [0, 1) (a block's chance to be dropped), got {m.quant_noise_pq}")
+    block = m.quant_noise_pq_block_size
+    if block < 1:
+        raise UsageError(f"--quant-noise-pq-block-size must be at least 1, got {block}")
+    if m.quant_noise_pq == 0 or m.adaptive_input:
+        return
+    dim, width_in = m.decoder_embed_dim, m.decoder_input_dim or m.decoder_embed_dim
+    if width_in != dim:
+        raise UsageError(
+            f"--quant-noise-pq adds fairseq's --decoder-embed-dim ({dim}) wide quant_noise layer on the embeddings, "
+            f"before they are projected: --decoder-input-dim {width_in} must equal it (fairseq fails there)"
+        )
+    for flag, width in (("--decoder-embed-dim", dim), ("--decoder-ffn-embed-dim", m.decoder_ffn_embed_dim)):
+        if width % block:
+            raise UsageError(
+                f"--quant-noise-pq-block-size {block} does not divide {flag} {width}: each noised layer's "
+                "inputs must be whole blocks; pick a block size that divides it"
+            )

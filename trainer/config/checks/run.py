@@ -27,7 +27,7 @@ def check_common(cfg):
 
 def check_distributed(cfg):
     distributed = cfg.distributed_training
-    positive(cfg, "distributed_training.distributed_world_size")
+    positive(cfg, "distributed_training.distributed_world_size", "distributed_training.bucket_cap_mb")
     sharded = uses_fsdp(cfg)
     for flag, on in (
         ("--cpu-offload", distributed.cpu_offload),
