@@ -60,9 +60,14 @@ def test_token_blocks_every_mode(tmp_path, T):
         targets = [t for item in items for t in item[1:].tolist()]
         assert blocks.num_tokens == len(targets)
         if mode == "none":
-            assert targets == stream[1:]
-            assert all(np.array_equal(items[k][-1:], items[k + 1][:1]) for k in range(len(items) - 1))
-            assert items[0].tolist() == stream[: T + 1]
+            # Cut every T tokens from 0: every token a target once; the context is the token
+            # before, or </s> where a sequence starts (the stream's first block included).
+            assert len(blocks) == -(-len(stream) // T) and targets == stream
+            seq_start = set(np.cumsum([0] + [len(s) for s in seqs]).tolist())
+            for k, item in enumerate(items):
+                assert item[1:].tolist() == stream[k * T : k * T + T]
+                assert item[0] == (2 if k * T in seq_start else stream[k * T - 1])
+            assert items[0].tolist() == [2] + stream[:T]
             continue
         # A sequence longer than T fits no block: left out and listed (fairseq filters it).
         too_long = [k for k, s in enumerate(seqs) if len(s) > T and not (mode == "complete_doc" and separator[k])]
