@@ -1,10 +1,13 @@
-"""Shared by the training tests: tiny configs, in-process updates, subprocess runs."""
+"""Shared by the training tests: tiny configs, in-process updates, subprocess runs, fairseq's
+batching transcribed."""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from trainer.config.checks import check_config
 from trainer.config.compose import compose_config
@@ -228,3 +231,37 @@ def byte_level_tokenizer(lines, specials, bos=None, vocab_size=300):
         )
     tok.post_processor = processors.Sequence(steps)
     return tok
+
+
+def fairseq_batch_by_size_vec(indices, num_tokens_vec, max_tokens, max_sentences, bsz_mult):
+    """fairseq/data/data_utils_fast.pyx batch_by_size_vec, line for line (-1: no limit)."""
+    if len(indices) == 0:
+        return []
+    ends = np.zeros(len(indices), dtype=np.int64)
+    count = batch_start = 0
+    tail_max = batch_max = 0
+    for pos in range(len(indices)):
+        tail_max = max(tail_max, num_tokens_vec[pos])
+        new_end = pos + 1
+        new_max = max(batch_max, tail_max)
+        sentences = new_end - batch_start
+        overflow = (max_sentences > 0 and sentences > max_sentences) or (
+            max_tokens > 0 and sentences * new_max > max_tokens
+        )
+        matches = sentences < bsz_mult or sentences % bsz_mult == 0
+        if overflow:
+            tail_tokens = tail_max * (new_end - ends[count])
+            if max_tokens > 0 and tail_tokens > max_tokens:
+                count += 1
+                ends[count] = pos
+                tail_max = num_tokens_vec[pos]
+            batch_start = ends[count]
+            count += 1
+            new_max = tail_max
+        if overflow or matches:
+            ends[count] = new_end
+            batch_max = new_max
+            tail_max = 0
+    if ends[count] != len(indices):
+        count += 1
+    return [b.tolist() for b in np.split(indices, ends[:count])]
