@@ -228,3 +228,36 @@ def test_blocks_are_fairseqs(T, tmp_path):
         whole = np.concatenate(sequences).tolist()
         assert [t for item in items for t in item[1:].tolist()] == whole  # every token a target once
         assert items[0][0] == EOS and items[0][1:].tolist() == whole[:T]
+
+
+def test_a_saved_position_resumes_after_the_same_batches_on_other_ranks(caplog):
+    """trainer/train/loop.py convert_position: ranks take an epoch's batches in turn, so k
+    steps of W ranks are its first k * W batches on any number of ranks."""
+    from data.iterator import ORDER
+    from trainer.train.loop import convert_position
+
+    blocks = blocks_of("train")
+    kw = dict(batch_size=8, max_tokens=None, seed=3, required_batch_size_multiple=8)
+    epoch = shardlm_epochs(blocks, 1, **kw)[0]
+    two_ranks = [shardlm_epochs(blocks, 1, num_shards=2, shard_id=r, **kw)[0][:9] for r in (0, 1)]
+    assert sorted(two_ranks[0] + two_ranks[1]) == sorted(epoch[:18])  # 9 steps of 2 ranks
+    saved = {"epoch": 1, "iterations_in_epoch": 9, "world_size": 2, "batch_size": 8, "max_tokens": None, "order": ORDER}
+
+    caplog.set_level("WARNING")
+    assert convert_position(saved, 2, 8, None) == saved
+    one_rank = convert_position(saved, 1, 8, None)
+    assert one_rank["iterations_in_epoch"] == 18 and not caplog.records
+    resumed = EpochBatchIterator(ItemIds(blocks), collater=ids, **kw)
+    resumed.load_state_dict(one_rank)
+    assert list(resumed.next_epoch_itr()) == epoch[18:]  # the rest, none twice
+    # 18 batches are not a whole number of steps of 4 ranks: the nearest earlier one
+    assert convert_position(saved, 4, 8, None)["iterations_in_epoch"] == 4
+    assert "not a whole number of this run's steps of 4" in caplog.text
+    # another per-rank batch: other batches, no position consumed the same; as many sequences
+    caplog.clear()
+    assert convert_position(saved, 1, 16, None)["iterations_in_epoch"] == 9
+    assert "not the checkpoint's (8, None)" in caplog.text
+    # a position saved in shardlm's earlier order counts the same batches, with a warning
+    caplog.clear()
+    earlier = {k: v for k, v in saved.items() if k != "order"}
+    assert convert_position(earlier, 2, 8, None) == earlier and "saved by an earlier shardlm" in caplog.text
