@@ -44,9 +44,10 @@ def compose(argv):
     return cfg
 
 
-def update_losses(argv, n_updates, rdv=None, with_gnorm=False):
+def update_losses(argv, n_updates, rdv=None, with_gnorm=False, merge=1):
     """Per-update mean token loss (nats) of the first n updates (and gnorm), run in this
-    process through the same build and train_step that `train` uses."""
+    process through the same build and train_step that `train` uses. ``merge``: each
+    ``merge`` consecutive batches of the epoch taken as one batch holding their sequences."""
     from trainer.parallel import ranks as distributed
     from trainer.parallel.parallelize import uses_fsdp
     from trainer.rendezvous import Rendezvous
@@ -55,19 +56,33 @@ def update_losses(argv, n_updates, rdv=None, with_gnorm=False):
     rdv = rdv or Rendezvous("", 1)
     env = distributed.init_rank(cfg, rdv, needs_process_group=uses_fsdp(cfg))
     try:
-        return _updates(cfg, env, n_updates, with_gnorm)
+        return _updates(cfg, env, n_updates, with_gnorm, merge)
     finally:
         distributed.teardown()
 
 
-def _updates(cfg, env, n_updates, with_gnorm):
+def _merged(batches):
+    import torch
+
+    return {
+        "src_tokens": torch.cat([b["src_tokens"] for b in batches]),
+        "target": torch.cat([b["target"] for b in batches]),
+        "ntokens": sum(b["ntokens"] for b in batches),
+        "nsentences": sum(b["nsentences"] for b in batches),
+    }
+
+
+def _updates(cfg, env, n_updates, with_gnorm, merge=1):
     from trainer.train.loop import grouped
     from trainer.train.main import build
 
     task, trainer, _ = build(cfg, env)
     itr = task.batch_iterator(cfg.dataset.train_subset, training=True)
+    batches = itr.next_epoch_itr()
+    if merge > 1:
+        batches = map(_merged, grouped(batches, merge))
     losses, gnorms = [], []
-    for samples in grouped(itr.next_epoch_itr(), cfg.optimization.update_freq):
+    for samples in grouped(batches, cfg.optimization.update_freq):
         stats = trainer.train_step(samples).values()  # a host read per update: the test's, not train's
         losses.append(stats["loss_sum"] / stats["ntokens"])
         gnorms.append(stats["gnorm"])
