@@ -1,5 +1,5 @@
-"""Batches per epoch, sharded over ranks, resumable mid-epoch, loaded by worker processes
-(fairseq's EpochBatchIterator)."""
+"""Batches per epoch in fairseq 0.12's order, sharded over ranks, resumable mid-epoch,
+loaded by worker processes (fairseq's EpochBatchIterator)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from data.errors import DataError
+
+# Names the order in saved data positions: a position saved under another order (shardlm's
+# earlier one) counts the same batches but not the same sequences.
+ORDER = "fairseq-0.12"
 
 
 def collate(items: Sequence[np.ndarray], pad: int, bos: int | None = None, width: int | None = None) -> dict:
@@ -45,6 +49,13 @@ def collate_pairs(
     }
 
 
+def ordered_indices(num_tokens: np.ndarray, seed: int) -> np.ndarray:
+    """Item indices by size, ties in a random order drawn from ``seed``: fairseq's
+    ``with numpy_seed(seed): np.lexsort([np.random.permutation(n), sizes])``
+    (MonolingualDataset.ordered_indices), on a RandomState of its own."""
+    return np.lexsort([np.random.RandomState(seed).permutation(len(num_tokens)), num_tokens])
+
+
 def batch_by_size(
     order: np.ndarray, num_tokens: np.ndarray, batch_size: int | None, max_tokens: int | None, multiple: int = 1
 ) -> list[list[int]]:
@@ -55,9 +66,10 @@ def batch_by_size(
     A batch that would overflow ends at its last size that was a multiple (the
     ``max(N * (len // N), len % N)`` cut); the items after that start the next batch (or
     become a batch of their own when they and the new item overflow by tokens). At the end
-    the last batch and the items after its last multiple are two batches. fairseq then
-    drops that final batch when it is not a multiple (its issue #5036: up to N - 1 valid
-    sentences never scored, all of them when they are fewer than N); here it is kept.
+    the last batch and the items after its last multiple are two batches, both kept, as
+    in fairseq 0.12 (its later releases drop that final batch when it is not a multiple,
+    issue #5036: up to N - 1 valid sentences never scored, all of them when they are fewer
+    than N).
     """
     sizes = num_tokens[order].tolist()
     cuts = []  # where batches end, as positions in ``order``
@@ -82,16 +94,37 @@ def batch_by_size(
 class EpochBatchIterator:
     """Collated batches for epoch 1, 2, …; this rank's share; same batches on every run.
 
-    Epoch ``e``'s batches depend only on ``(seed, e, num_shards, shard_id)``: items are
-    permuted by ``default_rng((seed, e))``, cut into batches, the batch list is truncated
-    to a multiple of ``num_shards`` (every rank runs the same number of steps, or
-    collectives would hang) and rank ``shard_id`` takes ``batches[shard_id::num_shards]``.
+    The order is fairseq 0.12's (fairseq_task.get_batch_iterator, iterators.EpochBatchIterator),
+    so a fairseq run resumed here reads the batches fairseq would have read:
+
+    1. items sorted by size, ties in a random order drawn from ``seed`` (``ordered_indices``:
+       MonolingualDataset.ordered_indices under ``numpy_seed(seed)``); with
+       ``sort_by_size=False`` the dataset's order (eval-lm's --context-window, as
+       fairseq's LMContextWindowDataset);
+    2. cut into batches (``batch_by_size``). Steps 1-2 depend on the dataset and ``seed``
+       only, not on the epoch: computed once per dataset (fairseq reuses its iterator across
+       epochs) and again for each new one (sharded data: each epoch reads its own);
+    3. with ``shuffle`` (training), the list of batches shuffled per epoch by
+       ``np.random.RandomState(seed + epoch)`` (fairseq's ``numpy_seed(seed + epoch)`` then
+       ``np.random.shuffle``; numpy's global state is never touched); without it
+       (validation, eval-lm) the batches stay in order;
+    4. rank ``shard_id`` takes ``batches[shard_id::num_shards]`` (fairseq's ShardedIterator).
+       fairseq pads the shorter shards with empty batches; here training truncates the
+       list to a multiple of ``num_shards`` instead (every rank runs the same number of
+       steps, or collectives would hang; at most ``num_shards - 1`` batches of an epoch
+       are left out) and validation (``every_batch``) pads with a dummy batch counted as
+       nothing. With one shard the batches are fairseq's, in fairseq's order.
+
+    Rank ``r`` after ``k`` steps has consumed batches ``r, r + n, …`` of the shuffled list:
+    all shards together its first ``k * num_shards``, whatever ``num_shards`` is. The
+    batches themselves depend on the per-rank ``batch_size``/``max_tokens``: another one
+    cuts the epoch into other batches, in another order.
 
     ``dataset`` is a dataset, or a function ``epoch -> dataset`` (sharded data: each epoch
-    reads its own). An item's size for ``max_tokens`` is its input length, ``len(item) - 1``
-    (fairseq's block size). ``num_workers`` processes read and collate batches ahead of
-    the loop (torch's DataLoader, as fairseq's iterators); 0 does it in this process.
-    The batches and their order are the same for any number of workers.
+    reads its own). An item's size for ordering and ``max_tokens`` is its target count,
+    ``len(item) - 1`` (fairseq's block size). ``num_workers`` processes read and collate
+    batches ahead of the loop (torch's DataLoader, as fairseq's iterators); 0 does it in
+    this process. The batches and their order are the same for any number of workers.
     """
 
     def __init__(
@@ -103,6 +136,7 @@ class EpochBatchIterator:
         num_shards: int = 1,
         shard_id: int = 0,
         shuffle: bool = True,
+        sort_by_size: bool = True,
         pad: int = 1,
         every_batch: bool = False,
         required_batch_size_multiple: int = 1,
@@ -129,6 +163,7 @@ class EpochBatchIterator:
         self.num_shards = num_shards
         self.shard_id = shard_id
         self.shuffle = shuffle
+        self.sort_by_size = sort_by_size
         # Validation must see every batch: instead of dropping the uneven tail, ranks with
         # one batch fewer get a dummy batch (ntokens 0), so all run the same forwards.
         self.every_batch = every_batch
@@ -140,18 +175,20 @@ class EpochBatchIterator:
         self.iterations_in_epoch = 0
         self._resume_pending = False
         self._cached = None  # (epoch, its dataset, this shard's batches)
+        self._frozen = None  # (dataset, its batches before the epoch's shuffle)
 
     def _epoch_batches(self, epoch: int):
         """(dataset, this shard's batches as lists of item indices) of ``epoch``."""
         if self._cached is not None and self._cached[0] == epoch:
             return self._cached[1:]
         dataset = self._dataset_for_epoch(epoch)
-        num_tokens = np.asarray(dataset.sizes) - 1
+        if self._frozen is None or self._frozen[0] is not dataset:
+            num_tokens = np.asarray(dataset.sizes, dtype=np.int64) - 1
+            order = ordered_indices(num_tokens, self.seed) if self.sort_by_size else np.arange(len(num_tokens))
+            self._frozen = (dataset, batch_by_size(order, num_tokens, self.batch_size, self.max_tokens, self.multiple))
+        batches = list(self._frozen[1])
         if self.shuffle:
-            order = np.random.default_rng((self.seed, epoch)).permutation(len(num_tokens))
-        else:
-            order = np.arange(len(num_tokens))
-        batches = batch_by_size(order, num_tokens, self.batch_size, self.max_tokens, self.multiple)
+            np.random.RandomState(self.seed + epoch).shuffle(batches)
         if self.every_batch and batches:
             # A dummy batch (None) is the epoch's first batch, counted as nothing.
             batches = batches + [None] * (-len(batches) % self.num_shards)
@@ -194,7 +231,7 @@ class EpochBatchIterator:
         return self.iterations_in_epoch >= len(self._epoch_batches(self.epoch)[1])
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "iterations_in_epoch": self.iterations_in_epoch}
+        return {"epoch": self.epoch, "iterations_in_epoch": self.iterations_in_epoch, "order": ORDER}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: the next ``next_epoch_itr()`` yields the rest of that epoch, then epochs go on."""

@@ -2,17 +2,23 @@
 
 Every block is described by the range of stream positions it *predicts*,
 ``[target_start, target_end)`` with at most ``tokens_per_sample`` targets. The item is
-``stream[target_start - 1 : target_end]``: the token before the first target is its
-context, so ``input = item[:-1]``, ``target = item[1:]`` and items are at most
-``tokens_per_sample + 1`` long.
+the token before the first target (its context) followed by the targets, so
+``input = item[:-1]``, ``target = item[1:]`` and items are at most
+``tokens_per_sample + 1`` long. As in fairseq's TokenBlockDataset (``include_targets``,
+as LanguageModelingTask builds it), the context of a block whose first target starts a
+sequence is ``</s>`` (fairseq: ``source = cat([eos], buffer[0 : e - 1])`` when the block's
+offset in its first sequence is 0), and otherwise the stream's previous token. The two
+agree wherever the previous sequence ends with ``</s>``, as every sequence written by
+``preprocess`` or fairseq-preprocess does; the stream's first block gets a virtual
+``</s>``.
 
-* ``none``: the stream is cut every T tokens, targets ``[1 + kT, 1 + kT + T)``; the item
-  is ``stream[kT : kT + T + 1]``, so consecutive blocks overlap by one token and no
-  target is lost (only the stream's first token is never a target).
-* ``complete`` / ``complete_doc`` / ``eos``: blocks start at a sequence boundary, and
-  their context token is the ``</s>`` ending the previous sequence (a virtual ``</s>``
-  before the first one), exactly as fairseq's source starts with eos. So every token
-  of every sequence, its first included, is a target in these modes.
+* ``none``: the stream is cut every T tokens from position 0, targets ``[kT, kT + T)``;
+  the item is ``[</s>] + stream[0 : T]`` for k = 0 and ``stream[kT - 1 : kT + T]`` after
+  (``</s>`` first when kT starts a sequence), so consecutive blocks overlap by one token
+  and every token of the stream, its first included, is a target exactly once:
+  ``ceil(len / T)`` blocks (fairseq-eval-lm's "N examples") scoring ``len`` tokens.
+* ``complete`` / ``complete_doc`` / ``eos``: blocks start at a sequence boundary, so their
+  context is ``</s>``, and every token of every sequence, its first included, is a target.
   ``eos`` makes one block per sequence; ``complete`` packs whole sequences greedily;
   ``complete_doc`` does too but never across a document boundary, a sequence that is
   only ``</s>`` (a blank input line), which like in fairseq belongs to no block.
@@ -85,13 +91,16 @@ class TokenBlockDataset:
         self.too_long = np.zeros(0, dtype=np.int64)  # sequences left out: longer than a block
         self.target_starts, self.target_ends = self._block_ranges()
         self.sizes = (self.target_ends - self.target_starts + 1).astype(np.int64)
+        # Blocks whose first target starts a sequence: their context is </s> (fairseq's s == 0).
+        lengths = self.indexed.sizes.astype(np.int64)
+        self.starts_sequence = np.isin(self.target_starts, np.cumsum(lengths) - lengths)
 
     def _block_ranges(self) -> tuple[np.ndarray, np.ndarray]:
         T = self.tokens_per_sample
         lengths = self.indexed.sizes.astype(np.int64)
         stream_len = int(lengths.sum())
         if self.break_mode == "none":
-            starts = np.arange(1, stream_len, T, dtype=np.int64)
+            starts = np.arange(0, stream_len, T, dtype=np.int64)
             return starts, np.minimum(starts + T, stream_len)
         seq_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         separator = np.zeros(len(lengths), dtype=bool)
@@ -124,8 +133,8 @@ class TokenBlockDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         i = checked_index(i, len(self.sizes), "block")
         start, end = int(self.target_starts[i]), int(self.target_ends[i])
-        if start == 0:  # the virtual </s> before the stream
-            return np.concatenate([[self.eos], self._stream[:end]]).astype(np.int64)
+        if self.starts_sequence[i]:  # fairseq's source starts with </s> there
+            return np.concatenate([[self.eos], self._stream[start:end]]).astype(np.int64)
         return self._stream[start - 1 : end].astype(np.int64)
 
     @property

@@ -1,10 +1,13 @@
-"""Shared by the training tests: tiny configs, in-process updates, subprocess runs."""
+"""Shared by the training tests: tiny configs, in-process updates, subprocess runs, fairseq's
+batching transcribed."""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from trainer.config.checks import check_config
 from trainer.config.compose import compose_config
@@ -41,9 +44,10 @@ def compose(argv):
     return cfg
 
 
-def update_losses(argv, n_updates, rdv=None, with_gnorm=False):
+def update_losses(argv, n_updates, rdv=None, with_gnorm=False, merge=1):
     """Per-update mean token loss (nats) of the first n updates (and gnorm), run in this
-    process through the same build and train_step that `train` uses."""
+    process through the same build and train_step that `train` uses. ``merge``: each
+    ``merge`` consecutive batches of the epoch taken as one batch holding their sequences."""
     from trainer.parallel import ranks as distributed
     from trainer.parallel.parallelize import uses_fsdp
     from trainer.rendezvous import Rendezvous
@@ -52,19 +56,33 @@ def update_losses(argv, n_updates, rdv=None, with_gnorm=False):
     rdv = rdv or Rendezvous("", 1)
     env = distributed.init_rank(cfg, rdv, needs_process_group=uses_fsdp(cfg))
     try:
-        return _updates(cfg, env, n_updates, with_gnorm)
+        return _updates(cfg, env, n_updates, with_gnorm, merge)
     finally:
         distributed.teardown()
 
 
-def _updates(cfg, env, n_updates, with_gnorm):
+def _merged(batches):
+    import torch
+
+    return {
+        "src_tokens": torch.cat([b["src_tokens"] for b in batches]),
+        "target": torch.cat([b["target"] for b in batches]),
+        "ntokens": sum(b["ntokens"] for b in batches),
+        "nsentences": sum(b["nsentences"] for b in batches),
+    }
+
+
+def _updates(cfg, env, n_updates, with_gnorm, merge=1):
     from trainer.train.loop import grouped
     from trainer.train.main import build
 
     task, trainer, _ = build(cfg, env)
     itr = task.batch_iterator(cfg.dataset.train_subset, training=True)
+    batches = itr.next_epoch_itr()
+    if merge > 1:
+        batches = map(_merged, grouped(batches, merge))
     losses, gnorms = [], []
-    for samples in grouped(itr.next_epoch_itr(), cfg.optimization.update_freq):
+    for samples in grouped(batches, cfg.optimization.update_freq):
         stats = trainer.train_step(samples).values()  # a host read per update: the test's, not train's
         losses.append(stats["loss_sum"] / stats["ntokens"])
         gnorms.append(stats["gnorm"])
@@ -228,3 +246,37 @@ def byte_level_tokenizer(lines, specials, bos=None, vocab_size=300):
         )
     tok.post_processor = processors.Sequence(steps)
     return tok
+
+
+def fairseq_batch_by_size_vec(indices, num_tokens_vec, max_tokens, max_sentences, bsz_mult):
+    """fairseq/data/data_utils_fast.pyx batch_by_size_vec, line for line (-1: no limit)."""
+    if len(indices) == 0:
+        return []
+    ends = np.zeros(len(indices), dtype=np.int64)
+    count = batch_start = 0
+    tail_max = batch_max = 0
+    for pos in range(len(indices)):
+        tail_max = max(tail_max, num_tokens_vec[pos])
+        new_end = pos + 1
+        new_max = max(batch_max, tail_max)
+        sentences = new_end - batch_start
+        overflow = (max_sentences > 0 and sentences > max_sentences) or (
+            max_tokens > 0 and sentences * new_max > max_tokens
+        )
+        matches = sentences < bsz_mult or sentences % bsz_mult == 0
+        if overflow:
+            tail_tokens = tail_max * (new_end - ends[count])
+            if max_tokens > 0 and tail_tokens > max_tokens:
+                count += 1
+                ends[count] = pos
+                tail_max = num_tokens_vec[pos]
+            batch_start = ends[count]
+            count += 1
+            new_max = tail_max
+        if overflow or matches:
+            ends[count] = new_end
+            batch_max = new_max
+            tail_max = 0
+    if ends[count] != len(indices):
+        count += 1
+    return [b.tolist() for b in np.split(indices, ends[:count])]

@@ -126,7 +126,9 @@ def test_a_run_with_the_adaptive_softmax_learns():
 
 @pytest.fixture(scope="module")
 def one_process():
-    return update_losses(DUMMY + ["--batch-size", "8", "--clip-norm", "0.5"] + TIED, UPDATES, with_gnorm=True)
+    # batch 8 holding what 2 ranks of 4 read (fairseq's order: batches depend on the per-rank batch)
+    argv = DUMMY + ["--batch-size", "4", "--clip-norm", "0.5"] + TIED
+    return update_losses(argv, UPDATES, with_gnorm=True, merge=2)
 
 
 @pytest.mark.parametrize("backend", ["pytorch_ddp", "fully_sharded"])
@@ -141,7 +143,9 @@ def test_fsdp_and_ddp_train_the_tied_model_as_one_process_does(backend, one_proc
 
 def test_an_fsdp_checkpoint_resumes_the_same_curve(tmp_path):
     save = [a for a in DUMMY if a != "--no-save"] + TIED + ["--clip-norm", "0.5"]
-    whole = train_updates(save + ["--batch-size", "8", "--max-update", "6", "--no-save"], 1, tmp_path)
+    # one process reading the 2 ranks' batches (an epoch's batches depend on the per-rank batch)
+    one = ["--batch-size", "4", "--update-freq", "2"]
+    whole = train_updates(save + one + ["--max-update", "6", "--no-save"], 1, tmp_path)
     sharded = save + ["--batch-size", "4", "--ddp-backend", "fully_sharded", "--save-dir", str(tmp_path / "ckpt")]
     first = train_updates(sharded + ["--max-update", "3"], 2, tmp_path)
     second = train_updates(sharded + ["--max-update", "6"], 2, tmp_path)

@@ -18,8 +18,8 @@ import pytest
 
 from helpers import DUMMY, run_train, train_here, train_updates
 
-# Batches of exactly --batch-size (none cut to fairseq's multiple of 8): one global batch
-# of 12 is 1 x 12 or 2 x 6 (RESHARD).
+# Batches of exactly --batch-size (none cut to fairseq's multiple of 8): one update of 12
+# batches of one is 1 rank x 12 micro-batches or 2 x 6 (RESHARD).
 SAVE = [a for a in DUMMY if a != "--no-save"] + ["--required-batch-size-multiple", "1"]
 
 
@@ -60,31 +60,38 @@ def test_resume_is_exact(name, tmp_path):
     assert whole[20][0] < whole[1][0]
 
 
-# One global batch of 12 sequences, cut differently: the saved curve must continue.
+# One update of 12 batches of one sequence each, dealt out to other ranks and micro-batches
+# (an epoch's batches depend on the per-rank batch, not on the ranks): the curve must continue.
 RESHARD = {
-    "fsdp2_to_ddp1": (1, ["--batch-size", "12"]),
-    "fsdp2_to_1_rank_update_freq2": (1, ["--batch-size", "6", "--update-freq", "2"]),
-    "fsdp2_to_fsdp3": (3, ["--batch-size", "4", "--ddp-backend", "fully_sharded"]),
-    "fsdp2_to_ddp2": (2, ["--batch-size", "6"]),
-    "fsdp2_to_hybrid4": (4, ["--batch-size", "3", "--ddp-backend", "hybrid_shard", "--shard-group-size", "2"]),
+    "fsdp2_to_ddp1": (1, ["--batch-size", "1", "--update-freq", "12"]),
+    "fsdp2_to_fsdp3": (3, ["--batch-size", "1", "--update-freq", "4", "--ddp-backend", "fully_sharded"]),
+    "fsdp2_to_ddp2": (2, ["--batch-size", "1", "--update-freq", "6"]),
+    "fsdp2_to_hybrid4": (
+        4,
+        ["--batch-size", "1", "--update-freq", "3", "--ddp-backend", "hybrid_shard", "--shard-group-size", "2"],
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def one_process_12(tmp_path_factory):
     return train_updates(
-        SAVE + ["--batch-size", "12", "--max-update", "20", "--no-save"], 1, tmp_path_factory.mktemp("ref")
+        SAVE + ["--batch-size", "1", "--update-freq", "12", "--max-update", "20", "--no-save"],
+        1,
+        tmp_path_factory.mktemp("ref"),
     )
 
 
 @pytest.fixture(scope="module")
 def saved_on_fsdp2(tmp_path_factory):
-    """10 updates on 2 FSDP ranks of 6 sequences each, saved once for every resharding case."""
+    """10 updates on 2 FSDP ranks of 6 micro-batches each, saved once for every resharding case."""
     tmp = tmp_path_factory.mktemp("fsdp2")
     first = train_updates(
         SAVE
         + [
             "--batch-size",
+            "1",
+            "--update-freq",
             "6",
             "--ddp-backend",
             "fully_sharded",
@@ -450,7 +457,9 @@ def test_a_damaged_shard_is_reported_in_one_line(saved_2):
 
 
 # A checkpoint written by shardlm at ebbae74 (trainer_state.json format 1): 10 updates of this
-# run on 2 FSDP ranks with fp16 and dropout, stopped mid-epoch after its validation.
+# run on 2 FSDP ranks with fp16 and dropout, stopped mid-epoch after its validation. Its weights
+# hold the data order they were trained in: it was written again by ebbae74's code with
+# data/iterator.py of fairseq's order (ebbae74's own code reproduces the first one bit for bit).
 FORMAT_1 = Path(__file__).parent / "fixtures" / "checkpoint_ebbae74"
 FORMAT_1_ARGV = [a for a in DUMMY if a != "--no-save"] + [
     "--decoder-layers",

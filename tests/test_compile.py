@@ -33,8 +33,9 @@ def _compiled_rank(index, argv, world, port, out):
 
 @pytest.fixture(scope="module")
 def eager_one_process():
-    """6 eager updates in this process, batch 8 (= 2 FSDP ranks x 4): the curve both tests follow."""
-    return update_losses(BASE + ["--batch-size", "8"], 6, with_gnorm=True)
+    """6 eager updates in this process, batch 8 holding what 2 FSDP ranks x 4 read: the curve
+    both tests follow."""
+    return update_losses(BASE + ["--batch-size", "4"], 6, with_gnorm=True, merge=2)
 
 
 def test_compiled_fsdp_with_checkpointing_matches_eager(eager_one_process, tmp_path):

@@ -60,9 +60,14 @@ def test_token_blocks_every_mode(tmp_path, T):
         targets = [t for item in items for t in item[1:].tolist()]
         assert blocks.num_tokens == len(targets)
         if mode == "none":
-            assert targets == stream[1:]
-            assert all(np.array_equal(items[k][-1:], items[k + 1][:1]) for k in range(len(items) - 1))
-            assert items[0].tolist() == stream[: T + 1]
+            # Cut every T tokens from 0: every token a target once; the context is the token
+            # before, or </s> where a sequence starts (the stream's first block included).
+            assert len(blocks) == -(-len(stream) // T) and targets == stream
+            seq_start = set(np.cumsum([0] + [len(s) for s in seqs]).tolist())
+            for k, item in enumerate(items):
+                assert item[1:].tolist() == stream[k * T : k * T + T]
+                assert item[0] == (2 if k * T in seq_start else stream[k * T - 1])
+            assert items[0].tolist() == [2] + stream[:T]
             continue
         # A sequence longer than T fits no block: left out and listed (fairseq filters it).
         too_long = [k for k, s in enumerate(seqs) if len(s) > T and not (mode == "complete_doc" and separator[k])]
@@ -154,7 +159,10 @@ def test_collate_pads_right():
 def test_batching_caps():
     ds = CountingDataset([5] * 10 + [20] * 2)
     itr = EpochBatchIterator(ds, batch_size=4, max_tokens=40, seed=1, shuffle=False)
-    assert epoch_ids(itr) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11]]
+    # by size, ties in seed 1's order; at most 4 items, at most 40 tokens (2 of 19)
+    order = np.lexsort([np.random.RandomState(1).permutation(12), ds.sizes]).tolist()
+    assert epoch_ids(itr) == [order[0:4], order[4:8], order[8:10], order[10:12]]
+    assert sorted(order[:10]) == list(range(10))
     with pytest.raises(DataError, match="set --batch-size or --max-tokens"):
         EpochBatchIterator(ds, batch_size=None, max_tokens=None, seed=1)
     with pytest.raises(DataError, match="only 3 batches for 4 ranks"):
@@ -210,7 +218,7 @@ def test_resume_yields_exactly_the_remaining_batches():
     itr = run.next_epoch_itr()
     seen = [item_ids(next(itr)) for _ in range(4)]
     state = run.state_dict()
-    assert state == {"epoch": 1, "iterations_in_epoch": 4} and not run.end_of_epoch()
+    assert state == {"epoch": 1, "iterations_in_epoch": 4, "order": "fairseq-0.12"} and not run.end_of_epoch()
 
     resumed = EpochBatchIterator(ds, batch_size=3, max_tokens=None, seed=5, num_shards=2, shard_id=1)
     resumed.load_state_dict(state)

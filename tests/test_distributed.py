@@ -1,5 +1,7 @@
 """FSDP trains the same model DDP does: per-update loss and gnorm on 2 (and 4) real gloo
-ranks agree with one process holding the whole batch. Plus the ways to launch."""
+ranks agree with one process holding the whole batch: the same sequences, the ranks'
+batches of each micro-batch merged into one (an epoch's batches depend on the per-rank
+--batch-size, fairseq's order, so a run of a larger batch reads other sequences). Plus the ways to launch."""
 
 import json
 from pathlib import Path
@@ -29,9 +31,19 @@ FIDELITY = {
 }
 
 
-@pytest.fixture(scope="module")
-def one_process():
-    return update_losses(BASE + ["--batch-size", "8"], UPDATES, with_gnorm=True)
+_one_process = {}
+
+
+def one_process(world, extra):
+    """(losses, gnorms) of one process whose micro-batches hold what the `world` ranks run
+    with `extra` read in theirs."""
+    batch_size = extra[extra.index("--batch-size") + 1]
+    update_freq = extra[extra.index("--update-freq") + 1] if "--update-freq" in extra else "1"
+    key = (batch_size, update_freq, world)
+    if key not in _one_process:
+        argv = BASE + ["--batch-size", batch_size, "--update-freq", update_freq]
+        _one_process[key] = update_losses(argv, UPDATES, with_gnorm=True, merge=world)
+    return _one_process[key]
 
 
 @pytest.mark.parametrize("model", [["--layernorm-embedding"], ["model.share_decoder_input_output_embed=false"]])
@@ -41,7 +53,7 @@ def test_fsdp_root_given_back_after_forward_trains_the_same(model, tmp_path):
     are units of their own. With an embedding norm, and with an untied output projection,
     the updates are one process's."""
     argv = BASE + model
-    ref_losses, ref_gnorms = update_losses(argv + ["--batch-size", "8"], UPDATES, with_gnorm=True)
+    ref_losses, ref_gnorms = update_losses(argv + ["--batch-size", "4"], UPDATES, with_gnorm=True, merge=2)
     losses, gnorms = multi_rank_losses(
         argv + ["--batch-size", "4", "--ddp-backend", "fully_sharded"], 2, UPDATES, tmp_path
     )
@@ -50,10 +62,10 @@ def test_fsdp_root_given_back_after_forward_trains_the_same(model, tmp_path):
 
 
 @pytest.mark.parametrize("name", list(FIDELITY))
-def test_backend_matches_one_process(name, one_process, tmp_path):
+def test_backend_matches_one_process(name, tmp_path):
     world, extra = FIDELITY[name]
     losses, gnorms = multi_rank_losses(BASE + extra, world, UPDATES, tmp_path)
-    ref_losses, ref_gnorms = one_process
+    ref_losses, ref_gnorms = one_process(world, extra)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert gnorms == pytest.approx(ref_gnorms, rel=1e-5)
     assert ref_losses[-1] < ref_losses[0]

@@ -324,7 +324,7 @@ HYDRA_CASE_1 = """train \
 # Its wiki103.yaml, verbatim but for the data path: test_fairseq_configs.WIKI103_YAML.
 HYDRA_SHRINK = (
     "model.decoder_layers=2 model.decoder_embed_dim=32 model.decoder_ffn_embed_dim=64 "
-    "model.decoder_attention_heads=2 task.tokens_per_sample=32 optimization.max_update=8 "
+    "model.decoder_attention_heads=2 task.tokens_per_sample=32 optimization.max_update=12 "
     "common.log_interval=1 common.log_format=json checkpoint.no_save=true"
 )
 

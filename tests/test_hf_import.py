@@ -150,17 +150,19 @@ def _eval_env():
     return init_rank(cfg, Rendezvous("", 1, rank=0, local_rank=0, local_world_size=1), needs_process_group=False)
 
 
-def _reference_loss(model, stream, T):
+def _reference_loss(model, stream, seq_starts, eos, T):
     """transformers' mean loss (nats) on the blocks eval-lm scores with --tokens-per-sample T
-    (mode none): block k predicts stream[kT+1 … kT+T] from the tokens before each."""
+    (mode none, fairseq's): block k predicts stream[kT … kT+T-1] from the token before each,
+    </s> before a block that starts a sequence."""
     targets, nll = 0, 0.0
     with torch.no_grad():
-        for start in range(0, len(stream) - 1, T):
-            item = torch.from_numpy(stream[start : start + T + 1])[None]
+        for start in range(0, len(stream), T):
+            context = eos if start in seq_starts else stream[start - 1]
+            item = torch.from_numpy(np.concatenate([[context], stream[start : start + T]]))[None]
             logits = model(item[:, :-1]).logits
             nll += torch.nn.functional.cross_entropy(logits[0], item[0, 1:], reduction="sum").item()
             targets += item.shape[1] - 1
-    assert targets == len(stream) - 1
+    assert targets == len(stream)
     return nll / targets
 
 
@@ -174,7 +176,9 @@ def test_eval_lm_reports_transformers_loss(hf):
     try:
         for name in ("llama", "qwen3"):
             tok = HFTokenizer(hf.root / name)
-            stream = IndexedDataset(hf.data[name] / "valid").tokens.astype(np.int64)
+            indexed = IndexedDataset(hf.data[name] / "valid")
+            stream = indexed.tokens.astype(np.int64)
+            seq_starts = set((np.cumsum(indexed.sizes) - indexed.sizes).tolist())
             assert tok.pad not in stream and tok.eos in stream
             args = SimpleNamespace(
                 path=hf.root / name,
@@ -189,7 +193,8 @@ def test_eval_lm_reports_transformers_loss(hf):
                 no_progress_bar=True,
             )
             loss = eval_lm(args, env)
-            assert loss * math.log(2) == pytest.approx(_reference_loss(hf.models[name], stream, 24), rel=1e-5)
+            reference = _reference_loss(hf.models[name], stream, seq_starts, tok.eos, 24)
+            assert loss * math.log(2) == pytest.approx(reference, rel=1e-5)
         # Another model's tokenizer is refused (qwen3's embedding would hold llama's ids).
         with pytest.raises(UsageError, match="tokenizer .* is not the model's"):
             eval_lm(SimpleNamespace(**{**vars(args), "data": str(hf.data["llama"])}), env)

@@ -18,7 +18,7 @@ ARGS = DUMMY + ["--max-update", "3", "--log-format", "json", "--log-interval", "
 
 @pytest.fixture(scope="module")
 def one_process_records():
-    records, _ = run_train(ARGS + ["--batch-size", "8"])
+    records, _ = run_train(ARGS + ["--batch-size", "4", "--update-freq", "2"])  # what 2 ranks of 4 read per update
     return [r["loss"] for r in records["train_inner"]]
 
 

@@ -9,7 +9,7 @@ import torch
 from helpers import DUMMY, compose, multi_rank_losses, train_updates, update_losses
 from trainer.errors import UsageError
 
-UPDATES = 4
+UPDATES = 5
 BASE = DUMMY + ["--clip-norm", "0.5"]
 SAVE = [a for a in BASE if a != "--no-save"]
 FEATURES = {
@@ -40,7 +40,7 @@ FEATURES = {
     ],
 }
 EVERY = [a for flags in FEATURES.values() for a in flags]  # all at once: 4 runs of 2 ranks, not 16
-BACKENDS = {  # 2 ranks; one process runs the same micro-batches with twice the sequences
+BACKENDS = {  # 2 ranks; one process runs each micro-batch of both ranks' sequences as one
     "ddp": ["--batch-size", "4"],
     "fsdp": ["--batch-size", "4", "--ddp-backend", "fully_sharded"],
     "legacy_ddp": ["--batch-size", "4", "--ddp-backend", "legacy_ddp"],
@@ -61,9 +61,10 @@ def one_process(update_freq):
     """Per-update (losses, gnorms) in one process, computed once per module."""
     if update_freq not in _one_process:
         _one_process[update_freq] = update_losses(
-            BASE + EVERY + ["--batch-size", str(8 // update_freq), "--update-freq", str(update_freq)],
+            BASE + EVERY + ["--batch-size", str(4 // update_freq), "--update-freq", str(update_freq)],
             UPDATES,
             with_gnorm=True,
+            merge=2,
         )
     return _one_process[update_freq]
 

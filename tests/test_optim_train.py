@@ -27,7 +27,8 @@ CPU_ADAM = FSDP + ["--optimizer", "cpu_adam", "--cpu-offload"]
     ],
 )
 def test_two_fsdp_ranks_match_one_process(optimizer, reference, tmp_path):
-    ref_losses, ref_gnorms = update_losses(BASE + reference + ["--batch-size", "8"], UPDATES, with_gnorm=True)
+    # one process, each batch holding what the 2 ranks read
+    ref_losses, ref_gnorms = update_losses(BASE + reference + ["--batch-size", "4"], UPDATES, with_gnorm=True, merge=2)
     losses, gnorms = multi_rank_losses(BASE + optimizer + FSDP + ["--batch-size", "4"], 2, UPDATES, tmp_path)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert gnorms == pytest.approx(ref_gnorms, rel=1e-5)
@@ -99,7 +100,9 @@ def test_nag_resumes_on_another_number_of_ranks(tmp_path):
         common
         + [
             "--batch-size",
-            "8",
+            "4",
+            "--update-freq",  # the 2 ranks' batches (an epoch's batches depend on the per-rank batch)
+            "2",
             "--save-dir",
             str(tmp_path / "b"),
             "--restore-file",

@@ -21,7 +21,7 @@ from data.errors import DataError
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from data.iterator import EpochBatchIterator, batch_by_size, collate
 from data.token_block import TokenBlockDataset
-from helpers import DUMMY, TINY, compose, parse_records, run_ranks, update_losses
+from helpers import DUMMY, TINY, compose, fairseq_batch_by_size_vec, parse_records, run_ranks, update_losses
 
 T = 32
 ONE_RANK = SimpleNamespace(world_size=1, rank=0, is_master=True)
@@ -48,40 +48,6 @@ def write_bin(path, splits, symbols=40, seed=0):
 # ---------------------------------------------------------------- --required-batch-size-multiple
 
 
-def fairseq_batch_by_size_vec(indices, num_tokens_vec, max_tokens, max_sentences, bsz_mult):
-    """fairseq/data/data_utils_fast.pyx batch_by_size_vec, line for line (-1: no limit)."""
-    if len(indices) == 0:
-        return []
-    ends = np.zeros(len(indices), dtype=np.int64)
-    count = batch_start = 0
-    tail_max = batch_max = 0
-    for pos in range(len(indices)):
-        tail_max = max(tail_max, num_tokens_vec[pos])
-        new_end = pos + 1
-        new_max = max(batch_max, tail_max)
-        sentences = new_end - batch_start
-        overflow = (max_sentences > 0 and sentences > max_sentences) or (
-            max_tokens > 0 and sentences * new_max > max_tokens
-        )
-        matches = sentences < bsz_mult or sentences % bsz_mult == 0
-        if overflow:
-            tail_tokens = tail_max * (new_end - ends[count])
-            if max_tokens > 0 and tail_tokens > max_tokens:
-                count += 1
-                ends[count] = pos
-                tail_max = num_tokens_vec[pos]
-            batch_start = ends[count]
-            count += 1
-            new_max = tail_max
-        if overflow or matches:
-            ends[count] = new_end
-            batch_max = new_max
-            tail_max = 0
-    if ends[count] != len(indices):
-        count += 1
-    return [b.tolist() for b in np.split(indices, ends[:count])]
-
-
 def test_batch_by_size_is_fairseqs():
     rng = np.random.default_rng(0)
     for _ in range(300):
@@ -94,8 +60,8 @@ def test_batch_by_size_is_fairseqs():
             batch_size = 5
         mult = int(rng.choice([1, 2, 3, 8]))
         ours = batch_by_size(order, sizes, batch_size or None, max_tokens or None, mult)
-        # fairseq's batch_by_size then drops a last batch that is not a multiple (its
-        # issue #5036); shardlm keeps it.
+        # fairseq 0.12 keeps a last batch that is not a multiple, as shardlm does (later
+        # releases drop it: issue #5036).
         assert ours == fairseq_batch_by_size_vec(order, sizes[order], max_tokens or -1, batch_size or -1, mult)
     # The cut of the issue: a full batch keeps max(N * (len // N), len % N) items.
     cut = batch_by_size(np.arange(30), np.ones(30, dtype=int), 12, None, 8)
@@ -109,7 +75,10 @@ def test_required_batch_size_multiple_reaches_the_batches():
         return [b["nsentences"] for b in task.batch_iterator("train", training=True).next_epoch_itr()]
 
     assert sizes(["--batch-size", "12"]) == [8] * 5  # fairseq's default multiple, 8
-    assert sizes(["--batch-size", "12", "--required-batch-size-multiple", "1"]) == [12, 12, 12, 4]
+    shuffled = [12, 12, 12, 4]  # fairseq shuffles the batches of epoch 1 by numpy_seed(seed + 1)
+    np.random.RandomState(1 + 1).shuffle(shuffled)
+    assert shuffled != [12, 12, 12, 4]
+    assert sizes(["--batch-size", "12", "--required-batch-size-multiple", "1"]) == shuffled
 
 
 # ---------------------------------------------------------------- sharded DATA
@@ -387,7 +356,7 @@ def test_num_workers_give_the_same_batches_and_resume(tmp_path):
     second = run.next_epoch_itr()
     seen = [next(second) for _ in range(3)]
     state = run.state_dict()
-    assert state == {"epoch": 2, "iterations_in_epoch": 3}
+    assert state == {"epoch": 2, "iterations_in_epoch": 3, "order": "fairseq-0.12"}
     resumed = itr(2)
     resumed.load_state_dict(state)
     assert tokens(seen) + tokens(resumed.next_epoch_itr()) == tokens(epochs[0][1])

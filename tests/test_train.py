@@ -7,7 +7,9 @@ from helpers import DUMMY, run_train, update_losses
 
 
 def test_update_freq_equals_larger_batch():
-    big = update_losses(DUMMY + ["--batch-size", "8"], 4)
+    """Two micro-batches make the update one batch holding the same sequences makes (a run of
+    --batch-size 8 reads other sequences per update: fairseq's order shuffles whole batches)."""
+    big = update_losses(DUMMY + ["--batch-size", "4"], 4, merge=2)
     accumulated = update_losses(DUMMY + ["--batch-size", "4", "--update-freq", "2"], 4)
     assert big == pytest.approx(accumulated, rel=1e-5, abs=1e-5)
     assert big[-1] < big[0]

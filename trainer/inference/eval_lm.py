@@ -48,6 +48,8 @@ def evaluate(model, dataset, args, pad, bos, env):
         num_shards=env.world_size,
         shard_id=env.rank,
         shuffle=False,
+        # fairseq-eval-lm's order: blocks by size (seed 1), or in order with a context window
+        sort_by_size=args.context_window == 0,
         pad=pad,
         every_batch=True,
         num_workers=getattr(args, "num_workers", 1),

@@ -4,6 +4,7 @@ import logging
 import math
 import time
 
+from data.iterator import ORDER
 from trainer.parallel.ranks import all_reduce_sum
 from trainer.train.meters import LN2, TrainMeters, peak_memory_gb, perplexity
 
@@ -21,6 +22,47 @@ def grouped(iterable, n):
             group = []
     if group:
         yield group
+
+
+def convert_position(it, world_size, batch_size, max_tokens):
+    """A saved data position ``it`` in the batches of a run on ``world_size`` ranks with this
+    per-rank batch (data/iterator.py: fairseq's order).
+
+    An epoch's batches depend on the per-rank batch (--batch-size, --max-tokens) and the
+    seed, not on the number of ranks, which take them in turn: after k steps of W ranks the
+    first k * W are consumed, so W' ranks resume after k * W / W' steps, having consumed
+    exactly those. Another per-rank batch cuts the epoch into other batches in another
+    order: no position of this run consumed the same sequences, so it resumes after about
+    as many sequences (as many batches with --max-tokens), with a warning; the epochs after
+    it are whole."""
+    steps, world = it["iterations_in_epoch"], it["world_size"]
+    same_batches = (it.get("batch_size"), it.get("max_tokens")) == (batch_size, max_tokens)
+    if steps and it.get("order") != ORDER:
+        log.warning(
+            f"the checkpoint's data position was saved by an earlier shardlm, which read epochs in another "
+            f"order: the rest of epoch {it['epoch']} is read in fairseq's, so some of its sequences are seen "
+            "twice and others not at all; the epochs after it are whole"
+        )
+    if steps == 0 or (same_batches and world == world_size):
+        return it
+    if same_batches:
+        consumed, per_step, unit = steps * world, world_size, "batches"
+    else:
+        log.warning(
+            f"this run's batches (--batch-size {batch_size}, --max-tokens {max_tokens}) are not the "
+            f"checkpoint's ({it.get('batch_size')}, {it.get('max_tokens')}): the rest of epoch {it['epoch']} "
+            "starts after about as much data, not after the same sequences"
+        )
+        if it.get("batch_size") and batch_size:
+            consumed, per_step, unit = steps * world * it["batch_size"], world_size * batch_size, "sequences"
+        else:
+            consumed, per_step, unit = steps * world, world_size, "batches"
+    if consumed % per_step:
+        log.warning(
+            f"the checkpoint's data position ({consumed} {unit}) is not a whole number of this run's steps "
+            f"of {per_step}: resuming at the nearest earlier one"
+        )
+    return {**it, "iterations_in_epoch": consumed // per_step, "order": ORDER}
 
 
 class ValidationStopped(Exception):
@@ -61,24 +103,11 @@ class TrainLoop:
         if state.get("best_valid_loss") is not None:
             self.best_valid_loss = state["best_valid_loss"]
         if not checkpoint_cfg.reset_dataloader:
-            self.itr.load_state_dict(self.convert_position(state["iterator"]))
+            dataset = self.cfg.dataset
+            position = convert_position(state["iterator"], self.env.world_size, dataset.batch_size, dataset.max_tokens)
+            self.itr.load_state_dict(position)
         if not checkpoint_cfg.reset_meters and not checkpoint_cfg.reset_dataloader:
             self.epoch_meters.load_state_dict(state["meters"])
-
-    def convert_position(self, it):
-        """The saved data position in this run's batches: the same sequences consumed
-        when the world size or per-rank batch changes but the global batch does not."""
-        old = it["world_size"] * (it.get("batch_size") or 0)
-        new = self.env.world_size * (self.cfg.dataset.batch_size or 0)
-        if old == new or it["iterations_in_epoch"] == 0:
-            return it
-        consumed = it["iterations_in_epoch"] * old
-        if not old or not new or consumed % new:
-            log.warning(
-                f"the checkpoint's data position ({it['iterations_in_epoch']} batches of {old} sequences) "
-                f"is not a whole number of this run's batches of {new}: resuming at the nearest earlier one"
-            )
-        return {**it, "iterations_in_epoch": consumed // new if new else 0}
 
     def reached_max_update(self):
         max_update = self.cfg.optimization.max_update
