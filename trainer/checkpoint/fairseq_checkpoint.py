@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from data.iterator import ORDER
 from models.fairseq_lm import PADDING_IDX, fairseq_parts, is_buffer
 from trainer.config.fairseq_model import read_fairseq_checkpoint
 from trainer.errors import UsageError
@@ -173,6 +174,7 @@ def fairseq_pieces(src):
             "iterator": {
                 "epoch": int(position.get("epoch", 1)),
                 "iterations_in_epoch": int(position.get("iterations_in_epoch", 0)),
+                "order": ORDER,  # fairseq's own, which data/iterator.py reads
                 "world_size": int(world or 1),
                 "batch_size": dataset.get("batch_size") or dataset.get("max_sentences"),
                 "max_tokens": dataset.get("max_tokens"),
