@@ -458,8 +458,9 @@ def test_a_damaged_shard_is_reported_in_one_line(saved_2):
 
 # A checkpoint written by shardlm at ebbae74 (trainer_state.json format 1): 10 updates of this
 # run on 2 FSDP ranks with fp16 and dropout, stopped mid-epoch after its validation. Its weights
-# hold the data order they were trained in: it was written again by ebbae74's code with
-# data/iterator.py of fairseq's order (ebbae74's own code reproduces the first one bit for bit).
+# hold the data order and lr schedule they were trained with: it was written again by ebbae74's
+# code with data/iterator.py of fairseq's order and LRSchedule.lr of fairseq's step_update
+# (ebbae74's own code reproduces the first one bit for bit).
 FORMAT_1 = Path(__file__).parent / "fixtures" / "checkpoint_ebbae74"
 FORMAT_1_ARGV = [a for a in DUMMY if a != "--no-save"] + [
     "--decoder-layers",

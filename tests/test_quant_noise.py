@@ -125,7 +125,8 @@ def test_two_fsdp_ranks_draw_what_one_process_draws(tmp_path):
     as in one process: each micro-batch's masks are the same on every rank, and the
     quant_noise layer's weight, in the root, is not needed in backward."""
     base = DUMMY + PQ + ["--clip-norm", "0.5", "--update-freq", "2", "--num-workers", "0"]
-    ref = update_losses(base + ["--batch-size", "4"], 3)
+    # the ranks' batches, two at a time: each micro-batch holds what rank 0's and rank 1's hold
+    ref = update_losses(base + ["--batch-size", "2"], 3, merge=2)
     flags = ["--batch-size", "2", "--ddp-backend", "fully_sharded", "--checkpoint-activations"]
     losses, _ = multi_rank_losses(base + flags, 2, 3, tmp_path)
     assert losses == pytest.approx(ref, rel=1e-5)
