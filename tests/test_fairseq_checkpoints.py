@@ -11,6 +11,8 @@ import json
 import math
 import re
 import shutil
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -178,15 +180,23 @@ def test_a_crafted_file_is_refused_unread(tmp_path, capsys):
     assert err.count("\n") == 1 and "refused unread" in err and "a reference to exec" in err, err
 
 
-def test_a_fairseq_010_checkpoint_with_args_loads(tmp_path, capsys):
+def test_a_fairseq_010_checkpoint_with_args_loads(tmp_path, capsys, monkeypatch):
     """Before 0.10 fairseq saved its options as an argparse.Namespace (`args`), with only the
-    keys each arch set; the rest take base_lm_architecture's defaults (pre-norm forced)."""
+    keys each arch set; the rest take base_lm_architecture's defaults (pre-norm forced).
+    Before 0.9 its extra_state held its meters as objects of fairseq's classes."""
     state = _state("gpt")
     model_cfg = state["cfg"]["model"]
     keys = ("decoder_layers", "decoder_embed_dim", "decoder_ffn_embed_dim", "decoder_attention_heads")
     args = argparse.Namespace(arch="transformer_lm_gpt", tokens_per_sample=64, **{k: model_cfg[k] for k in keys})
+    meters = types.ModuleType("fairseq.meters")  # where pickle finds the class it names
+    meters.AverageMeter = type("AverageMeter", (), {"__module__": "fairseq.meters"})
+    monkeypatch.setitem(sys.modules, "fairseq", types.ModuleType("fairseq"))
+    monkeypatch.setitem(sys.modules, "fairseq.meters", meters)
+    meter = meters.AverageMeter()
+    meter.avg, meter.count = 9.3, 30
     old = tmp_path / "model.pt"
-    torch.save({"args": args, "model": state["model"], "extra_state": {}}, old, _use_new_zipfile_serialization=False)
+    extra = {"train_meters": {"train_loss": meter}, "train_iterator": {"epoch": 1, "iterations_in_epoch": 30}}
+    torch.save({"args": args, "model": state["model"], "extra_state": extra}, old, _use_new_zipfile_serialization=False)
     new = _in_process(capsys, "eval-lm", DATA, "--path", _checkpoint("gpt"), "--batch-size", 8)
     legacy = _in_process(capsys, "eval-lm", DATA, "--path", old, "--batch-size", 8)
     assert legacy[0] == 0, legacy[2]

@@ -38,16 +38,28 @@ def is_fairseq_checkpoint(path):
         return f.read(2) == _LEGACY_MAGIC
 
 
+class FairseqObject:
+    """Stands in for a fairseq class whose instances a checkpoint pickles (the meters in the
+    extra_state of fairseq < 0.9): unpickled as plain attributes; no code of fairseq's runs."""
+
+
+_FAIRSEQ_CLASSES = [
+    f"fairseq.{module}.{name}"
+    for module in ("meters", "logging.meters")
+    for name in ("AverageMeter", "TimeMeter", "StopwatchMeter")
+]
+
+
 def _allowed_globals():
     """What a fairseq checkpoint may hold beyond weights_only's tensors and containers:
-    fairseq < 0.10 saved its options as an argparse.Namespace, and numpy scalars appear in
-    the meters of some versions' extra_state."""
+    fairseq < 0.10 saved its options as an argparse.Namespace, fairseq < 0.9 its meters as
+    objects, and numpy scalars appear in some versions' meters."""
     import numpy as np
 
     allowed = [argparse.Namespace, np.dtype, *{type(np.dtype(t)) for t in ("float64", "float32", "int64")}]
     core = getattr(np, "_core", None) or np.core
     allowed.append(core.multiarray.scalar)
-    return allowed
+    return allowed + [(FairseqObject, name) for name in _FAIRSEQ_CLASSES]
 
 
 @functools.lru_cache(maxsize=4)
