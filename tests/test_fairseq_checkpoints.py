@@ -277,6 +277,19 @@ def test_restore_file_continues_fairseqs_run(tmp_path):
         assert abs(base2 - fairseq[n]) <= 1e-4 * fairseq[n], (n, base2, fairseq[n])
 
 
+def test_fairseqs_checkpoint_last_in_save_dir_resumes_by_default(tmp_path, capfd):
+    """A fairseq user's --save-dir: its checkpoint_last.pt resumes without --restore-file."""
+    save = tmp_path / "checkpoints"
+    save.mkdir()
+    shutil.copy(_checkpoint("resume"), save / "checkpoint_last.pt")
+    argv = [DATA, *RESUME_FLAGS, "--max-update", 21, "--save-dir", save, "--log-format", "json", "--log-interval", 1]
+    records, r = train_here(argv, capfd)
+    assert "loaded fairseq checkpoint" in r.stderr + r.stdout
+    assert [rec["num_updates"] for rec in records["train_inner"]] == [21]
+    assert records["train_inner"][0]["loss"] == _logged_updates()[21]
+    assert (save / "checkpoint_last").is_dir() and (save / "checkpoint_last.pt").is_file()
+
+
 def test_two_fsdp_ranks_resume_fairseqs_run_as_one_process(tmp_path):
     """The same global batch: 2 ranks of 8 sequences, or one process with --update-freq 2."""
     argv = [DATA, *RESUME_FLAGS, "--restore-file", _checkpoint("resume"), "--max-update", "24"]

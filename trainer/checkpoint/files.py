@@ -91,8 +91,10 @@ def restore_choice(c):
     found = resolve(restore)
     if found is not None:
         return found, False, restore
-    if is_fairseq_checkpoint(restore):  # fairseq-train's own: its run resumes here
-        return restore, False, restore
+    # fairseq-train's own checkpoint resumes its run; by default, its checkpoint_last.pt in --save-dir
+    theirs = save_dir / "checkpoint_last.pt" if default and not (save_dir / "checkpoint_last").exists() else restore
+    if is_fairseq_checkpoint(theirs):
+        return theirs, False, theirs
     if not default:
         if restore.exists():
             what = (

@@ -137,17 +137,19 @@ def check_fairseq_dictionary(path, data_dir, data_vocab):
 
 
 def fairseq_source(cfg):
-    """The fairseq checkpoint a run starts from (--finetune-from-model X.pt, or --restore-file
-    X.pt as given or in --save-dir), or None."""
+    """The fairseq checkpoint a run starts from (--finetune-from-model X.pt, --restore-file X.pt
+    as given or in --save-dir, or fairseq's checkpoint_last.pt in --save-dir), or None."""
     checkpoint_cfg = cfg.checkpoint
     finetune = checkpoint_cfg.get("finetune_from_model")
     if finetune and is_fairseq_checkpoint(finetune):
         return Path(finetune)
-    restore = Path(checkpoint_cfg.restore_file)
-    for candidate in (restore, Path(checkpoint_cfg.save_dir) / restore):
-        if is_fairseq_checkpoint(candidate):
-            return candidate
-    return None
+    save_dir, restore = Path(checkpoint_cfg.save_dir), Path(checkpoint_cfg.restore_file)
+    if checkpoint_cfg.restore_file in ("checkpoint_last", "checkpoint_last.pt"):
+        # the default is --save-dir's own: fairseq's checkpoint_last.pt there resumes its run
+        candidates = [save_dir / "checkpoint_last.pt"]
+    else:
+        candidates = [restore, save_dir / restore]
+    return next((c for c in candidates if is_fairseq_checkpoint(c)), None)
 
 
 def _shown(value):
