@@ -13,6 +13,8 @@ from dataclasses import fields
 
 from models.config import ACTIVATIONS, PRESETS, TransformerLMConfig, layers_to_keep
 
+PADDING_IDX = 1  # fairseq's Dictionary: <s> 0, <pad> 1, </s> 2, <unk> 3
+
 
 class FairseqConfigError(ValueError):
     """The checkpoint's model is one we cannot build exactly; the message names the feature."""
@@ -127,9 +129,6 @@ def model_from_fairseq(arch, model):
     if "relu_dropout" in model and not model.get("activation_dropout"):
         training["activation_dropout"] = model["relu_dropout"]  # its older name
     return fixed, training
-
-
-PADDING_IDX = 1  # fairseq's Dictionary: <s> 0, <pad> 1, </s> 2, <unk> 3
 
 
 def _layer_id(model_cfg, i):

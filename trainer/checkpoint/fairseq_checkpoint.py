@@ -18,7 +18,7 @@ import math
 import torch
 
 from data.iterator import ORDER
-from models.fairseq_lm import PADDING_IDX, fairseq_parts, is_buffer
+from models.fairseq_lm import fairseq_parts, is_buffer
 from trainer.config.fairseq_model import read_fairseq_checkpoint
 from trainer.errors import UsageError
 from trainer.parallel.parallelize import local_rows
@@ -60,14 +60,18 @@ class FairseqTensors:
 
     def rows(self, name, first, last, dtype):
         """Rows first..last-1 of our parameter `name`, read from the memory-mapped parts."""
-        out, start = [], 0
-        for part in self.parts(name):
-            tensor = self.tensors[part]
-            lo, hi = max(first - start, 0), min(last - start, tensor.shape[0])
-            if lo < hi:
-                out.append(tensor[lo:hi])
-            start += tensor.shape[0]
-        return torch.cat(out).to(dtype) if len(out) > 1 else out[0].to(dtype)
+        return stacked_rows([self.tensors[part] for part in self.parts(name)], first, last).to(dtype)
+
+
+def stacked_rows(tensors, first, last):
+    """Rows first..last-1 of `tensors` stacked by rows, slicing only the ones they fall in."""
+    out, start = [], 0
+    for tensor in tensors:
+        lo, hi = max(first - start, 0), min(last - start, tensor.shape[0])
+        if lo < hi:
+            out.append(tensor[lo:hi])
+        start += tensor.shape[0]
+    return torch.cat(out) if len(out) > 1 else out[0]
 
 
 def _parameter_order(tensors):
@@ -142,15 +146,8 @@ def load_fairseq_adam(model, optimizer, src):
         for key in ("exp_avg", "exp_avg_sq"):
             whole = torch.zeros_like(p)
             mine, _ = local_rows(whole)
-            pieces, start = [], 0
-            for part in parts:
-                tensor = adam[part][key]
-                lo, hi = max(first - start, 0), min(first + local.shape[0] - start, tensor.shape[0])
-                if lo < hi:
-                    pieces.append(tensor[lo:hi])
-                start += tensor.shape[0]
             if mine.numel():
-                mine.copy_(torch.cat(pieces))
+                mine.copy_(stacked_rows([adam[part][key] for part in parts], first, first + local.shape[0]))
             state[key] = whole
         optimizer.state[p] = state
 
@@ -187,6 +184,3 @@ def fairseq_pieces(src):
     if scale is not None:
         pieces["loss_scaler"] = {"scale": float(scale)}
     return pieces, num_updates, int(position.get("epoch", 1))
-
-
-__all__ = ["PADDING_IDX", "FairseqTensors", "fairseq_pieces", "load_fairseq_adam", "load_fairseq_weights"]

@@ -20,10 +20,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.tokenizer import TOKENIZER_FILES, has_tokenizer, load_tokenizer
 from models.config import TransformerLMConfig
+from models.fairseq_lm import PADDING_IDX
 from models.hf_llama import hf_parts
 from models.transformer_lm import build_model
 from trainer.checkpoint import files
-from trainer.checkpoint.fairseq_checkpoint import PADDING_IDX, FairseqTensors
+from trainer.checkpoint.fairseq_checkpoint import FairseqTensors
 from trainer.checkpoint.hf_dir import FLOAT_DTYPES, HFWeights, is_hf_dir, read_hf_config
 from trainer.checkpoint.tensors import NoBytesLoadPlanner, renumber_layers, saved_layer_ids
 from trainer.config.checks import _check_model_features
