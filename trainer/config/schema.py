@@ -233,7 +233,12 @@ class CheckpointConfig:
 class TaskConfig:
     """trainer/train/task.py: the data, its splits and blocks."""
 
-    _name: str = _f("language_modeling", "task", flag="--task", choices=("language_modeling", "dummy_lm"))
+    _name: str = _f(
+        "language_modeling",
+        "task: language_modeling; sft (conversations, loss on the assistant's tokens); dpo (preference pairs)",
+        flag="--task",
+        choices=("language_modeling", "dummy_lm", "sft", "dpo"),
+    )
     data: Optional[str] = _f(
         None,
         "data directory from `preprocess` or fairseq-preprocess "
@@ -245,6 +250,18 @@ class TaskConfig:
     sample_break_mode: str = _f("none", "how samples are cut from the token stream", choices=BREAK_MODES)
     add_bos_token: bool = _f(False, "start each sample with the beginning-of-sentence symbol <s>")
     pad_to_fixed_length: bool = _f(False, "pad every batch to --tokens-per-sample positions")
+    per_document_attention: bool = _f(
+        False,
+        "each sequence of a packed sample attends only to itself, its positions counted from 0 "
+        "(--sample-break-mode complete, complete_doc or eos); --task sft always does",
+    )
+    dpo_beta: float = _f(0.1, "dpo: the KL penalty's weight beta (the rewards' scale)")
+    dpo_label_smoothing: float = _f(0.0, "dpo: the chance a preference label is flipped (conservative DPO), in [0, 0.5)")
+    dpo_reference: Optional[str] = _f(
+        None,
+        "dpo: the frozen reference model, a Hugging Face dir or a checkpoint (default: the starting model, "
+        "--finetune-from-model)",
+    )
     dict_size: int = _f(49996, "dummy_lm: vocabulary size")
     dataset_size: int = _f(100000, "dummy_lm: samples per epoch")
 
@@ -326,7 +343,13 @@ GROUPS = {f.name: f.type for f in fields(ShardLMConfig)}
 # only the keys it changes.
 GROUP_OPTIONS = {
     "model": PRESETS,
-    "task": {"language_modeling": {}, "dummy_lm": {"tokens_per_sample": 512}},
+    # sft packs whole conversations into a sample; dpo pads each sequence of its pairs
+    "task": {
+        "language_modeling": {},
+        "dummy_lm": {"tokens_per_sample": 512},
+        "sft": {"sample_break_mode": "complete"},
+        "dpo": {"sample_break_mode": "eos"},
+    },
     "criterion": {"cross_entropy": {}, "adaptive_loss": {}},
     "optimizer": {"adam": {}, "adamw": {}, "cpu_adam": {}, "sgd": {}, "nag": {"momentum": 0.99}},
     "lr_scheduler": {
