@@ -33,6 +33,7 @@ import numpy as np
 
 from data.errors import DataError, checked_index
 from data.indexed_dataset import IndexedDataset
+from data.iterator import collate
 
 BREAK_MODES = ("none", "complete", "complete_doc", "eos")
 
@@ -141,6 +142,54 @@ class TokenBlockDataset:
     def num_tokens(self) -> int:
         """Targets per epoch (each item contributes ``len(item) - 1``)."""
         return int((self.target_ends - self.target_starts).sum())
+
+    def length_of(self, sequence: int) -> int:
+        """Tokens of sequence ``sequence`` of the file (one of ``too_long``)."""
+        return int(self.indexed.sizes[sequence])
+
+    def sequence_lengths(self, i: int) -> np.ndarray:
+        """The lengths of the whole sequences block i holds (not with ``none``, which cuts them)."""
+        if not hasattr(self, "_seq_ends"):
+            self._seq_ends = np.cumsum(self.indexed.sizes.astype(np.int64))
+        first = np.searchsorted(self._seq_ends, self.target_starts[i], side="right")
+        last = np.searchsorted(self._seq_ends, self.target_ends[i], side="left")
+        return self.indexed.sizes[first : last + 1].astype(np.int64)
+
+
+class DocumentBlocks:
+    """--per-document-attention: a TokenBlockDataset's items with the lengths of the
+    sequences they hold. Sequence k of a block is predicted from the ``</s>`` before it and
+    its own tokens but the last, so its inputs are as many as its tokens: the lengths cut
+    ``item[:-1]`` into the documents the model keeps apart."""
+
+    def __init__(self, blocks: TokenBlockDataset):
+        self.blocks, self.sizes, self.too_long = blocks, blocks.sizes, blocks.too_long
+        self.length_of = blocks.length_of
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int):
+        return self.blocks[i], self.blocks.sequence_lengths(i)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.blocks.num_tokens
+
+
+def collate_documents(items, pad: int, width: int | None = None) -> dict:
+    """DocumentBlocks' items collated as ``collate`` does, with ``segments``: each input
+    position's document, numbered from 0 in its row (padding continues the last)."""
+    import torch  # torch-free callers (preflight's batch count) never collate
+
+    out = collate([item for item, _ in items], pad, width=width)
+    segments = np.zeros(tuple(out["src_tokens"].shape), dtype=np.int64)
+    for row, (item, lengths) in enumerate(items):
+        n = len(item) - 1
+        segments[row, :n] = np.repeat(np.arange(len(lengths)), lengths)
+        segments[row, n:] = len(lengths) - 1
+    out["segments"] = torch.from_numpy(segments)
+    return out
 
 
 class ConcatDataset:

@@ -256,7 +256,9 @@ class TaskConfig:
         "(--sample-break-mode complete, complete_doc or eos); --task sft always does",
     )
     dpo_beta: float = _f(0.1, "dpo: the KL penalty's weight beta (the rewards' scale)")
-    dpo_label_smoothing: float = _f(0.0, "dpo: the chance a preference label is flipped (conservative DPO), in [0, 0.5)")
+    dpo_label_smoothing: float = _f(
+        0.0, "dpo: the chance a preference label is flipped (conservative DPO), in [0, 0.5)"
+    )
     dpo_reference: Optional[str] = _f(
         None,
         "dpo: the frozen reference model, a Hugging Face dir or a checkpoint (default: the starting model, "

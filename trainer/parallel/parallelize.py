@@ -245,6 +245,28 @@ def parallelize(model, cfg, env):
     return model, grad_sync
 
 
+def freeze(model, cfg, env):
+    """A model that only runs forward without gradients (--task dpo's reference): under FSDP
+    sharded as the policy is, one unit per decoder layer then the root, each gathered for
+    its forward and resharded after it, so a rank holds its shards and one layer at a time;
+    otherwise each rank's own copy. No gradients, so no optimizer state and no reduction."""
+    model.requires_grad_(False)
+    if uses_fsdp(cfg):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        sharding = sharding_of(cfg)
+        kwargs = dict(mesh=device_mesh(sharding.hybrid, sharding.shard_group_size, env), reshard_after_forward=True)
+        if sharding.param_dtype is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=sharding.param_dtype)
+        if sharding.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
+        for layer in model.layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        materialize_shards(model, "cpu" if sharding.cpu_offload else env.device, env.device, cfg.common.seed)
+    return model.eval()
+
+
 def bucket_cap_mb_unused(cfg, world_size):
     """Why a --bucket-cap-mb other than fairseq's 25 does nothing in this run (a line to log
     once), or None when it sizes DDP's buckets or was left at its default."""

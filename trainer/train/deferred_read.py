@@ -106,11 +106,11 @@ class DeferredRead:
         update, self.pending = self.pending, None
         if update is None:
             return True
-        loss_sum, ntokens, _, gnorm, _, bad = update.read()
+        loss_sum, _, _, gnorm, _, bad, sample_size = update.read()[:7]
         if not bad:
             return True
         self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_sum / max(ntokens, 1) / LN2
+        loss = loss_sum / max(sample_size, 1) / LN2
         if self.mode != LOSS_SCALE:
             what = "gradients are" if not math.isfinite(gnorm) else "loss is"
             raise numerical_fault(

@@ -6,7 +6,7 @@ import time
 
 from data.iterator import ORDER
 from trainer.parallel.ranks import all_reduce_sum
-from trainer.train.meters import LN2, TrainMeters, peak_memory_gb, perplexity
+from trainer.train.meters import LN2, TrainMeters, extra_fields, peak_memory_gb, perplexity
 
 log = logging.getLogger("shardlm")
 STOPPED = "stopped"  # validate_and_save's answer when a stop signal ended its validation
@@ -81,7 +81,9 @@ class TrainLoop:
         self.best_valid_loss = math.inf
         self.valid_subsets = [s for s in cfg.dataset.valid_subset.split(",") if s]
         self.itr = task.batch_iterator(cfg.dataset.train_subset, training=True)
-        self.epoch_meters = TrainMeters(env.device)  # restored with the data position on resume
+        self.epoch_meters = TrainMeters(
+            env.device, trainer.objective.extras
+        )  # restored with the data position on resume
 
     def state_dict(self):
         dataset = self.cfg.dataset
@@ -140,7 +142,7 @@ class TrainLoop:
             updates_per_epoch = math.ceil(len(self.itr) / optimization.update_freq)  # each shard of DATA has its own
             if not resumed:
                 self.epoch_meters.reset()
-            interval = TrainMeters(self.env.device)
+            interval = TrainMeters(self.env.device, self.trainer.objective.extras)
             first_step = self.itr.iterations_in_epoch // optimization.update_freq + 1
             peak_memory_gb(self.env.device)  # start this epoch's first interval from now
             for step, samples in enumerate(
@@ -276,7 +278,7 @@ class TrainLoop:
                 continue
             start = time.perf_counter()
             itr = self.task.batch_iterator(subset, training=False)
-            loss_sum, ntokens, nsentences, nbatches = 0.0, 0, 0, 0
+            loss_sum, extras_sum, counts, nbatches = 0.0, 0.0, [0, 0, 0], 0
             for batch in itr.next_epoch_itr():
                 if self.cfg.dataset.max_valid_steps and nbatches >= self.cfg.dataset.max_valid_steps:
                     break
@@ -285,12 +287,22 @@ class TrainLoop:
                 if self.preemption.agreed():
                     log.info(f"stopped validating {subset!r} after {nbatches} batches: its figures are not a result")
                     raise ValidationStopped
-                loss, tokens, sentences = self.trainer.valid_step(batch)  # loss stays on the device: read below
-                loss_sum, ntokens = loss_sum + loss, ntokens + tokens
-                nsentences, nbatches = nsentences + sentences, nbatches + 1
-            # Token and sentence counts over all ranks; batches are steps (the same on every rank).
-            loss_sum, ntokens, nsentences = all_reduce_sum([float(loss_sum), ntokens, nsentences], self.env)
-            loss = loss_sum / max(ntokens, 1) / LN2
+                # the loss and extras stay on the device: read below
+                loss, extras, batch_counts = self.trainer.valid_step(batch)
+                loss_sum, counts, nbatches = (
+                    loss_sum + loss,
+                    [a + b for a, b in zip(counts, batch_counts)],
+                    nbatches + 1,
+                )
+                if extras is not None:
+                    extras_sum = extras_sum + extras
+            # Sums over all ranks; batches are steps (the same on every rank).
+            names = self.trainer.objective.extras
+            extras_sum = [float(x) for x in extras_sum] if names and nbatches else [0.0] * len(names)
+            loss_sum, ntokens, nsentences, sample_size, *extras_sum = all_reduce_sum(
+                [float(loss_sum), *counts, *extras_sum], self.env
+            )
+            loss = loss_sum / max(sample_size, 1) / LN2
             if subset == self.valid_subsets[0]:
                 self.best_valid_loss = min(self.best_valid_loss, loss)
                 metric = loss if self.cfg.checkpoint.best_checkpoint_metric == "loss" else 2**loss
@@ -301,6 +313,7 @@ class TrainLoop:
                 "wps": round(ntokens / elapsed),
                 "wpb": round(ntokens / max(nbatches, 1), 1),
                 "bsz": round(nsentences / max(nbatches, 1), 1),
+                **extra_fields(dict(zip(names, extras_sum)), nsentences),
                 "num_updates": self.trainer.num_updates,
                 "best_loss": round(self.best_valid_loss, 3),
             }

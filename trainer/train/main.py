@@ -10,17 +10,18 @@ from omegaconf import OmegaConf
 
 from data.atomic_file import write_atomically
 from models.transformer_lm import build_model, num_parameters
-from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.checkpointer import Checkpointer, load_model_weights
 from trainer.checkpoint.files import remove_unfinished_saves
 from trainer.checkpoint.save_dir_lock import SaveDirLock
 from trainer.config.checks import check_adaptive_vocab
 from trainer.config.schema import model_positions, uses_fsdp
 from trainer.errors import RankStopped, UsageError
 from trainer.parallel.lost_peer import peer_lost
-from trainer.parallel.parallelize import parallelize, sharded_bytes
+from trainer.parallel.parallelize import freeze, parallelize, sharded_bytes
 from trainer.parallel.ranks import all_reduce_sum, collective_timeout, init_rank, teardown
 from trainer.train.loop import TrainLoop
 from trainer.train.meters import flops_per_token
+from trainer.train.objectives import build_objective
 from trainer.train.preemption import Preemption
 from trainer.train.progress import Progress, setup_logging
 from trainer.train.task import LMTask
@@ -71,7 +72,27 @@ def build(cfg, env):
         f"rank {env.rank} holds {sharded_bytes(model) / 2**20:,.1f} MiB of parameters "
         f"({cfg.distributed_training.ddp_backend}, {env.world_size} rank(s))"
     )
-    return task, Trainer(cfg, model, env, task.pad, grad_sync), fpt
+    reference = None
+    if cfg.task._name == "dpo":
+        reference = build_reference(cfg, env, vocab_size, max_positions, task.pad)
+        fpt = fpt * 4 / 3  # and the reference's forward: a third of a training step's FLOPs
+    return task, Trainer(cfg, model, env, task.pad, grad_sync, build_objective(cfg, reference)), fpt
+
+
+def build_reference(cfg, env, vocab_size, max_positions, pad):
+    """--task dpo's frozen reference: --dpo-reference, else the model the run started from
+    (--finetune-from-model), loaded on every start and resume (checkpoints do not hold it)."""
+    path = cfg.task.dpo_reference or cfg.checkpoint.finetune_from_model
+    device = "meta" if uses_fsdp(cfg) else env.device
+    reference = build_model(cfg.model, vocab_size, max_positions, device=device, padding_idx=pad, seed=cfg.common.seed)
+    reference = freeze(reference, cfg, env)
+    what = load_model_weights(reference, cfg, path)
+    log.info(
+        f"dpo: the reference model is {path} ({what}), frozen; rank {env.rank} holds "
+        f"{sharded_bytes(reference) / 2**20:,.1f} MiB of it; beta {cfg.task.dpo_beta}, "
+        f"label smoothing {cfg.task.dpo_label_smoothing}"
+    )
+    return reference
 
 
 def run(cfg, rdv):

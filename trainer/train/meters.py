@@ -12,25 +12,31 @@ LN2 = math.log(2)
 
 # An update's numbers, one float64 vector on the device (update_status): summed over ranks
 # where they are per rank, read on the host only when a record or a check needs them.
-STATUS = ("loss_sum", "ntokens", "nsentences", "gnorm", "clipped", "bad")
+# sample_size divides the loss: the target tokens (fairseq's), or --task dpo's pairs. A task's
+# own sums (Objective.extras) follow them.
+STATUS = ("loss_sum", "ntokens", "nsentences", "gnorm", "clipped", "bad", "sample_size")
 BAD = STATUS.index("bad")
 
 
-def update_status(loss_sum, counts, gnorm, clip_norm):
-    """[loss_sum, ntokens, nsentences, gnorm, clipped, bad] of an update, on the device:
-    `bad` is 1 where the loss or the gradient norm is not finite."""
+def update_status(loss_sum, counts, gnorm, clip_norm, extras=None):
+    """[loss_sum, ntokens, nsentences, gnorm, clipped, bad, sample_size, *extras] of an
+    update, on the device (counts: [ntokens, nsentences, sample_size]): `bad` is 1 where
+    the loss or the gradient norm is not finite."""
     gnorm = gnorm.double()
     bad = ~(torch.isfinite(loss_sum) & torch.isfinite(gnorm))
     clipped = gnorm > clip_norm if clip_norm > 0 else torch.zeros_like(bad)
-    return torch.stack([loss_sum, counts[0], counts[1], gnorm, clipped.double(), bad.double()])
+    values = [loss_sum, counts[0], counts[1], gnorm, clipped.double(), bad.double(), counts[2]]
+    if extras is not None:
+        values.extend(extras.double().unbind())
+    return torch.stack(values)
 
 
 class UpdateStats:
     """What train_step returns: the update's status vector (on the device), its number, its
     host seconds, and, once queued, the copy the host reads it from one update later."""
 
-    def __init__(self, status, number):
-        self.status, self.number = status, number
+    def __init__(self, status, number, extras=()):
+        self.status, self.number, self.extras = status, number, tuple(extras)
         self.seconds = 0.0
         self.copy = None
 
@@ -39,20 +45,24 @@ class UpdateStats:
         return self.copy.read() if self.copy is not None else self.status.tolist()
 
     def values(self):
-        """{name: float} of STATUS: a host read, for tests and benchmarks, not the loop."""
-        return dict(zip(STATUS, self.read()))
+        """{name: float} of STATUS and the task's extras: a host read, for tests and
+        benchmarks, not the loop."""
+        return dict(zip(STATUS + self.extras, self.read()))
 
 
 class TrainMeters:
     """Sums over an interval (train_inner) or an epoch (train); `record()` turns them into
-    fairseq's fields: loss in base 2 per token, ppl = 2**loss, wps, ups, wpb, bsz, … The
+    fairseq's fields: loss in base 2 per token (per pair for --task dpo), ppl = 2**loss, wps,
+    ups, wpb, bsz, … and the task's own (`extras`, sums over sentences: dpo's rewards). The
     sums live on the device and are read once per record: adding an update reads nothing.
     An update whose flags say bad (fp16's skipped overflow) adds nothing, not even itself."""
 
-    FIELDS = ("loss_sum", "ntokens", "nsentences", "updates", "gnorm_sum", "clipped", "train_wall")
+    BASE = ("loss_sum", "ntokens", "nsentences", "updates", "gnorm_sum", "clipped", "sample_size")
 
-    def __init__(self, device=None):
+    def __init__(self, device=None, extras=()):
         self.device = device or torch.device("cpu")
+        self.extras = tuple(extras)
+        self.FIELDS = self.BASE + self.extras + ("train_wall",)
         self.reset()
 
     def reset(self):
@@ -63,8 +73,8 @@ class TrainMeters:
     def add(self, update):
         s = update.status
         counted = 1.0 - s[BAD]
-        # [loss_sum, ntokens, nsentences, updates, gnorm, clipped]; a bad update's values may be nan
-        values = torch.stack([s[0], s[1], s[2], counted, s[3], s[4]])
+        # BASE's order; a bad update's values may be nan
+        values = torch.cat([torch.stack([s[0], s[1], s[2], counted, s[3], s[4], s[6]]), s[len(STATUS) :]])
         self.sums += torch.where(s[BAD] > 0, torch.zeros_like(values), values)
         self.train_wall += update.seconds
 
@@ -76,7 +86,14 @@ class TrainMeters:
         return self.values()
 
     def load_state_dict(self, state):
-        self.sums = torch.tensor([float(state[k]) for k in self.FIELDS[:-1]], dtype=torch.float64, device=self.device)
+        # sample_size and extras are absent from checkpoints saved before they existed (the
+        # loss was divided by ntokens then)
+        defaults = {"sample_size": state["ntokens"]}
+        self.sums = torch.tensor(
+            [float(state.get(k, defaults.get(k, 0.0))) for k in self.FIELDS[:-1]],
+            dtype=torch.float64,
+            device=self.device,
+        )
         self.train_wall = float(state["train_wall"])
 
     def record(self, num_updates, lr, clip_norm, loss_scale=None, flops_per_token=0.0, peak_tflops=None):
@@ -84,7 +101,7 @@ class TrainMeters:
         v = self.values()
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         n = max(v["updates"], 1)
-        loss = v["loss_sum"] / max(v["ntokens"], 1) / LN2
+        loss = v["loss_sum"] / max(v["sample_size"], 1) / LN2
         rec = {
             "loss": round(loss, 3),
             "ppl": perplexity(loss),
@@ -100,6 +117,7 @@ class TrainMeters:
             rec["clip"] = round(100.0 * v["clipped"] / n, 1)
         if loss_scale is not None:
             rec["loss_scale"] = round(loss_scale, 4)
+        rec.update(extra_fields(v, v["nsentences"]))
         rec["train_wall"] = round(v["train_wall"], 3)
         if flops_per_token:
             tflops = flops_per_token * v["ntokens"] / elapsed / 1e12
@@ -107,6 +125,21 @@ class TrainMeters:
             if peak_tflops:
                 rec["mfu"] = round(tflops / peak_tflops, 4)
         return rec
+
+
+def extra_fields(sums, nsentences):
+    """--task dpo's record fields from its sums over pairs (TRL's rewards/chosen,
+    rewards/rejected, rewards/margins, rewards/accuracies); {} for the other tasks."""
+    if "reward_chosen" not in sums:
+        return {}
+    n = max(nsentences, 1)
+    chosen, rejected = sums["reward_chosen"] / n, sums["reward_rejected"] / n
+    return {
+        "reward_chosen": round(chosen, 4),
+        "reward_rejected": round(rejected, 4),
+        "reward_margin": round(chosen - rejected, 4),
+        "reward_accuracy": round(sums["reward_correct"] / n, 4),
+    }
 
 
 def perplexity(loss_base2):

@@ -15,13 +15,14 @@ import re
 import zlib
 from pathlib import Path
 
+from data.conversations import check_task_data, collate_conversations, collate_preference_pairs, task_samples
 from data.data_dir import data_dirs
 from data.dummy_lm import DummyLMDataset
 from data.embedded_corpus import prepare_embedded_corpus
 from data.errors import DataError
 from data.indexed_dataset import IndexedDataset, exists
 from data.iterator import EpochBatchIterator, collate
-from data.token_block import ConcatDataset, TokenBlockDataset
+from data.token_block import ConcatDataset, DocumentBlocks, TokenBlockDataset, collate_documents
 from data.tokenizer import SPECIAL_IDS, load_tokenizer
 from trainer.config.hf_model import hf_vocab_size
 from trainer.train.preemption import leave_stop_signals_to_the_rank
@@ -58,6 +59,8 @@ class LMTask:
                 self.data_dirs = [prepare_embedded_corpus()]
                 log.info(f"no DATA given: training on the embedded corpus in {self.data_dirs[0]}")
             self.data_dir = self.data_dirs[0]  # the vocabulary's and validation's
+            for data_dir in self.data_dirs:
+                check_task_data(task_cfg._name, data_dir)
             self.tokenizer = load_tokenizer(self.data_dir)
             self.vocab_size = self.tokenizer.vocab_size
             self.pad, self.bos = self.tokenizer.pad, self.tokenizer.bos
@@ -128,27 +131,34 @@ class LMTask:
         """fairseq drops samples longer than the model's positions from training with a
         warning, and refuses them in validation unless told to skip them."""
         task_cfg = self.cfg.task
-        blocks = TokenBlockDataset(
-            IndexedDataset(str(prefix)),
-            task_cfg.tokens_per_sample,
-            task_cfg.sample_break_mode,
-            pad=self.pad,
-            eos=self.tokenizer.eos,
-        )
+        if task_cfg._name in ("sft", "dpo"):
+            blocks = task_samples(
+                task_cfg._name, prefix, task_cfg.tokens_per_sample, task_cfg.sample_break_mode, self.pad
+            )
+            what = "conversations" if task_cfg._name == "sft" else "pairs"
+        else:
+            blocks = TokenBlockDataset(
+                IndexedDataset(str(prefix)),
+                task_cfg.tokens_per_sample,
+                task_cfg.sample_break_mode,
+                pad=self.pad,
+                eos=self.tokenizer.eos,
+            )
+            what = "sentences"
+            if task_cfg.per_document_attention:
+                blocks = DocumentBlocks(blocks)
         if len(blocks.too_long):
             first = int(blocks.too_long[0])
-            size = (
-                f"{int(blocks.indexed.sizes[first])} tokens, more than --tokens-per-sample {task_cfg.tokens_per_sample}"
-            )
+            size = f"{blocks.length_of(first)} tokens, more than --tokens-per-sample {task_cfg.tokens_per_sample}"
             if not training and not self.cfg.dataset.skip_invalid_size_inputs_valid_test:
                 raise DataError(
-                    f"sentence #{first} of {prefix} has an invalid size ({size}; --sample-break-mode "
-                    f"{task_cfg.sample_break_mode} cuts no sentence): skip such sentences with "
+                    f"{what[:-1]} #{first} of {prefix} has an invalid size ({size}; --sample-break-mode "
+                    f"{task_cfg.sample_break_mode} cuts none): skip such {what} with "
                     "--skip-invalid-size-inputs-valid-test, or raise --tokens-per-sample"
                 )
             if self.env.is_master:
                 log.warning(
-                    f"{len(blocks.too_long):,} sentences of {prefix} are longer than a sample and are "
+                    f"{len(blocks.too_long):,} {what} of {prefix} are longer than a sample and are "
                     f"skipped (the first: #{first}, {size})"
                 )
         return blocks
@@ -195,5 +205,15 @@ class LMTask:
             required_batch_size_multiple=dataset_cfg.required_batch_size_multiple,
             num_workers=dataset_cfg.num_workers,
             worker_init=leave_stop_signals_to_the_rank,
-            collater=functools.partial(collate, pad=self.pad, bos=bos, width=width),
+            collater=self.collater(bos, width),
         )
+
+    def collater(self, bos, width):
+        name = self.cfg.task._name
+        if name == "sft":
+            return functools.partial(collate_conversations, pad=self.pad, width=width)
+        if name == "dpo":
+            return functools.partial(collate_preference_pairs, pad=self.pad)
+        if self.cfg.task.per_document_attention:
+            return functools.partial(collate_documents, pad=self.pad, width=width)
+        return functools.partial(collate, pad=self.pad, bos=bos, width=width)

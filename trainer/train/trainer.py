@@ -19,6 +19,7 @@ from trainer.parallel.parallelize import mixed_precision_dtype
 from trainer.parallel.ranks import all_reduce_sum, on_device, on_device_sum
 from trainer.train.deferred_read import BACKOFF, DeferredRead, numerical_fault
 from trainer.train.meters import BAD, UpdateStats, update_status
+from trainer.train.objectives import build_objective
 from trainer.train.optim import CPU_ADAM, NAG, LRSchedule, ShardLocalAdamW, build_optimizer, local_shards
 
 log = logging.getLogger("shardlm")
@@ -29,8 +30,9 @@ class Trainer:
     state (state_dict) is the update count, the lr schedule's position and state; the loss
     scaler is saved with the optimizer's state (trainer/train/main.py registers both)."""
 
-    def __init__(self, cfg, model, env, pad, grad_sync):
+    def __init__(self, cfg, model, env, pad, grad_sync, objective=None):
         self.cfg, self.model, self.env, self.pad, self.grad_sync = cfg, model, env, pad, grad_sync
+        self.objective = objective or build_objective(cfg)
         self.optimizer = build_optimizer(model, cfg)
         if cfg.optimizer._name == "cpu_adam" and env.is_master:
             log.info(CPU_ADAM)
@@ -86,16 +88,12 @@ class Trainer:
         return self.scaler.get_scale() if self.scaler is not None else None
 
     def loss_sum(self, batch, layers=None, noise_seed=None):
-        """Summed cross-entropy (nats, fp32) over the batch's non-pad targets. The model
-        computes it with its output projection, a chunk of logits at a time. layers: the
-        decoder layers to run (LayerDrop's draw; None: all); noise_seed: Quant-Noise's."""
+        """The task's summed loss (fp32) over the batch (trainer/train/objectives.py), and its
+        extra sums (None for token losses). The model computes the cross-entropy with its
+        output projection, a chunk of logits at a time. layers: the decoder layers to run
+        (LayerDrop's draw; None: all); noise_seed: Quant-Noise's."""
         with self.autocast:
-            return self.model(
-                batch["src_tokens"].to(self.env.device, non_blocking=True),
-                target=batch["target"].to(self.env.device, non_blocking=True),
-                layers=layers,
-                noise_seed=noise_seed,
-            )
+            return self.objective(self.model, batch, self.env.device, layers=layers, noise_seed=noise_seed)
 
     def train_step(self, samples):
         """Forward/backward every micro-batch, then clip and step. Returns the update's
@@ -106,13 +104,12 @@ class Trainer:
         acts on it when the run's DeferredRead reads it (settle())."""
         start = time.perf_counter()
         self.model.train()
-        counts = on_device_sum(
-            on_device([sum(s["ntokens"] for s in samples), sum(s["nsentences"] for s in samples)], self.env), self.env
-        )
-        # Divide by the tokens of the whole update; DDP averages gradients over ranks,
-        # which the weight undoes (FSDP sums them).
-        loss_weight = ((self.env.world_size if self.grad_sync.averages else 1) / counts[0].clamp(min=1)).float()
+        counts = on_device_sum(on_device(sample_counts(samples), self.env), self.env)
+        # Divide by the sample size (tokens; dpo's pairs) of the whole update; DDP averages
+        # gradients over ranks, which the weight undoes (FSDP sums them).
+        loss_weight = ((self.env.world_size if self.grad_sync.averages else 1) / counts[2].clamp(min=1)).float()
         loss_total = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        extras_total = torch.zeros(len(self.objective.extras), dtype=torch.float64, device=self.env.device)
         lm = getattr(self.model, "module", self.model)  # the TransformerLM inside DDP
         for i, batch in enumerate(samples):
             # LayerDrop's and Quant-Noise's draws for this micro-batch, from a seed every rank
@@ -121,8 +118,10 @@ class Trainer:
             seed = micro_batch_seed(self.cfg.common.seed, self.num_updates, i)
             layers = lm.layerdrop_layers(seed)
             with self.grad_sync.micro_batch(is_first=i == 0, is_last=i == len(samples) - 1, layers=layers):
-                loss = self.loss_sum(batch, layers, noise_seed=seed)
+                loss, extras = self.loss_sum(batch, layers, noise_seed=seed)
                 loss_total += loss.detach()
+                if extras is not None:
+                    extras_total += extras
                 scaled = loss * loss_weight
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         self.grad_sync.after_backward()
@@ -131,10 +130,13 @@ class Trainer:
         gnorm = self.clip_grad_norm()
         # Summed over ranks, so that every rank skips or stops at the same update.
         loss_total = on_device_sum(loss_total, self.env)
-        status = update_status(loss_total, counts, gnorm.to(loss_total.device), self.cfg.optimization.clip_norm)
+        extras_total = on_device_sum(extras_total, self.env) if len(extras_total) else None
+        status = update_status(
+            loss_total, counts, gnorm.to(loss_total.device), self.cfg.optimization.clip_norm, extras_total
+        )
         if self.deferred.settles_before_step:
             self.settle()
-        update = UpdateStats(status, self.num_updates + 1)
+        update = UpdateStats(status, self.num_updates + 1, self.objective.extras)
         self.deferred.before_step(update)
         self.lr = self.schedule.apply(self.optimizer, self.num_updates - self.lr_updates_offset)
         self.step(status[BAD])
@@ -205,10 +207,23 @@ class Trainer:
 
     @torch.no_grad()
     def valid_step(self, batch):
-        """(summed loss on the device, tokens, sentences) of a validation batch."""
+        """(summed loss on the device, its extra sums or None, [tokens, sentences, sample
+        size]) of a validation batch."""
         self.model.eval()
-        loss = self.loss_sum(batch)  # a dummy batch runs too: sharded forwards are collective
-        return (torch.zeros_like(loss) if batch.get("dummy") else loss), batch["ntokens"], batch["nsentences"]
+        loss, extras = self.loss_sum(batch)  # a dummy batch runs too: sharded forwards are collective
+        if batch.get("dummy"):
+            loss, extras = torch.zeros_like(loss), None if extras is None else torch.zeros_like(extras)
+        return loss, extras, sample_counts([batch])
+
+
+def sample_counts(batches):
+    """[target tokens, sentences, sample size] of batches: the sample size divides the loss,
+    the target tokens (fairseq's), or dpo's pairs."""
+    return [
+        sum(b["ntokens"] for b in batches),
+        sum(b["nsentences"] for b in batches),
+        sum(b.get("sample_size", b["ntokens"]) for b in batches),
+    ]
 
 
 def loss_scaler(cfg, env):

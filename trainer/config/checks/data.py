@@ -19,6 +19,7 @@ def check_task(cfg):
                 f"--dict-size {task.dict_size} leaves no tokens beside the 4 special symbols; use at least 5"
             )
         check_adaptive_vocab(model, task.dict_size)  # the vocabulary is known now; with DATA, once it is read
+    _check_chat_tasks(cfg)
     if model.max_target_positions is not None and task.tokens_per_sample > model.max_target_positions:
         raise UsageError(
             f"--tokens-per-sample {task.tokens_per_sample} exceeds the model's "
@@ -34,6 +35,47 @@ def check_task(cfg):
             f"tokens, more than --max-target-positions {model.max_target_positions}; raise it or lower "
             "--tokens-per-sample"
         )
+
+
+def _check_chat_tasks(cfg):
+    """sft and dpo read whole conversations and pairs from DATA; their flags only act there."""
+    task, name = cfg.task, cfg.task._name
+    if task.per_document_attention and task.sample_break_mode == "none":
+        raise UsageError(
+            "--per-document-attention needs samples made of whole sequences; --sample-break-mode none cuts "
+            "them: use complete, complete_doc or eos"
+        )
+    if task.per_document_attention and task.add_bos_token:
+        raise UsageError("--per-document-attention keeps each sequence's own context; drop --add-bos-token")
+    if name in ("sft", "dpo"):
+        if not task.data:
+            raise UsageError(
+                f"--task {name} trains on DATA written by `preprocess --tokenizer HF_DIR` from "
+                + (
+                    "conversations (rows with messages)"
+                    if name == "sft"
+                    else "preference pairs (prompt, chosen, rejected)"
+                )
+                + "; pass it"
+            )
+        if task.add_bos_token:
+            raise UsageError(f"--task {name}: the chat template places <s> itself; drop --add-bos-token")
+    if name == "dpo":
+        if task.sample_break_mode != "eos":
+            raise UsageError("--task dpo scores each sequence of a pair on its own row: drop --sample-break-mode")
+        if not 0.0 <= task.dpo_label_smoothing < 0.5:
+            raise UsageError(f"--dpo-label-smoothing must be in [0, 0.5), got {task.dpo_label_smoothing}")
+        if task.dpo_beta <= 0:
+            raise UsageError(f"--dpo-beta must be positive, got {task.dpo_beta}")
+        if not task.dpo_reference and not cfg.checkpoint.finetune_from_model:
+            raise UsageError(
+                "--task dpo needs a reference model: --finetune-from-model (the model to start from, also "
+                "the reference) or --dpo-reference"
+            )
+    else:
+        for key, default in (("dpo_beta", 0.1), ("dpo_label_smoothing", 0.0), ("dpo_reference", None)):
+            if task[key] != default:
+                raise UsageError(f"--{key.replace('_', '-')} is a setting of --task dpo; drop it or add --task dpo")
 
 
 def check_dataset(cfg):
