@@ -6,6 +6,8 @@ config.yaml says), so with --context-window 0 the result is training's valid los
 A Hugging Face model directory (--path HF_DIR) scores the same blocks as
 transformers would (default --tokens-per-sample: 1024, at most its max_position_embeddings);
 its data must be made with its own tokenizer (preprocess --tokenizer HF_DIR).
+Conversations (an sft data dir) are scored one per row on their target tokens only, the
+assistant's, as --task sft's validation scores them.
 --context-window K (fairseq's LMContextWindowDataset) shortens each block by K and
 gives it the K tokens before it as unscored context: every token is predicted from at
 least K tokens of history, at the cost of longer inputs.
@@ -20,6 +22,7 @@ import time
 import torch
 
 from data.context_window import ContextWindowDataset
+from data.conversations import ConversationSamples, collate_conversations, data_kind, load_targets
 from data.data_dir import check_token_ids, data_dirs
 from data.embedded_corpus import prepare_embedded_corpus
 from data.indexed_dataset import IndexedDataset, exists
@@ -40,8 +43,9 @@ def evaluate(model, dataset, args, pad, bos, env):
     loss_sum, ntokens = 0.0, 0
     if len(dataset) == 0:
         return loss_sum, ntokens
+    conversations = isinstance(dataset, ConversationSamples)
     itr = EpochBatchIterator(
-        ContextWindowDataset(dataset, args.context_window, pad),
+        dataset if conversations else ContextWindowDataset(dataset, args.context_window, pad),
         batch_size=args.batch_size,
         max_tokens=args.max_tokens,
         seed=1,
@@ -53,7 +57,9 @@ def evaluate(model, dataset, args, pad, bos, env):
         pad=pad,
         every_batch=True,
         num_workers=getattr(args, "num_workers", 1),
-        collater=functools.partial(collate_pairs, pad=pad, bos=bos),
+        collater=functools.partial(collate_conversations, pad=pad)
+        if conversations
+        else functools.partial(collate_pairs, pad=pad, bos=bos),
     )
     total = len(itr)
     # fairseq-eval-lm's progress bar, on rank 0 when stderr is a terminal (--no-progress-bar: none).
@@ -139,6 +145,24 @@ def split_dataset(cfg, args, tokens_per_sample, data_dir, tok):
         )
     tokens = IndexedDataset(str(data_dir / args.gen_subset))
     check_token_ids(tokens, tok.vocab_size)
+    kind = data_kind(data_dir)
+    if kind == "preference_pairs":
+        raise UsageError(
+            f"{data_dir} holds preference pairs: eval-lm scores text or conversations; a --task dpo run's "
+            "validation reports the pairs' loss and rewards"
+        )
+    if kind == "conversations":
+        if args.context_window:
+            raise UsageError(f"{data_dir} holds conversations, each scored whole: drop --context-window")
+        samples = ConversationSamples(
+            tokens, load_targets(data_dir / args.gen_subset, tokens), tokens_per_sample, "eos", tok.pad
+        )
+        if len(samples.too_long):
+            log.warning(
+                f"{len(samples.too_long):,} conversations of {args.gen_subset} are longer than "
+                f"{tokens_per_sample} tokens and are skipped"
+            )
+        return samples
     break_mode = args.sample_break_mode or cfg.task.sample_break_mode
     blocks = TokenBlockDataset(tokens, tokens_per_sample, break_mode, pad=tok.pad, eos=tok.eos)
     if len(blocks.too_long):  # fairseq-eval-lm skips samples longer than the model's positions

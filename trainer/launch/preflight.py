@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+from data.conversations import check_task_data, task_samples
 from data.data_dir import check_data_dir, check_token_ids, data_dirs
 from data.embedded_corpus import SPLITS
 from data.errors import DataError
@@ -32,7 +33,7 @@ def check_inputs(cfg, environ=None):
     _check_paths(cfg)
     world_size = infer_rendezvous(cfg, environ).world_size
     vocab = cfg.task.dict_size if cfg.task._name == "dummy_lm" else 0
-    if cfg.task._name == "language_modeling" and cfg.task.data:
+    if cfg.task._name in ("language_modeling", "sft", "dpo") and cfg.task.data:
         vocab = _check_data(cfg, world_size)
     elif cfg.task._name == "language_modeling":
         _check_embedded_splits(cfg.dataset)
@@ -146,6 +147,8 @@ def _check_data(cfg, world_size):
     tokenizer = check_data_dir(cfg.task.data, [], train_split=dataset_cfg.train_subset)
     dirs = data_dirs(cfg.task.data)
     data = dirs[0]
+    for path in dirs:
+        check_task_data(cfg.task._name, path)
     if not dataset_cfg.disable_validation:
         for subset in filter(None, dataset_cfg.valid_subset.split(",")):
             if exists(data / subset):
@@ -172,9 +175,14 @@ def _check_batches_per_rank(cfg, prefix, tokenizer, world_size):
     most_per_batch = min(x for x in (dataset_cfg.batch_size, dataset_cfg.max_tokens) if x is not None)
     if tokens.num_tokens // task_cfg.tokens_per_sample >= most_per_batch * world_size:
         return
-    blocks = TokenBlockDataset(
-        tokens, task_cfg.tokens_per_sample, task_cfg.sample_break_mode, pad=tokenizer.pad, eos=tokenizer.eos
-    )
+    if task_cfg._name in ("sft", "dpo"):
+        blocks = task_samples(
+            task_cfg._name, prefix, task_cfg.tokens_per_sample, task_cfg.sample_break_mode, tokenizer.pad
+        )
+    else:
+        blocks = TokenBlockDataset(
+            tokens, task_cfg.tokens_per_sample, task_cfg.sample_break_mode, pad=tokenizer.pad, eos=tokenizer.eos
+        )
     batches = EpochBatchIterator(
         blocks,
         batch_size=dataset_cfg.batch_size,
