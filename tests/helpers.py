@@ -84,7 +84,7 @@ def _updates(cfg, env, n_updates, with_gnorm, merge=1):
     losses, gnorms = [], []
     for samples in grouped(batches, cfg.optimization.update_freq):
         stats = trainer.train_step(samples).values()  # a host read per update: the test's, not train's
-        losses.append(stats["loss_sum"] / stats["ntokens"])
+        losses.append(stats["loss_sum"] / stats["sample_size"])
         gnorms.append(stats["gnorm"])
         if len(losses) == n_updates:
             trainer.finish()
@@ -199,7 +199,7 @@ def _recording_rank(index, argv, world, port, out):
         update = step(self, samples)
         stats = update.values()  # a host read per update: the test's, not train's
         if not stats["bad"]:
-            updates.append([self.num_updates, stats["loss_sum"] / stats["ntokens"], stats["gnorm"]])
+            updates.append([self.num_updates, stats])
         return update
 
     Trainer.train_step = recording
@@ -211,14 +211,23 @@ def _recording_rank(index, argv, world, port, out):
 
 
 def train_updates(argv, world, tmp_path):
-    """{num_updates: (loss, gnorm)} of a `train` run on `world` real processes (gloo)."""
+    """{num_updates: (loss, gnorm)} of a `train` run on `world` real processes (gloo); the
+    loss per sample (token, or dpo's pair), in nats."""
+    return {
+        n: (s["loss_sum"] / s["sample_size"], s["gnorm"]) for n, s in train_update_stats(argv, world, tmp_path).items()
+    }
+
+
+def train_update_stats(argv, world, tmp_path):
+    """{num_updates: every sum of the update (trainer.meters.STATUS and the task's extras)}
+    of a `train` run on `world` real processes (gloo)."""
     from trainer.rendezvous import free_port
 
     out = tmp_path / f"updates-{free_port()}"
     run_ranks(_recording_rank, (argv, world, free_port(), str(out)), world)
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
     assert all(r == ranks[0] for r in ranks), "ranks disagree"
-    return {n: (loss, gnorm) for n, loss, gnorm in ranks[0]}
+    return {n: stats for n, stats in ranks[0]}
 
 
 def byte_level_tokenizer(lines, specials, bos=None, vocab_size=300):
