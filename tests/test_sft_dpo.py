@@ -1,0 +1,305 @@
+"""`train --task sft` and `--task dpo` on small random Llama and Qwen3 models with chat
+templates: the first update's loss (and dpo's rewards) equal TRL's SFTTrainer (assistant-only
+loss) and DPOTrainer on the same rows; packed and padded conversations give the same loss;
+one process == 2 FSDP ranks == 2 FSDP ranks with --update-freq 2; a stopped run resumes
+exactly; what does not fit is refused in one line.
+
+The templates are TRL's own training variants of Llama 3's and Qwen3's (with generation
+markers, so TRL takes them as they are and its assistant mask is transformers'). One
+update's batch holds every row, so TRL's batch (its sampler shuffles) holds the same rows."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from test_hf_finetune import save_hf_model
+
+from helpers import byte_level_tokenizer, train_update_stats, train_updates
+
+WORDS = "the a fox dog runs jumps over under lazy quick brown red cat sees big small tree house why how".split()
+SPECIALS = [
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<|pad|>",
+]
+TEMPLATES = {"llama": ("llama3_training.jinja", "<|eot_id|>"), "qwen3": ("qwen3_training.jinja", "<|im_end|>")}
+CONVERSATIONS = 24
+PAIRS = 8
+TOKENS_PER_SAMPLE = 128
+
+
+def _sentence(rng, lo=3, hi=9):
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def conversations(rng, n):
+    rows = []
+    for i in range(n):
+        messages = [{"role": "system", "content": _sentence(rng)}] if i % 3 == 0 else []
+        for _ in range(1 + i % 2):  # one or two exchanges
+            messages += [{"role": "user", "content": _sentence(rng)}, {"role": "assistant", "content": _sentence(rng)}]
+        rows.append({"messages": messages})
+    return rows
+
+
+def preference_pairs(rng, n):
+    return [
+        {
+            "prompt": [{"role": "user", "content": _sentence(rng)}],
+            "chosen": [{"role": "assistant", "content": _sentence(rng)}],
+            "rejected": [{"role": "assistant", "content": _sentence(rng, 2, 6)}],
+        }
+        for _ in range(n)
+    ]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def template_text(name):
+    import trl
+
+    return (Path(trl.__file__).parent / "chat_templates" / name).read_text()
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    """Per model: an HF dir with the template, a second (the dpo reference, other weights),
+    and data dirs of conversations and of preference pairs made by `preprocess`."""
+    import torch
+
+    from data.preprocess import build_parser, preprocess
+
+    root = tmp_path_factory.mktemp("chat")
+    rng = random.Random(0)
+    rows = {"sft": conversations(rng, CONVERSATIONS), "dpo": preference_pairs(rng, PAIRS)}
+    tok = byte_level_tokenizer([_sentence(rng) for _ in range(200)], SPECIALS, vocab_size=300)
+    for kind, rows_ in rows.items():
+        write_jsonl(root / f"{kind}.jsonl", rows_)
+    for model, (template, eos) in TEMPLATES.items():
+        for name, seed in ((model, 0), (f"{model}-ref", 1)):
+            path = root / name
+            save_hf_model(path, tok, model, tok.get_vocab_size() + (12 if model == "qwen3" else 0), "5GB")
+            config = {"eos_token": eos, "pad_token": "<|pad|>", "chat_template": template_text(template)}
+            if model == "llama":
+                config["bos_token"] = "<|begin_of_text|>"
+            (path / "tokenizer_config.json").write_text(json.dumps(config))
+            if seed:  # the reference: other weights than the policy's
+                from safetensors.torch import load_file, save_file
+
+                weights = load_file(path / "model.safetensors")
+                g = torch.Generator().manual_seed(seed)
+                save_file(
+                    {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()},
+                    path / "model.safetensors",
+                    metadata={"format": "pt"},
+                )
+        for kind in ("sft", "dpo"):
+            args = ["--trainpref", str(root / f"{kind}.jsonl"), "--destdir", str(root / f"{model}-{kind}")]
+            preprocess(build_parser().parse_args(args + ["--tokenizer", str(root / model)]))
+    return root, rows
+
+
+def sft_argv(root, model, *extra, batch_size=CONVERSATIONS):
+    return [
+        str(root / f"{model}-sft"),
+        "--task",
+        "sft",
+        "--finetune-from-model",
+        str(root / model),
+        "--tokens-per-sample",
+        str(TOKENS_PER_SAMPLE),
+        "--batch-size",
+        str(batch_size),
+        "--required-batch-size-multiple",
+        "1",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.002",
+        "--max-update",
+        "2",
+        "--no-save",
+        "--disable-validation",
+        *extra,
+    ]
+
+
+def dpo_argv(root, model, *extra, batch_size=PAIRS):
+    return [
+        str(root / f"{model}-dpo"),
+        "--task",
+        "dpo",
+        "--finetune-from-model",
+        str(root / model),
+        "--dpo-reference",
+        str(root / f"{model}-ref"),
+        "--dpo-beta",
+        "0.2",
+        "--dpo-label-smoothing",
+        "0.1",
+        "--tokens-per-sample",
+        str(TOKENS_PER_SAMPLE),
+        "--batch-size",
+        str(batch_size),
+        "--required-batch-size-multiple",
+        "1",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.002",
+        "--max-update",
+        "2",
+        "--no-save",
+        "--disable-validation",
+        *extra,
+    ]
+
+
+def _tokenizer(path):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def trl_sft_loss(root, rows, model, tmp_path):
+    """SFTTrainer's loss (nats per target token) on one batch of every conversation."""
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    policy = transformers.AutoModelForCausalLM.from_pretrained(root / model, dtype=torch.float32)
+    config = trl.SFTConfig(
+        output_dir=str(tmp_path / "trl"),
+        assistant_only_loss=True,
+        per_device_train_batch_size=len(rows),
+        max_length=None,
+        packing=False,
+        report_to="none",
+        use_cpu=True,
+    )
+    trainer = trl.SFTTrainer(
+        model=policy,
+        args=config,
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=_tokenizer(root / model),
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        return trainer.compute_loss(trainer.model, batch).item()
+
+
+def trl_dpo(root, rows, model, tmp_path):
+    """DPOTrainer's loss and reward metrics on one batch of every pair."""
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    load = lambda name: transformers.AutoModelForCausalLM.from_pretrained(root / name, dtype=torch.float32)  # noqa: E731
+    config = trl.DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        beta=0.2,
+        label_smoothing=0.1,
+        loss_type=["sigmoid"],
+        per_device_train_batch_size=len(rows),
+        max_length=None,
+        report_to="none",
+        use_cpu=True,
+    )
+    trainer = trl.DPOTrainer(
+        model=load(model),
+        ref_model=load(f"{model}-ref"),
+        args=config,
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=_tokenizer(root / model),
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch).item()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("rewards/")}
+    return loss, metrics
+
+
+@pytest.mark.parametrize("model", list(TEMPLATES))
+def test_sft_first_loss_is_trl(chat, model, tmp_path):
+    """The first update's loss, packed and one conversation per row, is SFTTrainer's with
+    assistant_only_loss: the same target tokens, each conversation attending to itself."""
+    root, rows = chat
+    expected = trl_sft_loss(root, rows["sft"], model, tmp_path)
+    packed = train_updates(sft_argv(root, model), 1, tmp_path)
+    padded = train_updates(sft_argv(root, model, "--sample-break-mode", "eos"), 1, tmp_path)
+    assert packed[1][0] == pytest.approx(expected, rel=1e-5)
+    assert padded[1][0] == pytest.approx(expected, rel=1e-5)
+    assert packed[1][1] == pytest.approx(padded[1][1], rel=1e-5)  # the same gradients
+    assert packed[2][0] < packed[1][0]
+
+
+@pytest.mark.parametrize("model", list(TEMPLATES))
+def test_dpo_first_loss_and_rewards_are_trl(chat, model, tmp_path):
+    root, rows = chat
+    loss, metrics = trl_dpo(root, rows["dpo"], model, tmp_path)
+    stats = train_update_stats(dpo_argv(root, model), 1, tmp_path)
+    first = stats[1]
+    pairs = first["nsentences"]
+    assert pairs == PAIRS and first["sample_size"] == PAIRS
+    assert first["loss_sum"] / pairs == pytest.approx(loss, rel=1e-5)
+    assert first["reward_chosen"] / pairs == pytest.approx(metrics["rewards/chosen"], rel=1e-4, abs=1e-6)
+    assert first["reward_rejected"] / pairs == pytest.approx(metrics["rewards/rejected"], rel=1e-4, abs=1e-6)
+    assert first["reward_correct"] / pairs == pytest.approx(metrics["rewards/accuracies"])
+    assert metrics["rewards/chosen"] != 0  # policy and reference differ
+    assert stats[2]["loss_sum"] < first["loss_sum"]
+
+
+ARGV = {"sft": sft_argv, "dpo": dpo_argv}
+_one_process = {}
+
+
+def one_process(chat, task, update_freq, tmp_path):
+    """{update: (loss, gnorm)} of one process, one sample (pair) per micro-batch."""
+    key = (task, update_freq)
+    if key not in _one_process:
+        argv = ARGV[task](chat[0], "llama", "--update-freq", str(update_freq), batch_size=1)
+        _one_process[key] = train_updates(argv, 1, tmp_path)
+    return _one_process[key]
+
+
+@pytest.mark.parametrize("task", list(ARGV))
+@pytest.mark.parametrize("update_freq", [1, 2])
+def test_fsdp_ranks_train_as_one_process(chat, task, update_freq, tmp_path):
+    """2 FSDP ranks (with --update-freq 1 or 2) take the samples one process takes with twice
+    the --update-freq: the same losses and gradient norms. dpo's reference is sharded too."""
+    argv = ARGV[task](
+        chat[0], "llama", "--ddp-backend", "fully_sharded", "--update-freq", str(update_freq), batch_size=1
+    )
+    sharded = train_updates(argv, 2, tmp_path)
+    expected = one_process(chat, task, 2 * update_freq, tmp_path)
+    assert sorted(sharded) == sorted(expected) == [1, 2]
+    for n in expected:
+        assert sharded[n] == pytest.approx(expected[n], rel=1e-5)
+
+
+@pytest.mark.parametrize("task", list(ARGV))
+def test_resume_continues_the_run(chat, task, tmp_path):
+    """Stopped after one update and started again, the run continues the uninterrupted
+    curve: the weights, the optimizer and the data position from its checkpoint, dpo's
+    reference loaded again from --dpo-reference (checkpoints do not hold it)."""
+    argv = ARGV[task](chat[0], "llama", "--update-freq", "2", batch_size=1)
+    run = [a for a in argv if a != "--no-save"] + ["--save-dir", str(tmp_path / "ck"), "--no-epoch-checkpoints"]
+    first = train_updates(run[:] + ["--max-update", "1"], 1, tmp_path)
+    rest = train_updates(run, 1, tmp_path)
+    assert sorted(first) == [1] and sorted(rest) == [2]
+    expected = one_process(chat, task, 2, tmp_path)
+    assert first[1] == pytest.approx(expected[1], rel=1e-6)
+    assert rest[2] == pytest.approx(expected[2], rel=1e-6)
