@@ -12,7 +12,7 @@ from models.documents import document_positions
 from models.kv_cache import KVCache
 from models.transformer_lm import build_model
 from trainer.inference.load import load_model
-from trainer.parallel.parallelize import apply_activation_checkpointing
+from trainer.parallel.parallelize import apply_activation_checkpointing, sharding_of
 
 VOCAB, PAD, MAX_POSITIONS = 50, 1, 32
 LLAMA = [
@@ -178,6 +178,13 @@ def test_per_row_losses_and_gradients(monkeypatch, name, extra):
     expected_rows = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=PAD, reduction="none").sum(1)
     torch.testing.assert_close(rows, expected_rows.detach(), rtol=1e-5, atol=1e-5)
     assert_same_grads(ours, grads(model, (weights * expected_rows).sum()))
+
+
+def test_dpo_keeps_the_output_weights_gathered_for_backward():
+    """The per-row loss reads W in backward: a root resharded after forward would have
+    freed it (FSDP2 raises 'setStorage: ... out of bounds for storage of size 0')."""
+    assert not sharding_of(compose(TINY + ["--batch-size", "2"])).root_read_in_backward
+    assert sharding_of(compose(TINY + ["--task", "dpo", "--batch-size", "2"])).root_read_in_backward
 
 
 def test_refusals():
