@@ -77,7 +77,7 @@ class DecoderLayer(nn.Module):
         self.fc2 = linear(cfg, ffn, dim, bias=bias)
         self.w_resid = nn.Parameter(torch.ones(dim)) if getattr(cfg, "scale_resids", False) else None
 
-    def attention(self, x, cache=None, rope=None):
+    def attention(self, x, cache=None, rope=None, mask=None):
         B, T, _ = x.shape
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).view(B, T, H + 2 * KV, D).split((H, KV, KV), dim=2)
@@ -87,7 +87,8 @@ class DecoderLayer(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # Right padding only: a causal mask already keeps every real token off the pads.
-        mask, causal = None, True
+        # Packed documents bring their block-causal mask instead (never with a cache).
+        causal = mask is None
         if cache is not None:
             # Incremental decoding: the new positions attend to every cached one and causally
             # among themselves. is_causal would align the mask top-left (wrong once the cache
@@ -121,10 +122,12 @@ class DecoderLayer(nn.Module):
             x = self.ffn_layernorm(x)
         return self.fc2(x)
 
-    def forward(self, x, cache=None, rope=None):
+    def forward(self, x, cache=None, rope=None, mask=None):
         """cache: this layer's `KVCache.append` (generation only); None in training.
-        rope: the (cos, sin) tables of x's positions (`rope_tables`), with --rope."""
-        attention = partial(self.attention, cache=cache, rope=rope)
+        rope: the (cos, sin) tables of x's positions (`rope_tables`), with --rope.
+        mask: packed documents' B×1×T×T block-causal mask (models/documents.py), True where
+        a query may attend a key; None: plain causal attention. Never with a cache."""
+        attention = partial(self.attention, cache=cache, rope=rope, mask=mask)
         for norm, sublayer, scale in (
             (self.self_attn_layer_norm, attention, None),
             (self.final_layer_norm, self.feed_forward, self.w_resid),

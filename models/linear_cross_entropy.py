@@ -9,6 +9,14 @@ the gradients with respect to the hidden states and to W, by the same two matmul
 backward would run. Only those gradients (N×d and V×d) are kept for backward, which
 scales them by the incoming gradient. Same FLOPs as the plain form, a chunk of logits
 alive at a time, and fp32 only inside a chunk.
+
+Per-row sums (sequence log-likelihoods, for DPO) cannot take that shortcut: each row's
+incoming gradient differs, and W's gradient is a sum over rows that would have to be kept
+row by row (B copies of V×d). So LinearCrossEntropyPerRow scores in forward and recomputes
+each chunk's logits in backward, where the rows' gradients are known: one more logits
+matmul, still a chunk of logits alive at a time. It reads W in backward, so under FSDP the
+module holding W must stay gathered for backward (trainer/parallel/parallelize.py's
+root_read_in_backward).
 """
 
 import torch
@@ -20,34 +28,12 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, ignore_index):
         """x: N×d hidden states, weight: V×d, target: N ids → summed loss (fp32, nats)."""
-        n, vocab = x.shape[0], weight.shape[0]
-        chunk = chunks.loss_chunk_rows(vocab)
-        loss = torch.zeros((), dtype=torch.float32, device=x.device)
         needs_x, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = torch.empty_like(x) if needs_x else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if needs_w else None
-        # One chunk's buffers, allocated once and reused by every chunk: fp32 logits, and
-        # under mixed precision the low-precision product and gradient. A CPU allocator
-        # that hands large blocks back to the OS (FSDP ranks do) would otherwise fault in
-        # fresh zeroed pages three times per chunk.
-        rows, mixed = min(n, chunk), x.dtype != torch.float32
-        logits = torch.empty(rows, vocab, dtype=torch.float32, device=x.device)
-        low = torch.empty(rows, vocab, dtype=x.dtype, device=x.device) if mixed else None
-        # Under mixed precision a chunk's gradient for W is made in the low dtype, then added
-        # into the fp32 sum (see _add_in_blocks).
-        grad_w_low = torch.empty(weight.shape, dtype=x.dtype, device=x.device) if mixed and needs_w else None
-        for start in range(0, n, chunk):
-            loss += _chunk(
-                x[start : start + chunk],
-                weight,
-                target[start : start + chunk],
-                ignore_index,
-                grad_x[start : start + chunk] if needs_x else None,
-                grad_w if needs_w else None,
-                logits,
-                low,
-                grad_w_low,
-            )
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        for chunk_losses in _chunks(x, weight, target, ignore_index, grad_x, grad_w):
+            loss += chunk_losses.sum()
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -61,8 +47,65 @@ class LinearCrossEntropy(torch.autograd.Function):
         return gx, gw, None, None
 
 
-def _chunk(xs, weight, ts, ignore_index, grad_x, grad_w, logits_buf, low_buf, grad_w_low):
-    """One chunk's summed loss; writes its rows of grad_x and adds into grad_w. The logits
+class LinearCrossEntropyPerRow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, target, ignore_index, row_length):
+        """x: N×d hidden states of N // row_length rows, weight: V×d, target: N ids → each
+        row's summed loss (fp32, nats)."""
+        with torch.no_grad():
+            losses = torch.cat(list(_chunks(x, weight, target, ignore_index, None, None)))
+        ctx.save_for_backward(x, weight, target)
+        ctx.ignore_index, ctx.row_length = ignore_index, row_length
+        return losses.view(-1, row_length).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        x, weight, target = ctx.saved_tensors
+        needs_x, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = torch.empty_like(x) if needs_x else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if needs_w else None
+        # Each position's gradient is its row's: the chunks' softmax − one-hot are scaled by it.
+        scale = grad_rows.float().repeat_interleave(ctx.row_length)
+        for _ in _chunks(x, weight, target, ctx.ignore_index, grad_x, grad_w, scale):
+            pass
+        return grad_x, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+
+
+def _chunks(x, weight, target, ignore_index, grad_x, grad_w, scale=None):
+    """Yields each chunk's per-position losses (fp32, 0 where ignored), filling grad_x's
+    rows and adding into grad_w as it goes (where given), each position's gradient scaled
+    by `scale` (N, fp32; None: by 1)."""
+    n, vocab = x.shape[0], weight.shape[0]
+    chunk = chunks.loss_chunk_rows(vocab)
+    # One chunk's buffers, allocated once and reused by every chunk: fp32 logits, and
+    # under mixed precision the low-precision product and gradient. A CPU allocator
+    # that hands large blocks back to the OS (FSDP ranks do) would otherwise fault in
+    # fresh zeroed pages three times per chunk.
+    rows, mixed = min(n, chunk), x.dtype != torch.float32
+    logits = torch.empty(rows, vocab, dtype=torch.float32, device=x.device)
+    low = torch.empty(rows, vocab, dtype=x.dtype, device=x.device) if mixed else None
+    # Under mixed precision a chunk's gradient for W is made in the low dtype, then added
+    # into the fp32 sum (see _add_in_blocks).
+    needs_w = grad_w is not None
+    grad_w_low = torch.empty(weight.shape, dtype=x.dtype, device=x.device) if mixed and needs_w else None
+    for start in range(0, n, chunk):
+        part = slice(start, start + chunk)
+        yield _chunk(
+            x[part],
+            weight,
+            target[part],
+            ignore_index,
+            None if grad_x is None else grad_x[part],
+            grad_w,
+            logits,
+            low,
+            grad_w_low,
+            None if scale is None else scale[part],
+        )
+
+
+def _chunk(xs, weight, ts, ignore_index, grad_x, grad_w, logits_buf, low_buf, grad_w_low, scale=None):
+    """One chunk's per-position losses; writes its rows of grad_x and adds into grad_w. The logits
     are made in logits_buf (fp32) by way of low_buf (the inputs' dtype; None under fp32),
     which then holds the gradient, and W's gradient by way of grad_w_low (likewise); a
     function of its own so its temporaries die on return."""
@@ -80,13 +123,13 @@ def _chunk(xs, weight, ts, ignore_index, grad_x, grad_w, logits_buf, low_buf, gr
     top = logits.amax(dim=-1, keepdim=True)
     total = logits.sub_(top).exp_().sum(dim=-1)
     lse = total.log() + top.squeeze(1)
-    loss = torch.where(keep, lse - picked, torch.zeros_like(lse)).sum()
+    loss = torch.where(keep, lse - picked, torch.zeros_like(lse))
     if grad_x is None and grad_w is None:
         return loss
     # softmax − one-hot, zero on ignored rows, in place over the logits
     grad = logits.div_(total[:, None])
     grad[torch.arange(len(ts), device=xs.device), safe] -= 1.0
-    grad.mul_(keep[:, None])
+    grad.mul_((keep if scale is None else keep * scale)[:, None])
     if low_buf is not None:
         grad = low_buf[:rows].copy_(grad)
     if grad_x is not None:
@@ -115,3 +158,10 @@ def linear_cross_entropy(x, weight, target, ignore_index=-100):
     """Summed cross-entropy (nats) of the logits x @ weight.T against target, over rows
     whose target is not ignore_index. x: (..., d), target: (...)."""
     return LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, target.reshape(-1), ignore_index)
+
+
+def linear_cross_entropy_per_row(x, weight, target, ignore_index=-100):
+    """Each row's summed cross-entropy (nats, fp32) of the logits x @ weight.T against
+    target, over positions whose target is not ignore_index. x: B×T×d, target: B×T → B."""
+    B, T = target.shape
+    return LinearCrossEntropyPerRow.apply(x.reshape(B * T, x.shape[-1]), weight, target.reshape(-1), ignore_index, T)

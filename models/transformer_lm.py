@@ -20,9 +20,10 @@ import torch.nn.functional as F
 
 from models.adaptive import AdaptiveInput, AdaptiveSoftmax
 from models.config import num_layers
+from models.documents import block_causal_mask, document_positions
 from models.kv_cache import KVCache
 from models.layer import ACTIVATION_FNS, DecoderLayer, dropout
-from models.linear_cross_entropy import linear_cross_entropy
+from models.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_per_row
 from models.norms import RMSNorm, _RMSNormFunction, make_norm
 from models.positions import apply_rope, rope_inverse_frequencies, rope_tables, sinusoidal_positions
 from models.quant_noise import embedding, linear, noisy_linear, noisy_modules, quantized_output, set_noise_seeds
@@ -178,8 +179,9 @@ class TransformerLM(nn.Module):
             kinds["quant_noise.weight"] = "torch_linear"
         return kinds
 
-    def embed(self, tokens, start=0):
-        """start: the first token's position (the cache's length when decoding incrementally)."""
+    def embed(self, tokens, start=0, positions=None):
+        """start: the first token's position (the cache's length when decoding incrementally).
+        positions: B×T, each token's own position (packed documents); None: start, start+1, …"""
         T = tokens.shape[1]
         if start + T > self.max_positions:
             raise ValueError(f"sequence of {start + T} tokens exceeds the model's {self.max_positions} positions")
@@ -190,20 +192,27 @@ class TransformerLM(nn.Module):
             x = self.project_in_dim(x)
         first = start + self.positions_offset
         if self.positions == "learned":
-            x = x + self.embed_positions(torch.arange(first, first + T, device=tokens.device))
+            rows = torch.arange(first, first + T, device=tokens.device) if positions is None else positions + first
+            x = x + self.embed_positions(rows)
         elif self.positions == "sinusoidal":
-            x = x + sinusoidal_positions(T, x.shape[-1], x.device, x.dtype, first)
+            table = sinusoidal_positions(T, x.shape[-1], x.device, x.dtype, first)
+            x = x + (table if positions is None else table[positions])
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
         return dropout(x, self.dropout, self.training)
 
-    def rope_tables(self, start, length, x):
-        """(cos, sin) for positions start … start+length-1 with --rope, else None."""
+    def rope_tables(self, start, length, x, positions=None):
+        """(cos, sin) for positions start … start+length-1 with --rope, else None; each
+        length × head_dim, or with `positions` (B×T, packed documents) the rows of those
+        positions, B×1×T×head_dim, so that they broadcast over the heads."""
         if self.rope is None:
             return None
         if self._inv_freq is None or self._inv_freq.device != x.device:
             self._inv_freq = rope_inverse_frequencies(self.rope, x.device)
-        return rope_tables(self._inv_freq, start, length, x.dtype)
+        cos, sin = rope_tables(self._inv_freq, start, length, x.dtype)
+        if positions is None:
+            return cos, sin
+        return cos[positions][:, None], sin[positions][:, None]
 
     def layerdrop_layers(self, seed):
         """LayerDrop (fairseq's LayerDropModuleList): the ids of the layers one training
@@ -217,7 +226,17 @@ class TransformerLM(nn.Module):
         draws = torch.rand(len(self.layers), generator=torch.Generator().manual_seed(seed), device="cpu")
         return [i for i, u in enumerate(draws.tolist()) if u > self.layerdrop]
 
-    def forward(self, tokens, cache=None, target=None, layers=None, softmax_batch=None, noise_seed=None):
+    def forward(
+        self,
+        tokens,
+        cache=None,
+        target=None,
+        layers=None,
+        softmax_batch=None,
+        noise_seed=None,
+        segments=None,
+        per_row=False,
+    ):
         """tokens: B×T token ids → B×T×V logits. With a `KVCache`, tokens are the next T
         positions after those cached: they are appended to it and attend to all of them.
         With `target` (B×T ids; padding_idx is ignored), the summed cross-entropy in nats
@@ -226,15 +245,27 @@ class TransformerLM(nn.Module):
         always in eval mode, runs them all. softmax_batch: with `target`, score at most this
         many tokens' output distributions at a time (eval-lm's --softmax-batch; all at once
         when --quant-noise-scalar makes them int8 values, from the whole logits). noise_seed:
-        in training, the micro-batch's seed of Quant-Noise's draws (None: a random one)."""
+        in training, the micro-batch's seed of Quant-Noise's draws (None: a random one).
+        segments: B×T integers, packed documents (models/documents.py): a run of equal
+        values is one document, attending only to itself, its positions counted from 0;
+        right padding may carry the last document's value or -1. None: one sequence a row.
+        per_row: with `target`, a float32 vector of B summed cross-entropies (nats), one per
+        row (sequence log-likelihoods, e.g. DPO's), instead of their total."""
+        if segments is not None and cache is not None:
+            raise ValueError("segments (packed documents) cannot be decoded with a KV cache: pass one or the other")
+        if per_row and (target is None or softmax_batch or self.adaptive_softmax is not None):
+            raise ValueError("per_row needs a target, and works without softmax_batch or an adaptive softmax")
         if self.training and self._noisy:
             set_noise_seeds(self._noisy, noise_seed)
         start = 0 if cache is None else cache.length
-        x = self.embed(tokens, start)
-        rope = self.rope_tables(start, tokens.shape[1], x)
+        # The documents' positions and mask are made once here and read by every layer.
+        positions = None if segments is None else document_positions(segments)
+        mask = None if segments is None else block_causal_mask(segments)
+        x = self.embed(tokens, start, positions)
+        rope = self.rope_tables(start, tokens.shape[1], x, positions)
         if cache is None:  # training, and generation without a cache
             for i in range(len(self.layers)) if layers is None or not self.training else layers:
-                x = self.layers[i](x, rope=rope)
+                x = self.layers[i](x, rope=rope, mask=mask)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cache=partial(cache.append, i), rope=rope)
@@ -249,6 +280,8 @@ class TransformerLM(nn.Module):
                 self.output_loss(x[i : i + softmax_batch], target[i : i + softmax_batch])
                 for i in range(0, len(target), softmax_batch)
             )
+        if per_row:
+            return self.row_losses(x, target)
         if target is not None:
             return self.output_loss(x, target)
         if self.adaptive_softmax is not None:  # log-probabilities serve as logits
@@ -271,12 +304,23 @@ class TransformerLM(nn.Module):
         weight = self.embed_tokens.weight if self.output_projection is None else self.output_projection.weight
         return self.loss(x, weight, target)
 
-    def loss(self, x, weight, target):
+    def row_losses(self, x, target):
+        """Each row's summed cross-entropy (nats, float32 B) on hidden states x (B×T×d)."""
+        if quantized_output(self.output_projection):  # whole logits, as output_loss makes them
+            logits = self.output_projection(x).float()
+            losses = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=self.padding_idx, reduction="none")
+            return losses.sum(dim=1)
+        weight = self.embed_tokens.weight if self.output_projection is None else self.output_projection.weight
+        return self.loss(x, weight, target, per_row=True)
+
+    def loss(self, x, weight, target, per_row=False):
         device = x.device.type
         if torch.is_autocast_enabled(device):  # the op runs outside autocast: cast as it would
             dtype = torch.get_autocast_dtype(device)
             x, weight = x.to(dtype), weight.to(dtype)
         with torch.autocast(device, enabled=False):
+            if per_row:
+                return linear_cross_entropy_per_row(x, weight, target, ignore_index=self.padding_idx)
             return linear_cross_entropy(x, weight, target, ignore_index=self.padding_idx)
 
 

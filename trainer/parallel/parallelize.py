@@ -43,9 +43,10 @@ class Sharding:
     reduce_dtype: Optional[torch.dtype]
     cpu_offload: bool
     min_params_to_wrap: int
-    # An adaptive input or softmax multiplies by its projections in backward, and
-    # --quant-noise-scalar's clamps read the embedding and output weights: the root, which
-    # holds them, stays gathered for backward.
+    # An adaptive input or softmax multiplies by its projections in backward,
+    # --quant-noise-scalar's clamps read the embedding and output weights, and dpo's per-row
+    # loss recomputes its logits in backward (models/linear_cross_entropy.py): the root,
+    # which holds them, stays gathered for backward.
     root_read_in_backward: bool
 
 
@@ -64,7 +65,8 @@ def sharding_of(cfg):
         min_params_to_wrap=cfg.model.min_params_to_wrap,
         root_read_in_backward=cfg.model.adaptive_input
         or cfg.model.adaptive_softmax_cutoff is not None
-        or cfg.model.quant_noise_scalar > 0,
+        or cfg.model.quant_noise_scalar > 0
+        or cfg.task._name == "dpo",
     )
 
 
