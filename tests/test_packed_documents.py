@@ -184,7 +184,9 @@ def test_dpo_keeps_the_output_weights_gathered_for_backward():
     """The per-row loss reads W in backward: a root resharded after forward would have
     freed it (FSDP2 raises 'setStorage: ... out of bounds for storage of size 0')."""
     assert not sharding_of(compose(TINY + ["--batch-size", "2"])).root_read_in_backward
-    assert sharding_of(compose(TINY + ["--task", "dpo", "--batch-size", "2"])).root_read_in_backward
+    assert sharding_of(
+        compose(["data-dpo", *TINY, "--task", "dpo", "--dpo-reference", "ref", "--batch-size", "2"])
+    ).root_read_in_backward
 
 
 def test_refusals():
