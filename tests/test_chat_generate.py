@@ -8,6 +8,7 @@ tokenizer's eos) and <|eot_id|>; the output rows of <|eot_id|> and of the token 
 path would pick a few steps in are swapped, so the reply ends at the second eos: a generate
 that stopped at the first only would run to --max-new-tokens."""
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -19,9 +20,8 @@ from helpers import byte_level_tokenizer, train_updates
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-TEMPLATE = (
-    Path(__import__("trl").__file__).parent / "chat_templates" / "llama3_1.jinja"
-).read_text()  # the template Llama 3.1 Instruct ships
+# The template Llama 3.1 Instruct ships, as trl keeps it (found without importing trl).
+TEMPLATE = (Path(importlib.util.find_spec("trl").origin).parent / "chat_templates" / "llama3_1.jinja").read_text()
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|pad|>"]
 WORDS = "the a fox dog runs jumps over lazy quick brown cat sees big tree house user system hello".split()
 SYSTEM, PROMPT = "You are terse.", "the quick fox"
