@@ -22,7 +22,7 @@ from pathlib import Path
 
 from data.dictionary import Dictionary
 from data.errors import DataError
-from data.hf_tokenizer import HF_CONFIG_FILES, HF_TOKENIZER_FILE
+from data.hf_tokenizer import CHAT_TEMPLATE_FILE, HF_CONFIG_FILES, HF_TOKENIZER_FILE
 from data.tokenizer import tokenizer_files
 
 # sentencepiece's ModelProto enums (sentencepiece_model.proto).
@@ -47,7 +47,7 @@ def write_hf_tokenizer(src_dir: str | os.PathLike, out_dir: str | os.PathLike) -
     kind, path = tokenizer_files(src_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if kind == "hf":  # made by preprocess --tokenizer: the files are already the model's own
-        for name in (HF_TOKENIZER_FILE, *HF_CONFIG_FILES):
+        for name in (HF_TOKENIZER_FILE, *HF_CONFIG_FILES, CHAT_TEMPLATE_FILE):
             if (src_dir / name).is_file() and src_dir.resolve() != out_dir.resolve():
                 shutil.copyfile(src_dir / name, out_dir / name)
         return out_dir

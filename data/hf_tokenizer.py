@@ -16,6 +16,9 @@ from data.errors import DataError
 
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# transformers 5 saves a chat template here rather than in tokenizer_config.json, and reads
+# it first: a chat model's data dir, checkpoints and exports keep it beside tokenizer.json.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 _SPECIAL_KEYS = ("bos", "eos", "pad", "unk")
 
 
@@ -32,6 +35,12 @@ def hf_tokenizer_paths(path: str | os.PathLike) -> tuple[Path, list[Path]]:
         )
     configs = [tokenizer_json.parent / name for name in HF_CONFIG_FILES]
     return tokenizer_json, [p for p in configs if p.is_file()]
+
+
+def chat_template_path(tokenizer_json: Path) -> Path | None:
+    """chat_template.jinja beside a tokenizer.json, if there is one."""
+    path = Path(tokenizer_json).parent / CHAT_TEMPLATE_FILE
+    return path if path.is_file() else None
 
 
 def load_hf_tokenizer_file(path: Path):
@@ -165,6 +174,18 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids if int(i) not in self._skip_on_decode], skip_special_tokens=False)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Ids of a text whose specials are already written in it (a rendered chat template):
+        nothing added, as apply_chat_template tokenizes (add_special_tokens=False)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def special_token_ids(self) -> set[int]:
+        return {i for i, token in self._tok.get_added_tokens_decoder().items() if token.special}
+
+    def decode_without_specials(self, ids) -> str:
+        """A reply as transformers' decode(skip_special_tokens=True) gives it."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def pieces(self) -> list[str]:
         """The vocabulary, by id (None where no token has the id)."""

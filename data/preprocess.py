@@ -25,7 +25,7 @@ from pathlib import Path
 
 from data.encode import EncodePool, encode_splits
 from data.errors import DataError
-from data.hf_tokenizer import HF_TOKENIZER_FILE, HFTokenizer, hf_tokenizer_paths
+from data.hf_tokenizer import HF_TOKENIZER_FILE, HFTokenizer, chat_template_path, hf_tokenizer_paths
 from data.indexed_dataset import best_fitting_dtype
 from data.sources import INPUT_FORMATS, Source, load_rows, resolve_sources, split_specs
 from data.tokenizer import SPECIAL_IDS, SentencePieceTokenizer, file_sha256, train_sentencepiece
@@ -148,7 +148,8 @@ def _tokenizer_outputs(args) -> dict[str, Path | None]:
     """destdir's tokenizer files -> where each comes from (None: trained here)."""
     if args.tokenizer:
         tokenizer_json, configs = hf_tokenizer_paths(args.tokenizer)
-        return {HF_TOKENIZER_FILE: tokenizer_json, **{p.name: p for p in configs}}
+        template = chat_template_path(tokenizer_json)
+        return {HF_TOKENIZER_FILE: tokenizer_json, **{p.name: p for p in configs + ([template] if template else [])}}
     return {TOKENIZER_FILE: Path(args.spm_model) if args.spm_model else None}
 
 

@@ -15,7 +15,14 @@ from pathlib import Path
 
 from data.dictionary import Dictionary
 from data.errors import DataError
-from data.hf_tokenizer import HF_CONFIG_FILES, HF_TOKENIZER_FILE, HFTokenizer, hf_vocab_size, load_hf_tokenizer_file
+from data.hf_tokenizer import (
+    CHAT_TEMPLATE_FILE,
+    HF_CONFIG_FILES,
+    HF_TOKENIZER_FILE,
+    HFTokenizer,
+    hf_vocab_size,
+    load_hf_tokenizer_file,
+)
 
 SPECIAL_IDS = dict(bos=0, pad=1, eos=2, unk=3)
 
@@ -160,7 +167,7 @@ class DictionaryTokenizer:
 # comes first: an HF model dir may also hold its slow tokenizer's tokenizer.model.
 TOKENIZER_KINDS = {HF_TOKENIZER_FILE: "hf", "tokenizer.model": "sentencepiece", "dict.txt": "fairseq-dict"}
 # Every file that makes up a data dir's tokenizer: checkpoints and exports copy these.
-TOKENIZER_FILES = ("tokenizer.model", "dict.txt", HF_TOKENIZER_FILE, *HF_CONFIG_FILES)
+TOKENIZER_FILES = ("tokenizer.model", "dict.txt", HF_TOKENIZER_FILE, *HF_CONFIG_FILES, CHAT_TEMPLATE_FILE)
 
 
 def tokenizer_files(data_dir: str | os.PathLike) -> tuple[str, Path]:

@@ -49,10 +49,12 @@ def sample(
 ):
     """Return up to `max_new_tokens` new token ids continuing `prompt_ids`.
 
-    Stops early after sampling `eos` (which is not returned). An empty prompt starts from
+    Stops early after sampling `eos` (which is not returned): one id, or several (a chat
+    model ends a turn with one id and a text with another; the first met stops it). An empty prompt starts from
     `bos` (fairseq LMs use eos as the beginning of a sentence). Draws come from a generator
     seeded by `seed`: the same seed gives the same tokens and the global RNG is untouched.
     `banned`: token ids never picked (fairseq's generator bans <pad>)."""
+    stop = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
     tokens = list(prompt_ids)
     if not tokens:
         if bos is None:
@@ -77,7 +79,7 @@ def sample(
                 if banned:
                     logits[list(banned)] = float("-inf")
                 token = next_token(logits, temperature, top_k, top_p, generator)
-                if token == eos:
+                if token in stop:
                     break
                 new.append(token)
                 tokens.append(token)

@@ -29,6 +29,7 @@ from data.tokenizer import TOKENIZER_FILES
 from models.hf_llama import hf_model_type
 from trainer.checkpoint import files
 from trainer.checkpoint.fairseq_checkpoint import fairseq_pieces, load_fairseq_adam, load_fairseq_weights
+from trainer.checkpoint.generation_config import generation_config, write_generation_config
 from trainer.checkpoint.hf_dir import is_hf_dir, load_hf_weights
 from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.tensors import (
@@ -40,6 +41,7 @@ from trainer.checkpoint.tensors import (
     tensor_state,
 )
 from trainer.config.fairseq_model import is_fairseq_checkpoint
+from trainer.config.hf_model import hf_finetune_dir
 from trainer.errors import RankStopped, UsageError
 from trainer.parallel.ranks import all_reduce_sum
 
@@ -231,6 +233,12 @@ class Checkpointer:
         for name in (*TOKENIZER_FILES, "metadata.json"):
             if self.data_dir is not None and (Path(self.data_dir) / name).is_file():
                 shutil.copyfile(Path(self.data_dir) / name, tmp / name)
+        # A model fine-tuned from an HF directory keeps its eos ids (a chat model's end of
+        # turn among them): generate and export-model need them when the directory is gone.
+        source = hf_finetune_dir(self.cfg)
+        config = generation_config(source) if source is not None else None
+        if config is not None:
+            write_generation_config(config, tmp)
 
     def publish(self, tmp, names, num_updates):
         if self.env.is_master:

@@ -82,6 +82,20 @@ class GenerateConfig:
     top_p: float = _f(1.0, "nucleus sampling: smallest set with this probability")
     seed: int = _f(1, "the same seed gives the same text")
     no_kv_cache: bool = _f(False, "re-run the whole prefix for every token (slow)")
+    chat: bool = _f(
+        False,
+        "talk to a chat model through its chat template (chat_template.jinja or tokenizer_config.json's): "
+        "each --prompt is the user turn of a conversation of its own; without --prompt or --messages, each "
+        "stdin line is the next user turn of one conversation. Prints only the assistant's reply, stopped "
+        "at the end of its turn or at any eos id of config.json / generation_config.json",
+    )
+    system: Optional[str] = _f(None, "--chat: a system message opening each conversation", metavar="TEXT")
+    messages: Optional[str] = _f(
+        None,
+        "--chat: conversations to reply to, each a list of {role, content} messages: FILE.json holds one "
+        "(or a list of them), FILE.jsonl one per line",
+        metavar="FILE",
+    )
 
 
 @dataclass

@@ -14,6 +14,7 @@ from data.hf_convert import write_hf_tokenizer
 from data.tokenizer import SPECIAL_IDS, has_tokenizer, load_tokenizer
 from models.hf_llama import llama_incompatibility
 from models.transformer_lm import build_model
+from trainer.checkpoint.generation_config import id_list, model_generation_config, write_generation_config
 from trainer.errors import UsageError
 from trainer.inference.hf_gpt2 import gpt2_incompatibility, write_hf_gpt2
 from trainer.inference.hf_llama_export import write_hf_llama
@@ -100,6 +101,9 @@ def _write_hf(src, out, dtype, max_bytes):
         )
     our_specs = _model_specs(src)
     ids = _special_token_ids(src.files_dir)
+    generation = _generation_config(src, ids)
+    if generation is not None:
+        ids["eos_token_id"] = generation["eos_token_id"]
     if llama_why is None:
         write_hf_llama(
             out,
@@ -125,6 +129,8 @@ def _write_hf(src, out, dtype, max_bytes):
         )
     if has_tokenizer(src.files_dir):
         write_hf_tokenizer(src.files_dir, out)
+    if generation is not None:
+        write_generation_config(generation, out)
 
 
 def _model_specs(src):
@@ -138,6 +144,19 @@ def _model_specs(src):
         if tuple(src.specs[name][0]) != shape:
             raise UsageError(f"{src.path}: {name} is {list(src.specs[name][0])}, its config.yaml implies {list(shape)}")
     return specs
+
+
+def _generation_config(src, ids):
+    """generation_config.json of the export: the eos ids the model carries (a chat model's
+    end of turn among them; trainer/checkpoint/generation_config.py), the tokenizer's eos
+    too, so transformers' generate stops where ours does; None when it carries none."""
+    carried = model_generation_config(src.files_dir, src.cfg)
+    if carried is None:
+        return None
+    eos = id_list(carried["eos_token_id"], src.files_dir)
+    eos += [ids["eos_token_id"]] if ids["eos_token_id"] is not None and ids["eos_token_id"] not in eos else []
+    own = {key: value for key, value in ids.items() if value is not None}
+    return {**own, **carried, "eos_token_id": eos if len(eos) > 1 else eos[0]}
 
 
 def _special_token_ids(path):

@@ -25,6 +25,7 @@ from models.hf_llama import hf_parts
 from models.transformer_lm import build_model
 from trainer.checkpoint import files
 from trainer.checkpoint.fairseq_checkpoint import FairseqTensors
+from trainer.checkpoint.generation_config import GENERATION_CONFIG
 from trainer.checkpoint.hf_dir import FLOAT_DTYPES, HFWeights, is_hf_dir, read_hf_config
 from trainer.checkpoint.tensors import NoBytesLoadPlanner, renumber_layers, saved_layer_ids
 from trainer.config.checks import _check_model_features
@@ -35,7 +36,7 @@ from trainer.inference.safetensors_file import read_safetensors, safetensors_spe
 
 log = logging.getLogger("shardlm")
 EXPORT_FILE = "model.safetensors"
-SIDE_FILES = ("config.yaml", *TOKENIZER_FILES, "metadata.json")
+SIDE_FILES = ("config.yaml", *TOKENIZER_FILES, "metadata.json", GENERATION_CONFIG)
 
 
 def _kind(path, hf=False):
@@ -64,6 +65,13 @@ def _kind(path, hf=False):
         f"{path} is neither a checkpoint directory (from --save-dir) nor an export "
         f"(from export-model){also}; pass one with --path"
     )
+
+
+def model_files_dir(path):
+    """Where the tokenizer and side files of the model at `path` are (a fairseq checkpoint's
+    are beside it), found without reading a tensor."""
+    kind, path = _kind(path, hf=True)
+    return path.parent if kind == "fairseq" else path
 
 
 class CheckpointTensors:
