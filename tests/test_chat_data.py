@@ -306,3 +306,55 @@ def test_load_targets_refuses_text_data(hf, tmp_path):
             "--max-length",
             "5",
         )
+
+
+def test_target_rule_runs_to_the_end_of_turn_token(hf):
+    """Without markers the target runs past the content to the end-of-turn token (not the
+    newline after it), and is the content alone where no such token ends the turn."""
+    llama = hf / "llama3_1"
+    suffixed = (
+        "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>"
+        "{{ m.content }} (end)<|eot_id|>\n{% endfor %}"
+    )
+    bare = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    for template, turn in ((suffixed, "{} (end)<|eot_id|>"), (bare, "{}")):
+        ours = ChatEncoder(str(llama / "tokenizer.json"), template, template_variables(llama), model_eos_ids(llama))
+        messages = CONVERSATIONS[1]
+        ids, targets = ours.conversation(messages)
+        runs, run = [], []
+        for i, t in zip(ids, targets):
+            if t:
+                run.append(i)
+            elif run:
+                runs, run = runs + [run], []
+        runs += [run] if run else []
+        assert [ours.tokenizer.decode(r) for r in runs] == [turn.format(m["content"]) for m in messages[2::2]]
+
+
+def test_pair_completion_starts_where_either_side_diverges(hf, tmp_path):
+    """A generation prompt that the whole conversation renders otherwise ("Sure" prefilled):
+    TRL's completion starts at the shorter common prefix, for both sides."""
+    from transformers import AutoTokenizer
+
+    template = tmp_path / "prefill.jinja"
+    template.write_text(
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}assistant: Sure{% endif %}"
+    )
+    pair = {
+        "prompt": [{"role": "user", "content": "Why is the sky blue?"}],
+        "chosen": [{"role": "assistant", "content": "Sure, Rayleigh scattering."}],
+        "rejected": [{"role": "assistant", "content": "No."}],
+    }
+    data = write_jsonl(tmp_path / "pairs.jsonl", [pair])
+    out = run_preprocess(
+        "--tokenizer", hf / "llama3_1", "--chat-template", template, "--trainpref", data, "--destdir", tmp_path / "b"
+    )
+    assert (out / "chat_template.jinja").read_text() == template.read_text()
+    tok = AutoTokenizer.from_pretrained(hf / "llama3_1")
+    tok.chat_template = template.read_text()
+    prompt, chosen, rejected = trl_dpo_tokenize(tok, pair)
+    targets = load_targets(out / "train")
+    assert rows(out / "train") == [prompt + chosen, prompt + rejected]
+    assert targets[0].tolist() == [0] * len(prompt) + [1] * len(chosen)
+    assert targets[1].tolist() == [0] * len(prompt) + [1] * len(rejected)
