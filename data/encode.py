@@ -1,8 +1,10 @@
-"""Encoding a text dataset into one MMIDIDX file with N worker processes.
+"""Encoding a dataset into one MMIDIDX file with N worker processes.
 
-The rows are cut into contiguous chunks; each chunk is encoded into its own shard file
-and the shards are merged in chunk order, so the output is byte-identical for any
-number of workers.
+Text rows become one sequence each (+ eos); conversations and preference pairs are
+rendered with the chat template in the workers too (data/chat_encode.py), each with its
+targets file beside it (data/targets.py). The rows are cut into contiguous chunks; each
+chunk is encoded into its own shard file and the shards are merged in chunk order, so the
+output is byte-identical for any number of workers.
 """
 
 from __future__ import annotations
@@ -15,13 +17,17 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from data.chat_encode import ChatEncoder, RowError
+from data.chat_rows import row_name
+from data.errors import DataError
 from data.hf_tokenizer import HFTokenizer
 from data.indexed_dataset import IndexedDatasetBuilder, bin_path, idx_path
+from data.targets import TARGETS_DTYPE, targets_prefix
 from data.tokenizer import SentencePieceTokenizer
 
 # Rows per chunk: small enough that the progress bar moves and N workers share the work
@@ -33,19 +39,37 @@ _BATCH_ROWS = 1_000
 
 @dataclass
 class EncodeStats:
-    documents: int
+    documents: int  # rows read
     tokens: int
     seconds: float
+    dropped: int = 0  # rows over --max-length
+
+    @property
+    def written(self) -> int:
+        return self.documents - self.dropped
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / max(self.seconds, 1e-9)
 
 
+@dataclass(frozen=True)
+class ChatSpec:
+    """How a worker turns conversation or preference-pair rows into sequences and targets."""
+
+    kind: str  # "conversations" | "preference_pairs"
+    template: str
+    variables: dict  # the special tokens the template sees
+    model_eos_ids: list  # config.json's eos_token_id(s): end-of-turn tokens
+    max_length: int | None  # rows longer than this are dropped
+    files: list = ()  # (first row, file) of the split, to name a bad row
+
+
 class _WorkerState:
     """What every chunk in one process reuses: tokenizers by path, loaded once."""
 
     tokenizers: dict[str, SentencePieceTokenizer | HFTokenizer] = {}
+    encoders: dict[tuple[str, str], ChatEncoder] = {}
 
 
 def _load_tokenizer(path: str) -> SentencePieceTokenizer | HFTokenizer:
@@ -63,13 +87,15 @@ def _one_thread_per_worker() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def _encode_chunk(task: tuple[list, str, str, str]) -> tuple[int, int]:
-    """Encode one chunk's texts into a shard; returns (documents, tokens).
+def _encode_chunk(task: tuple) -> tuple[int, int, int]:
+    """Encode one chunk's rows into a shard; returns (rows, tokens, rows dropped).
 
     The parent reads the rows and sends their text: a worker then needs only the tokenizer
     and numpy, not ``datasets`` (whose slow import every spawned worker would pay for).
     """
-    texts, model_path, dtype, shard_prefix = task
+    texts, model_path, dtype, shard_prefix, chat, first_row = task
+    if chat is not None:
+        return _encode_chat_chunk(texts, model_path, np.dtype(dtype), shard_prefix, chat, first_row)
     tokenizer = _WorkerState.tokenizers.get(model_path)
     if tokenizer is None:
         tokenizer = _WorkerState.tokenizers[model_path] = _load_tokenizer(model_path)
@@ -87,7 +113,48 @@ def _encode_chunk(task: tuple[list, str, str, str]) -> tuple[int, int]:
         builder.discard()
         raise
     builder.finalize()
-    return len(texts), tokens
+    return len(texts), tokens, 0
+
+
+def _chat_sequences(encoder: ChatEncoder, kind: str, row) -> list[tuple[list[int], list[int]]]:
+    """A row's (ids, targets): one conversation, or a pair's chosen then rejected."""
+    if kind == "conversations":
+        return [encoder.conversation(row)]
+    chosen, rejected, prompt_length = encoder.preference_pair(*row)
+    return [(ids, [0] * prompt_length + [1] * (len(ids) - prompt_length)) for ids in (chosen, rejected)]
+
+
+def _encode_chat_chunk(rows, model_path: str, dtype: np.dtype, shard_prefix: str, chat: ChatSpec, first_row: int):
+    key = (model_path, chat.template)
+    encoder = _WorkerState.encoders.get(key)
+    if encoder is None:
+        encoder = _WorkerState.encoders[key] = ChatEncoder(
+            model_path, chat.template, chat.variables, chat.model_eos_ids
+        )
+    builders = [
+        IndexedDatasetBuilder(shard_prefix, dtype),
+        IndexedDatasetBuilder(targets_prefix(shard_prefix), TARGETS_DTYPE),
+    ]
+    tokens = dropped = 0
+    try:
+        for k, row in enumerate(rows):
+            try:
+                sequences = _chat_sequences(encoder, chat.kind, row)
+            except RowError as e:
+                raise DataError(f"{row_name(chat.files, first_row + k)}: {e}") from None
+            if chat.max_length is not None and max(len(ids) for ids, _ in sequences) > chat.max_length:
+                dropped += 1
+                continue
+            builders[0].add_items([ids for ids, _ in sequences])
+            builders[1].add_items([targets for _, targets in sequences])
+            tokens += sum(len(ids) for ids, _ in sequences)
+    except BaseException:
+        for builder in builders:
+            builder.discard()
+        raise
+    for builder in builders:
+        builder.finalize()
+    return len(rows), tokens, dropped
 
 
 class EncodePool:
@@ -117,7 +184,7 @@ class EncodePool:
             self._pool.shutdown(wait=True, cancel_futures=True)
         _WorkerState.tokenizers.clear()
 
-    def imap(self, tasks: Iterator[tuple]) -> Iterator[tuple[int, int]]:
+    def imap(self, tasks: Iterator[tuple]) -> Iterator[tuple[int, int, int]]:
         """Results of ``tasks`` in order, with at most 2 chunks per worker in flight: the
         texts of a chunk are read only shortly before a worker needs them."""
         if self._pool is None:
@@ -156,12 +223,14 @@ def encode_splits(
     dtype: np.dtype,
     pool: EncodePool,
     shard_dir: Path,
+    chat: ChatSpec | None = None,
 ) -> Iterator[tuple[str, EncodeStats]]:
-    """Encode each split's rows (+ eos) into ``<out_dir>/<split>.bin/.idx`` with the
-    tokenizer at ``model_path`` (tokenizer.model, or tokenizer.json with its configs).
+    """Encode each split's rows into ``<out_dir>/<split>.bin/.idx`` with the tokenizer at
+    ``model_path`` (tokenizer.model, or tokenizer.json with its configs): texts + eos, or,
+    with ``chat``, conversations or preference pairs with ``<split>.targets.bin/.idx``.
 
-    ``splits`` maps split name -> rows (data/text_rows.py). Yields ``(split, stats)`` as
-    each split is written, so the caller can report it.
+    ``splits`` maps split name -> rows (data/text_rows.py, data/chat_rows.py). Yields
+    ``(split, stats)`` as each split is written, so the caller can report it.
     """
     from tqdm import tqdm
 
@@ -169,15 +238,19 @@ def encode_splits(
         started = time.perf_counter()
         size = _chunk_rows(len(rows), pool.workers)
         shards = [str(shard_dir / f"{split}-{k:06d}") for k in range(math.ceil(len(rows) / size))]
+        split_chat = None if chat is None else replace(chat, files=rows.files())
         # A generator: each chunk's texts are read only when a worker is about to need them.
         tasks = (
-            (texts, str(model_path), np.dtype(dtype).name, shard)
-            for texts, shard in zip(rows.batches(size), shards, strict=True)
+            (texts, str(model_path), np.dtype(dtype).name, shard, split_chat, k * size)
+            for k, (texts, shard) in enumerate(zip(rows.batches(size), shards, strict=True))
         )
-        tokens = 0
+        tokens = dropped = 0
         with tqdm(total=len(rows), desc=split, unit="doc", file=sys.stderr, mininterval=0.5) as bar:
-            for documents, chunk_tokens in pool.imap(tasks):
+            for documents, chunk_tokens, chunk_dropped in pool.imap(tasks):
                 tokens += chunk_tokens
+                dropped += chunk_dropped
                 bar.update(documents)
         _merge_shards(shards, out_dir / split, dtype)
-        yield split, EncodeStats(len(rows), tokens, time.perf_counter() - started)
+        if chat is not None:
+            _merge_shards([str(targets_prefix(s)) for s in shards], targets_prefix(out_dir / split), TARGETS_DTYPE)
+        yield split, EncodeStats(len(rows), tokens, time.perf_counter() - started, dropped)

@@ -172,6 +172,15 @@ class HFTokenizer:
         texts = list(texts)
         return [self._ids(t, e, add_eos) for t, e in zip(texts, self._tok.encode_batch(texts), strict=True)]
 
+    def special_token_ids(self) -> list[int]:
+        """Ids of the tokenizer's added tokens marked special."""
+        return [i for i, token in self._tok.get_added_tokens_decoder().items() if token.special]
+
+    def encoding(self, text: str, add_special_tokens: bool):
+        """The ``tokenizers.Encoding`` (ids and character offsets) of ``text``, as transformers'
+        ``tokenizer(text, add_special_tokens=...)`` tokenizes it."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids if int(i) not in self._skip_on_decode], skip_special_tokens=False)
 

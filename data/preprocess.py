@@ -10,6 +10,12 @@ Writes into ``--destdir``:
 * ``metadata.json``: vocabulary size, dtype, special ids, per-split counts and sources
   (and for ``--tokenizer``: the tokenizer's kind and sha256, to tell which model it is).
 
+With ``--tokenizer``, rows with a ``messages`` column (conversations, for SFT) or ``prompt``,
+``chosen``, ``rejected`` columns (preference pairs, for DPO) are rendered with the model's
+chat template instead (data/chat_encode.py), each split with ``{split}.targets.bin/.idx``
+beside it and the template as ``chat_template.jinja`` (data/targets.py says what training
+reads).
+
 Everything is built in a temp dir inside destdir and moved into place at the end,
 ``metadata.json`` last, so a crash or Ctrl-C leaves no half-written split behind.
 """
@@ -23,11 +29,20 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from data.encode import EncodePool, encode_splits
+from data.chat_rows import load_chat_rows
+from data.chat_template import (
+    CHAT_TEMPLATE_FILE,
+    compile_or_refuse,
+    model_eos_ids,
+    read_chat_template,
+    template_sha256,
+    template_variables,
+)
+from data.encode import ChatSpec, EncodePool, encode_splits
 from data.errors import DataError
 from data.hf_tokenizer import HF_TOKENIZER_FILE, HFTokenizer, chat_template_path, hf_tokenizer_paths
 from data.indexed_dataset import best_fitting_dtype
-from data.sources import INPUT_FORMATS, Source, load_rows, resolve_sources, split_specs
+from data.sources import INPUT_FORMATS, ChatRowsFound, Source, load_rows, resolve_sources, split_specs
 from data.tokenizer import SPECIAL_IDS, SentencePieceTokenizer, file_sha256, train_sentencepiece
 
 METADATA_FORMAT = "shardlm-mmidx-1"
@@ -94,6 +109,21 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
         "directory (tokenizer.json, tokenizer_config.json) or a tokenizer.json file. Its template adds BOS where "
         "the model has one, its eos_token ends every sequence, pad comes from its config (docs/data.md)",
     )
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="with --tokenizer, for conversation (messages) and preference-pair (prompt, chosen, rejected) rows: "
+        "render them with this Jinja chat template instead of the model's own (chat_template.jinja or "
+        "tokenizer_config.json's chat_template)",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        metavar="N",
+        help="drop a conversation with more than N tokens, or a preference pair whose longer side has more "
+        "(counted per split in the summary and metadata.json). Default: keep all (train skips what exceeds "
+        "--tokens-per-sample)",
+    )
     parser.add_argument("--workers", type=int, default=1, help="encoding processes (default: 1)")
     parser.add_argument(
         "--seed", type=int, default=None, help="seed for sentencepiece's sentence sampling (default: 1)"
@@ -105,6 +135,14 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def _check_args(args) -> None:
+    paths = (("--spm-model", args.spm_model), ("--tokenizer", args.tokenizer), ("--chat-template", args.chat_template))
+    for flag, value in paths:
+        if value is not None and not value.strip():
+            raise DataError(f"{flag} is empty; pass a path, or leave {flag} out")
+    if args.chat_template and not args.tokenizer:
+        raise DataError("--chat-template renders conversations for a Hugging Face tokenizer; pass --tokenizer HF_DIR")
+    if args.max_length is not None and args.max_length < 1:
+        raise DataError(f"--max-length must be at least 1, got {args.max_length}")
     if args.workers < 1:
         raise DataError(f"--workers must be at least 1, got {args.workers}")
     tokenizer = args.tokenizer
@@ -154,9 +192,10 @@ def _tokenizer_outputs(args) -> dict[str, Path | None]:
 
 
 def _outputs(splits, tokenizer_files) -> list[str]:
-    names = [METADATA_FILE, *tokenizer_files]
+    """Every file preprocess may write (the targets and the template only for chat rows)."""
+    names = [METADATA_FILE, *tokenizer_files, CHAT_TEMPLATE_FILE]
     for split in splits:
-        names += [f"{split}.bin", f"{split}.idx"]
+        names += [f"{split}.bin", f"{split}.idx", f"{split}.targets.bin", f"{split}.targets.idx"]
     return names
 
 
@@ -195,9 +234,27 @@ def _build(args, sources: dict[str, list[Source]], work: Path, out: Path) -> dic
 
 def _load_and_encode(args, sources: dict[str, list[Source]], work: Path, out: Path, pool) -> dict:
 
-    rows = {
-        split: load_rows(split_sources, args.text_column, work / "hf-cache") for split, split_sources in sources.items()
-    }
+    try:
+        rows = {
+            split: load_rows(split_sources, args.text_column, work / "hf-cache")
+            for split, split_sources in sources.items()
+        }
+    except ChatRowsFound:
+        if not args.tokenizer:
+            raise  # its message says to pass --tokenizer
+        rows = {split: load_chat_rows(split_sources, work / "hf-cache") for split, split_sources in sources.items()}
+        kinds = {split: split_rows.kind for split, split_rows in rows.items()}
+        if len(set(kinds.values())) > 1:
+            found = ", ".join(f"{split} {kind}" for split, kind in kinds.items())
+            raise DataError(
+                f"the splits hold different kinds of rows ({found}); preprocess each kind separately"
+            ) from None
+    chat_flags = [flag for flag in ("--chat-template", "--max-length") if getattr(args, flag[2:].replace("-", "_"))]
+    if chat_flags and not hasattr(next(iter(rows.values())), "kind"):
+        raise DataError(
+            f"{' and '.join(chat_flags)} apply to conversation or preference-pair rows; these inputs hold text: "
+            "leave them out"
+        )
     if args.tokenizer:
         return _encode_hf(args, rows, sources, work, out, pool)
     model_path = out / TOKENIZER_FILE
@@ -235,7 +292,7 @@ def _encode_hf(args, rows, sources, work: Path, out: Path, pool) -> dict:
         + ("" if tokenizer.pad_reason == "pad_token" else f"; pad is {tokenizer.pad_reason}"),
         flush=True,
     )
-    return {
+    metadata = {
         "format": METADATA_FORMAT,
         "tokenizer": HF_TOKENIZER_FILE,
         "tokenizer_kind": "hf",
@@ -245,25 +302,63 @@ def _encode_hf(args, rows, sources, work: Path, out: Path, pool) -> dict:
         "dtype": best_fitting_dtype(tokenizer.vocab_size).name,
         "special_ids": tokenizer.special_ids(),
         "special_tokens": names,
-        "splits": _encode(rows, sources, out / HF_TOKENIZER_FILE, tokenizer, work, out, pool),
     }
+    kind = getattr(next(iter(rows.values())), "kind", "text")
+    if kind == "text":
+        metadata["splits"] = _encode(rows, sources, out / HF_TOKENIZER_FILE, tokenizer, work, out, pool)
+        return metadata
+    template = read_chat_template(args.tokenizer, args.chat_template)
+    compile_or_refuse(template, args.chat_template or args.tokenizer)
+    (out / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
+    chat = ChatSpec(kind, template, template_variables(args.tokenizer), model_eos_ids(args.tokenizer), args.max_length)
+    metadata.update(
+        kind=kind,
+        chat_template=CHAT_TEMPLATE_FILE,
+        chat_template_sha256=template_sha256(template),
+        max_length=args.max_length,
+        max_length_rule=MAX_LENGTH_RULES[kind],
+        splits=_encode(rows, sources, out / HF_TOKENIZER_FILE, tokenizer, work, out, pool, chat),
+    )
+    return metadata
 
 
-def _encode(rows, sources, model_path: Path, tokenizer, work: Path, out: Path, pool) -> dict:
-    """Each split's token files in ``out``; returns metadata's "splits"."""
+MAX_LENGTH_RULES = {
+    "conversations": "with --max-length N, a conversation of more than N tokens is dropped",
+    "preference_pairs": "with --max-length N, a pair whose longer side (prompt+chosen or prompt+rejected) has more "
+    "than N tokens is dropped",
+}
+
+
+def _encode(rows, sources, model_path: Path, tokenizer, work: Path, out: Path, pool, chat=None) -> dict:
+    """Each split's token files in ``out`` (and targets, with ``chat``); returns metadata's "splits"."""
     dtype = best_fitting_dtype(tokenizer.vocab_size)
     shard_dir = work / "shards"
     shard_dir.mkdir()
     splits = {}
-    for split, stats in encode_splits(rows, model_path, out, dtype, pool, shard_dir):
+    for split, stats in encode_splits(rows, model_path, out, dtype, pool, shard_dir, chat):
+        paths = [os.fspath(source.path) for source in sources[split]]
+        if chat is None:
+            print(
+                f"{split}: {stats.documents:,} documents, {stats.tokens:,} tokens, "
+                f"{stats.tokens_per_second:,.0f} tokens/s",
+                flush=True,
+            )
+            splits[split] = {"documents": stats.documents, "tokens": stats.tokens, "sources": paths}
+            continue
+        per_row = 1 if chat.kind == "conversations" else 2
+        dropped = f", {stats.dropped:,} dropped (over --max-length {chat.max_length:,})" if chat.max_length else ""
         print(
-            f"{split}: {stats.documents:,} documents, {stats.tokens:,} tokens, {stats.tokens_per_second:,.0f} tokens/s",
+            f"{split}: {stats.documents:,} {chat.kind.replace('_', ' ')} read, {stats.written:,} written{dropped}, "
+            f"{stats.written * per_row:,} sequences, {stats.tokens:,} tokens, {stats.tokens_per_second:,.0f} tokens/s",
             flush=True,
         )
         splits[split] = {
-            "documents": stats.documents,
+            "rows_read": stats.documents,
+            "rows_written": stats.written,
+            "rows_dropped": stats.dropped,
+            "sequences": stats.written * per_row,
             "tokens": stats.tokens,
-            "sources": [os.fspath(source.path) for source in sources[split]],
+            "sources": paths,
         }
     return splits
 
@@ -281,6 +376,8 @@ def preprocess(args: argparse.Namespace) -> Path:
         _load_spm_model(args.spm_model)
     if args.tokenizer:
         HFTokenizer(args.tokenizer)  # its special ids and pad, refused now if it has none
+    if args.chat_template:
+        read_chat_template(args.tokenizer, args.chat_template)
     tokenizer_files = _tokenizer_outputs(args)
     _refuse_overwrite(destdir, sources, tokenizer_files)
 
@@ -300,7 +397,7 @@ def preprocess(args: argparse.Namespace) -> Path:
             _refuse_overwrite(destdir, sources, tokenizer_files)  # someone may have written there meanwhile
             # metadata.json last: its presence says the data dir is complete.
             for name in _outputs(sources, tokenizer_files):
-                if name != METADATA_FILE:
+                if name != METADATA_FILE and (out / name).exists():
                     os.replace(out / name, destdir / name)
             os.replace(out / METADATA_FILE, destdir / METADATA_FILE)
     except BaseException:

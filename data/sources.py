@@ -116,7 +116,7 @@ def split_specs(trainpref: str | None, validpref: str | None, testpref: str | No
     return specs
 
 
-def _import_datasets_offline():
+def import_datasets_offline():
     # Set before the import (datasets reads them then) and on the config after, in case
     # something imported datasets earlier: preprocess must never reach the network.
     os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -159,13 +159,45 @@ def load_rows(sources: list[Source], text_column: str, cache_dir: Path) -> TextF
     return DatasetRows(load_text_dataset(sources, text_column, cache_dir), text_column)
 
 
+def chat_kind(columns) -> str | None:
+    """ "conversations" (a messages column), "preference_pairs" (chosen/rejected), or None (text)."""
+    if "messages" in columns:
+        return "conversations"
+    if "chosen" in columns or "rejected" in columns:
+        return "preference_pairs"
+    return None
+
+
+class ChatRowsFound(DataError):
+    """The input holds conversations or preference pairs, not a text column: preprocess reads
+    them as such with --tokenizer, and refuses them (this message) without."""
+
+
+def read_group(datasets, fmt: str, paths: list[Path], cache_dir: Path):
+    """One ``datasets.Dataset`` of files of one format (or a saved dataset), or a one-line DataError."""
+    where = paths[0] if len(paths) == 1 else f"{paths[0]} (and {len(paths) - 1} more)"
+    # datasets logs a parse error before raising it; the raise becomes our one line.
+    verbosity = datasets.utils.logging.get_verbosity()
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+    try:
+        return _load_group(datasets, fmt, paths, cache_dir)
+    except DataError:
+        raise
+    except Exception as e:  # datasets wraps parse errors in many types
+        cause = e.__cause__ or e
+        reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise DataError(f"could not read {where} as {fmt}: {reason}; check the file, or pass --input-format") from e
+    finally:
+        datasets.utils.logging.set_verbosity(verbosity)
+
+
 def load_text_dataset(sources: list[Source], text_column: str, cache_dir: Path):
     """One ``datasets.Dataset`` with a single string column ``text_column``, rows in input order.
 
     ``cache_dir`` receives datasets' Arrow cache (preprocess passes a temp dir inside
     destdir, so nothing lands in the user's home).
     """
-    datasets = _import_datasets_offline()
+    datasets = import_datasets_offline()
     # Consecutive files of one format are read by one load_dataset call (a glob over
     # 1,000 shards is one call, not 1,000); each saved dataset dir is its own call.
     groups: list[tuple[str, list[Path]]] = []
@@ -177,19 +209,12 @@ def load_text_dataset(sources: list[Source], text_column: str, cache_dir: Path):
     parts = []
     for fmt, paths in groups:
         where = paths[0] if len(paths) == 1 else f"{paths[0]} (and {len(paths) - 1} more)"
-        # datasets logs a parse error before raising it; the raise becomes our one line.
-        verbosity = datasets.utils.logging.get_verbosity()
-        datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
-        try:
-            ds = _load_group(datasets, fmt, paths, cache_dir)
-        except DataError:
-            raise
-        except Exception as e:  # datasets wraps parse errors in many types
-            cause = e.__cause__ or e
-            reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-            raise DataError(f"could not read {where} as {fmt}: {reason}; check the file, or pass --input-format") from e
-        finally:
-            datasets.utils.logging.set_verbosity(verbosity)
+        ds = read_group(datasets, fmt, paths, cache_dir)
+        if text_column not in ds.column_names and chat_kind(ds.column_names):
+            raise ChatRowsFound(
+                f"{where} holds {chat_kind(ds.column_names).replace('_', ' ')} (columns {', '.join(ds.column_names)}), "
+                "which are rendered with a model's chat template: pass --tokenizer HF_DIR (sentencepiece has none)"
+            )
         if text_column not in ds.column_names:
             raise DataError(
                 f"{where} has no column {text_column!r}; its columns are {', '.join(ds.column_names)}; "
