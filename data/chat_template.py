@@ -30,8 +30,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from data.errors import DataError
+from data.hf_tokenizer import CHAT_TEMPLATE_FILE
 
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: what apply_chat_template passes to the template.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

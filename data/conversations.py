@@ -25,15 +25,12 @@ training) or refuse (in validation, without --skip-invalid-size-inputs-valid-tes
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 
 from data.errors import DataError, checked_index
-from data.indexed_dataset import IndexedDataset, exists
+from data.indexed_dataset import IndexedDataset
+from data.targets import data_kind, load_targets
 
-TARGETS_SUFFIX = ".targets"
 SFT_BREAK_MODES = ("complete", "eos")
 # What each task reads, by metadata.json's "kind" (absent: text)
 TASK_DATA = {"sft": "conversations", "dpo": "preference_pairs"}
@@ -42,14 +39,6 @@ _WRITTEN_FROM = {
     "conversations": "conversations (rows with messages)",
     "preference_pairs": "preference pairs (rows with prompt, chosen and rejected)",
 }
-
-
-def data_kind(data_dir) -> str:
-    """ "text", "conversations" or "preference_pairs": what preprocess wrote into data_dir."""
-    meta = Path(data_dir) / "metadata.json"
-    if not meta.is_file():
-        return "text"  # fairseq-preprocess's data-bin
-    return json.loads(meta.read_text()).get("kind", "text")
 
 
 def check_task_data(task: str, data_dir) -> None:
@@ -69,27 +58,10 @@ def check_task_data(task: str, data_dir) -> None:
 
 def task_samples(task: str, prefix, tokens_per_sample: int, break_mode: str, pad: int):
     """The samples of --task sft or dpo in the token file ``prefix``."""
-    tokens = IndexedDataset(prefix)
-    targets = load_targets(prefix, tokens)
+    tokens, targets = IndexedDataset(prefix), load_targets(prefix)
     if task == "dpo":
         return PreferencePairs(tokens, targets, tokens_per_sample, pad)
     return ConversationSamples(tokens, targets, tokens_per_sample, break_mode, pad)
-
-
-def load_targets(prefix, tokens: IndexedDataset) -> IndexedDataset:
-    """The 0/1 target flags written beside the token file ``prefix``; they must describe
-    the same sequences."""
-    path = f"{prefix}{TARGETS_SUFFIX}"
-    if not exists(path):
-        raise DataError(
-            f"{prefix} has no target flags ({path}.bin/.idx): it was not written from conversations or "
-            "preference pairs; re-run preprocess --tokenizer HF_DIR on rows with `messages` (sft) or "
-            "`prompt`/`chosen`/`rejected` (dpo)"
-        )
-    targets = IndexedDataset(path)
-    if len(targets) != len(tokens) or not np.array_equal(targets.sizes, tokens.sizes):
-        raise DataError(f"{path} does not match {prefix}'s sequences: re-run preprocess into a new --destdir")
-    return targets
 
 
 def _sequence(tokens, targets, i, pad):

@@ -189,9 +189,6 @@ class HFTokenizer:
         nothing added, as apply_chat_template tokenizes (add_special_tokens=False)."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def special_token_ids(self) -> set[int]:
-        return {i for i, token in self._tok.get_added_tokens_decoder().items() if token.special}
-
     def decode_without_specials(self, ids) -> str:
         """A reply as transformers' decode(skip_special_tokens=True) gives it."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)

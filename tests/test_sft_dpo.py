@@ -303,3 +303,31 @@ def test_resume_continues_the_run(chat, task, tmp_path):
     expected = one_process(chat, task, 2, tmp_path)
     assert first[1] == pytest.approx(expected[1], rel=1e-6)
     assert rest[2] == pytest.approx(expected[2], rel=1e-6)
+
+
+def test_language_modeling_per_document_attention(chat, tmp_path):
+    """--per-document-attention: whole sequences packed into a sample (complete) score as
+    each on a row of its own (eos), the first update's loss and gradient norm alike; without
+    the flag the packed sequences read each other and the loss differs."""
+    from data.preprocess import build_parser, preprocess
+
+    root, _ = chat
+    rng = random.Random(1)
+    (tmp_path / "text.txt").write_text("".join(_sentence(rng) + "\n" for _ in range(24)))
+    data = tmp_path / "text-data"
+    preprocess(
+        build_parser().parse_args(
+            ["--trainpref", str(tmp_path / "text.txt"), "--destdir", str(data), "--tokenizer", str(root / "llama")]
+        )
+    )
+
+    def first(*flags):
+        argv = sft_argv(root, "llama", *flags, batch_size=24)
+        argv[argv.index("sft")] = "language_modeling"
+        argv[0] = str(data)
+        return train_updates(argv, 1, tmp_path)[1]
+
+    padded = first("--sample-break-mode", "eos")
+    packed = first("--sample-break-mode", "complete", "--per-document-attention")
+    assert packed == pytest.approx(padded, rel=1e-5)
+    assert first("--sample-break-mode", "complete")[0] != pytest.approx(padded[0], rel=1e-3)

@@ -11,93 +11,40 @@ tuned on, then tokenized without the tokenizer's own specials (the template wrot
 import json
 from pathlib import Path
 
+from data.chat_template import read_chat_template, render, template_variables
+from data.errors import DataError
 from data.hf_tokenizer import CHAT_TEMPLATE_FILE, HFTokenizer
 from trainer.checkpoint.generation_config import id_list, model_generation_config
 from trainer.errors import UsageError
 
-# The names transformers passes a template (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES).
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _SENTINEL = "\x00shardlm-reply\x00"  # a reply no template can mistake for its own text
 
 
 def render_chat(template, messages, add_generation_prompt, special_tokens):
     """The text transformers' apply_chat_template(tokenize=False) gives for one conversation
-    (transformers/utils/chat_template_utils.py: the same sandbox, filters and globals).
-    Stand-in for the shared data/chat_template.py; swap it in when that lands."""
+    (data/chat_template.py renders it, as preprocess does)."""
     import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # Jinja's own tojson escapes HTML characters, which no chat format wants.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(format):
-        from datetime import datetime
-
-        return datetime.now().strftime(format)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
-    # transformers drops a message's keys whose value is None before rendering.
-    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     try:
-        return env.from_string(template).render(
-            messages=messages,
-            tools=None,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **special_tokens,
-        )
+        return render(template, messages, special_tokens, add_generation_prompt)[0]
     except jinja2.exceptions.TemplateError as e:
         raise UsageError(f"the chat template refused the conversation: {e}") from None
 
 
-def _tokenizer_config(files_dir):
-    """tokenizer_config.json with special_tokens_map.json over it, as transformers merges them."""
-    merged = {}
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        path = Path(files_dir) / name
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise UsageError(f"{path} is not valid JSON ({e}); fix it or remove it") from None
-            merged.update(data if isinstance(data, dict) else {})
-    return merged
-
-
 def chat_template(files_dir):
     """The model's chat template, or a one-line refusal naming where it was looked for."""
-    files_dir = Path(files_dir)
-    if (files_dir / CHAT_TEMPLATE_FILE).is_file():
-        return (files_dir / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
-    template = _tokenizer_config(files_dir).get("chat_template")
-    if isinstance(template, list):  # [{"name": ..., "template": ...}]: transformers uses "default"
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if not isinstance(template, str) or not template:
+    try:
+        return read_chat_template(files_dir)
+    except DataError:
         raise UsageError(
             f"{files_dir} has no chat template (no {CHAT_TEMPLATE_FILE}, no chat_template in tokenizer_config.json): "
             "--chat needs a chat model's tokenizer; drop --chat to continue plain text"
-        )
-    return template
+        ) from None
 
 
 def special_tokens(files_dir):
     """The special tokens a template may name ({{ bos_token }}), as strings."""
-    config = _tokenizer_config(files_dir)
-    tokens = {}
-    for name in SPECIAL_TOKEN_NAMES:
-        value = config.get(name)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            tokens[name] = value
-    return tokens
+    return template_variables(files_dir)
 
 
 def stop_ids(tokenizer, files_dir, cfg):

@@ -22,11 +22,12 @@ import time
 import torch
 
 from data.context_window import ContextWindowDataset
-from data.conversations import ConversationSamples, collate_conversations, data_kind, load_targets
+from data.conversations import ConversationSamples, collate_conversations
 from data.data_dir import check_token_ids, data_dirs
 from data.embedded_corpus import prepare_embedded_corpus
 from data.indexed_dataset import IndexedDataset, exists
 from data.iterator import EpochBatchIterator, collate_pairs
+from data.targets import data_kind, load_targets
 from data.token_block import TokenBlockDataset
 from data.tokenizer import load_tokenizer
 from trainer.config.fairseq_model import check_fairseq_dictionary, is_fairseq_checkpoint
@@ -155,7 +156,7 @@ def split_dataset(cfg, args, tokens_per_sample, data_dir, tok):
         if args.context_window:
             raise UsageError(f"{data_dir} holds conversations, each scored whole: drop --context-window")
         samples = ConversationSamples(
-            tokens, load_targets(data_dir / args.gen_subset, tokens), tokens_per_sample, "eos", tok.pad
+            tokens, load_targets(data_dir / args.gen_subset), tokens_per_sample, "eos", tok.pad
         )
         if len(samples.too_long):
             log.warning(
