@@ -11,6 +11,10 @@ Usage: python bench/bench_plan.py [--only NAME ...] [--updates 8]
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+from task_data import save_hf_llama, write_task_data
 
 from benchlib import BIN, bf16_unsupported, goal, json_records, note, parser, report, run_train
 
@@ -110,6 +114,32 @@ CONFIGS = {
     + ["--distributed-world-size", "2", "--checkpoint-activations"],
     "qwen3 ddp 1 rank 53M --bf16": Q53 + ["--bf16"],
 }
+# --task sft and --task dpo rows: a Llama model of Hugging Face's (--finetune-from-model; dpo's
+# frozen reference is the same model) on data dirs made in a temporary directory (task_data.py).
+# TASK_DATA: "{data}" and "{hf}" in the flags stand for the data dir and the model dir.
+TASK_MODEL = dict(layers=6, dim=512, ffn=1536, heads=8, kv_heads=4, vocab=32768, positions=512)
+TASK_DATA = {"dpo": ("preference_pairs", 257), "sft": ("conversations", 65)}  # kind, tokens a sequence
+TASK_RUN = ["--tokens-per-sample", "256", "--optimizer", "adam", "--lr", "0.0001", "--finetune-from-model", "{hf}"]
+TASK_CONFIGS = {
+    "dpo ddp 1 rank 52M (4 pairs = 8 rows)": ["{data}/dpo", "--task", "dpo", "--batch-size", "4"] + TASK_RUN,
+    "sft ddp 1 rank 52M (packed, block-causal mask)": ["{data}/sft", "--task", "sft", "--batch-size", "8"] + TASK_RUN,
+    "sft fsdp 2 ranks 52M": ["{data}/sft", "--task", "sft", "--batch-size", "8"] + TASK_RUN + FSDP2,
+}
+CONFIGS.update(TASK_CONFIGS)
+
+
+def make_task_data(root: Path):
+    """The model and both data dirs, once per bench run; {"{hf}": …, "{data}": …}."""
+    vocab = save_hf_llama(root / "hf", **TASK_MODEL)
+    for task, (kind, length) in TASK_DATA.items():
+        write_task_data(root / task, root / "hf", kind, 64, length, vocab)
+    return {"{hf}": str(root / "hf"), "{data}": str(root)}
+
+
+def with_paths(flags, paths):
+    for key, value in paths.items():
+        flags = [f.replace(key, value) for f in flags]
+    return flags
 
 
 def predicted(flags):
@@ -158,10 +188,12 @@ def main():
     if why:
         note(f"skipping the --bf16 rows: {why}")
         names = [n for n in names if "--bf16" not in CONFIGS[n]]
-    rows = []
+    rows, work = [], tempfile.TemporaryDirectory()
+    paths = make_task_data(Path(work.name)) if any(n in TASK_CONFIGS for n in names) else {}
     for name in names:
-        plan = predicted(CONFIGS[name])
-        mem = max(measured(CONFIGS[name], a.updates) for _ in range(a.reps))  # memory does not drift
+        flags = with_paths(CONFIGS[name], paths)
+        plan = predicted(flags)
+        mem = max(measured(flags, a.updates) for _ in range(a.reps))  # memory does not drift
         err = plan["per_rank_gb"] / mem - 1
         rows.append((name, plan["params"], plan["per_rank_gb"], mem, err))
         note(f"{name}: predicted {plan['per_rank_gb']:.3f} GB, measured {mem:.3f} GB ({err:+.1%})")

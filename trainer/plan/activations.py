@@ -34,10 +34,10 @@ def cpu_attention_backward_bytes(m, s):
     """The T×T tensors a CPU's bf16/fp16 attention holds at once in one layer's backward
     (models/cpu_attention.py): probabilities and two gradients for one chunk of heads.
     0 where attention is SDPA's (CUDA, fp32, attention dropout)."""
-    if s.device == "cuda" or s.precision == "fp32" or m.attention_dropout > 0:
+    if not uses_cpu_matmul_attention(m, s):
         return 0
     per_head = s.seq_len**2 * 2
-    return 3 * chunks.attention_heads_per_chunk(s.sequences * m.heads, s.seq_len, 2) * per_head
+    return 3 * chunks.attention_heads_per_chunk(s.rows * m.heads, s.seq_len, 2) * per_head
 
 
 def norm_saved_bytes(m: ModelShape, s: Setup):
@@ -62,8 +62,20 @@ def ffn_saved_width(m: ModelShape):
 
 
 def uses_cpu_matmul_attention(m: ModelShape, s: Setup):
-    """models/cpu_attention.py: low precision on a CPU without attention dropout."""
-    return s.device == "cpu" and s.precision != "fp32" and m.attention_dropout == 0
+    """models/cpu_attention.py: low precision on a CPU without attention dropout, and causal
+    (packed documents' block-causal mask goes to SDPA instead)."""
+    return s.device == "cpu" and s.precision != "fp32" and m.attention_dropout == 0 and not s.packed_documents
+
+
+def document_mask_bytes(m: ModelShape, s: Setup):
+    """(the mask shared by every layer, what one layer's attention adds) with packed
+    documents: the B×1×T×T bool block-causal mask is built once per forward
+    (models/documents.py), and SDPA turns it into an additive mask of q's dtype in every
+    layer, which its backward keeps (counted on the real SDPA by tests/test_plan_tasks.py)."""
+    if not s.packed_documents:
+        return 0, 0
+    square = s.rows * s.seq_len**2
+    return square, square * s.compute_bytes
 
 
 def rope_table_bytes(m: ModelShape, s: Setup):
@@ -71,7 +83,13 @@ def rope_table_bytes(m: ModelShape, s: Setup):
     Under autocast no layer saves the fp32 pair itself, only its casts (layer_activation_bytes)."""
     if not m.rope or (s.precision != "fp32" and not s.sharded):
         return 0
-    return 2 * s.seq_len * m.hd * s.compute_bytes
+    return 2 * rope_rows(s) * s.seq_len * m.hd * s.compute_bytes
+
+
+def rope_rows(s: Setup):
+    """Rows of rotary tables: one for all rows, or one per row with packed documents (each
+    position's angle counts from its document's start)."""
+    return s.rows if s.packed_documents else 1
 
 
 def layer_activation_bytes(m: ModelShape, s: Setup):
@@ -102,7 +120,7 @@ def layer_activation_bytes(m: ModelShape, s: Setup):
         per_token += m.heads * 4  # the fused kernel's log-sum-exp
     # else models/cpu_attention.py: nothing more; backward recomputes
     # autocast casts the rope tables to q's and k's dtype in every layer: four T×head_dim copies
-    tables = 4 * s.seq_len * m.hd * elem if m.rope and autocast else 0
+    tables = 4 * rope_rows(s) * s.seq_len * m.hd * elem if m.rope and autocast else 0
     # Quant-Noise: fc1 and fc2 keep the noised copy of their weights they multiplied by
     # (under autocast that copy's cast, as they would keep the weight's); with both noises
     # the scalar noise's clamp keeps the pq-noised copy too (in fp32 under autocast), and

@@ -18,7 +18,13 @@ trainer/plan/activations.py's; the shapes it reads are trainer/plan/shapes.py's.
 from dataclasses import dataclass, field
 
 from models import chunks  # the kernels' chunk sizes (torch-free): the model's and the prediction's are one
-from trainer.plan.activations import cpu_attention_backward_bytes, layer_activation_bytes, rope_table_bytes
+from trainer.plan.activations import (
+    cpu_attention_backward_bytes,
+    document_mask_bytes,
+    layer_activation_bytes,
+    rope_rows,
+    rope_table_bytes,
+)
 from trainer.plan.comm import comm_bytes
 from trainer.plan.shapes import ModelShape, Setup
 
@@ -63,6 +69,9 @@ COMPONENTS = (
     "activations",
     "logits_and_loss",
     "mixed_precision_copies",
+    "document_mask",
+    "reference_model",
+    "reference_forward",
 )
 
 
@@ -146,6 +155,10 @@ class UpdateWalk:
         # also the size of a unit's unsharded gradient kept in the reduce dtype (--defer-grad-sync)
         self.rs_buffer, self.root_rs = m.layer_params * self.reduce_bytes, m.root_params * self.reduce_bytes
         self.in_flight = 0  # the reduce-scatter input still alive behind the next layer's backward
+        # The output layer's weight is read again in backward: the int8 clamps, or dpo's
+        # per-row loss, which recomputes its logits there. Under FSDP the root stays gathered.
+        self.root_read_in_backward = m.scalar_noise or s.dpo
+        self.shared_mask, self.layer_mask = document_mask_bytes(m, s)
 
     def gather(self, i):
         if 0 <= i < self.m.layers and i not in self.present:
@@ -169,6 +182,11 @@ class UpdateWalk:
                 L.add(name, nbytes)
         if self.offload:
             self.host += 4 * P / S  # the sharded gradients
+        if s.dpo:  # the frozen reference: fp32 parameters only, sharded as the policy's (whole under DDP)
+            if self.offload:
+                self.host += 4 * P / S
+            else:
+                L.add("reference_model", 4 * P / S)
         if s.ddp_buckets:
             L.add("gradients", 4 * P)  # DDP's buckets: a flat copy of every gradient
 
@@ -179,18 +197,21 @@ class UpdateWalk:
         if s.sharded:
             L.add("gathered_parameters", m.root_params * elem)  # the root, gathered until the loss
         L.add("activations", rope_table_bytes(m, s))  # --rope: alive until the first layer's backward
+        L.add("document_mask", self.shared_mask)  # read by every layer, kept for their backward
         for i in range(m.layers):
             self.gather(i)
             if self.prefetch:
                 self.gather(i + 1)
             if s.checkpoint_activations:
                 L.transient("activations", n * elem * 2 * (m.fc1_width + m.dim))  # computed, not saved
+                L.transient("document_mask", self.layer_mask)
                 if self.offload_acts:
                     self.host += self.layer_input
                 else:
                     L.add("activations", self.layer_input)
             else:
                 L.add("activations", self.act)
+                L.add("document_mask", self.layer_mask)
             if s.reshard_after_forward and i + 1 < m.layers:  # the last layer's backward is next
                 self.release(i)
         L.add("activations", n * m.dim * self.resid)  # the final norm's input
@@ -200,6 +221,8 @@ class UpdateWalk:
         gradients for the hidden states and for W (fp32) are made in forward and kept, then
         scaled in place in backward and handed on."""
         m, s, L, elem, n = self.m, self.s, self.ledger, self.elem, self.s.tokens
+        if s.dpo:
+            return self.per_row_loss()
         if m.scalar_noise and not m.tied:
             return self.int8_logits_loss()
         low = 0 if elem == 4 else elem  # a low-precision copy, where there is one
@@ -218,6 +241,45 @@ class UpdateWalk:
         # backward: the kept gradients are scaled in place and handed on
         L.transient("logits_and_loss", m.vocab * m.dim * low)
         L.sub("logits_and_loss", n * m.dim * elem + m.vocab * m.dim * 4)
+
+    def per_row_loss(self):
+        """--task dpo's policy loss, a summed cross-entropy per row (models/linear_cross_entropy.py
+        LinearCrossEntropyPerRow): forward scores a chunk of fp32 logits at a time and keeps
+        the hidden states (and W: the root stays gathered, backward_root gives it back);
+        backward recomputes each chunk's logits and makes the gradients for the hidden
+        states and, in fp32 (plus a low-precision product), for W."""
+        m, L, elem, n = self.m, self.ledger, self.elem, self.s.tokens
+        low = 0 if elem == 4 else elem
+        chunk = min(n, chunks.loss_chunk_rows(m.vocab)) * m.vocab * (4 + low)
+        cast_w = m.vocab * m.dim * elem if self.autocast else 0  # the loss casts W itself, and keeps the cast
+        L.add("logits_and_loss", n * m.dim * elem)
+        L.add("mixed_precision_copies", cast_w)
+        L.transient("logits_and_loss", chunk)
+        L.transient("logits_and_loss", n * m.dim * elem + m.vocab * m.dim * (4 + low) + chunk)
+        L.sub("logits_and_loss", n * m.dim * elem)
+        L.sub("mixed_precision_copies", cast_w)
+
+    def reference_forward(self):
+        """--task dpo: the frozen reference scores the micro-batch's rows first, without
+        gradients, so nothing is kept from one layer to the next. Under FSDP its root is
+        gathered for the whole forward and its layers one at a time (resharded after each;
+        no prefetch is set, but a GPU's all-gather stream runs one layer ahead); each layer's
+        temporaries come and go, as a checkpointed layer's do; then its per-row loss scores
+        a chunk of fp32 logits at a time."""
+        m, s, L, elem, n = self.m, self.s, self.ledger, self.elem, self.s.tokens
+        layers_gathered = min(m.layers, 2 if s.device == "cuda" else 1)
+        gathered = m.root_params * elem + self.unit * layers_gathered if s.sharded else 0
+        rope = 2 * rope_rows(s) * s.seq_len * m.hd * self.resid if m.rope else 0
+        alive = gathered + n * m.dim * self.resid + rope + self.shared_mask  # with the residual stream
+        L.add("reference_forward", alive)
+        layer = max(n * elem * 2 * (m.fc1_width + m.dim), cpu_attention_backward_bytes(m, s)) + self.layer_mask
+        if self.autocast:  # its weights need no gradient, so autocast casts them anew for each matmul
+            layer += elem * max(m.dim * m.fc1_width, m.dim * m.qkv_width)
+        L.transient("reference_forward", layer)
+        low = 0 if elem == 4 else elem
+        chunk = min(n, chunks.loss_chunk_rows(m.vocab)) * m.vocab * (4 + low)
+        L.transient("reference_forward", n * m.dim * elem + chunk + (m.vocab * m.dim * elem if self.autocast else 0))
+        L.sub("reference_forward", alive)
 
     def int8_logits_loss(self):
         """--quant-noise-scalar's output projection (untied): whole logits, clamped to their
@@ -257,6 +319,7 @@ class UpdateWalk:
                 self.gather(i - 1)
             if s.checkpoint_activations:  # recomputed; the input was kept (or comes back)
                 L.add("activations", self.act - (0 if self.offload_acts else self.layer_input))
+                L.add("document_mask", self.layer_mask)
             if s.sharded:
                 if not mb.kept:
                     L.add("unsharded_gradients", self.unit)
@@ -264,6 +327,7 @@ class UpdateWalk:
                 L.add("gradients", 4 * m.layer_params)
             L.transient("activations", max(act_grads, attention_grads))
             L.sub("activations", self.act)
+            L.sub("document_mask", self.layer_mask)
             if self.autocast:
                 L.sub("mixed_precision_copies", self.low_copies)
             if mb.deferring:
@@ -282,6 +346,7 @@ class UpdateWalk:
                     L.add("gradients", 4 * m.layer_params / s.shard)
                 self.release(i)
         L.sub("activations", rope_table_bytes(m, s))
+        L.sub("document_mask", self.shared_mask)
 
     def backward_root(self, mb: MicroBatch):
         """The embedding's backward, then (FSDP) the root's reduce-scatter."""
@@ -305,7 +370,7 @@ class UpdateWalk:
             self.in_flight = 0
             if mb.first_reduce and not self.offload:
                 L.add("gradients", 4 * m.root_params / s.shard)
-        if s.sharded and m.scalar_noise:  # gathered through backward (int8_logits_loss)
+        if s.sharded and self.root_read_in_backward:  # gathered through backward (int8_logits_loss, per_row_loss)
             L.sub("gathered_parameters", m.root_params * elem)
 
     def optimizer_step(self):
@@ -325,6 +390,8 @@ def simulate(m: ModelShape, s: Setup):
     walk.states()
     for micro in range(s.update_freq):
         mb = micro_batch(s, micro)
+        if s.dpo:
+            walk.reference_forward()
         walk.forward()
         walk.loss()
         walk.backward_layers(mb)

@@ -15,6 +15,9 @@ LABELS = {
     "activations": "activations saved for backward",
     "logits_and_loss": "loss: fp32 logits of a chunk, gradients it keeps",
     "mixed_precision_copies": "mixed-precision copies of weights",
+    "document_mask": "packed documents' attention masks",
+    "reference_model": "reference model (dpo: frozen fp32 parameters)",
+    "reference_forward": "reference forward (gathered layers, temporaries)",
 }
 
 
@@ -85,8 +88,8 @@ def as_text(cfg, plan):
         f"model {plan['model_name']}: {m.params:,} parameters ({m.layers} layers x {m.dim}, "
         f"vocabulary {m.vocab}{source})",
         f"{s.world} rank(s), {s.ranks_per_host} per host, {s.device}, {s.precision}, {', '.join(flags)}",
-        f"batch per rank: {s.sequences} x {s.seq_len} tokens, --update-freq {s.update_freq} "
-        f"({s.sequences * s.seq_len * s.update_freq * s.world:,} tokens per update)",
+        f"batch per rank: {s.sequences}{' pairs (2 rows each)' if s.dpo else ''} x {s.seq_len} tokens, "
+        f"--update-freq {s.update_freq} ({s.tokens * s.update_freq * s.world:,} tokens per update)",
         "",
         "per rank, at the peak of an update:",
     ]

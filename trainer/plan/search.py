@@ -201,6 +201,8 @@ def setup_of(cfg, device, ranks_per_host):
         fp32_reduce_scatter=distributed.fp32_reduce_scatter,
         optimizer_states=states,
         spawned=infer_rendezvous(cfg).spawn > 1,
+        dpo=cfg.task._name == "dpo",
+        packed_documents=cfg.task._name == "sft" or bool(cfg.task.get("per_document_attention", False)),
     )
 
 

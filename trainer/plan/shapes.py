@@ -109,12 +109,18 @@ class Setup:
     cpu_offload: bool
     defer_grad_sync: bool
     update_freq: int
-    sequences: int  # per micro-batch per rank
+    sequences: int  # per micro-batch per rank: --batch-size (dpo: pairs, each two rows)
     seq_len: int
     precision: str  # "fp32", "bf16" or "fp16"
     fp32_reduce_scatter: bool
     optimizer_states: int  # fp32 tensors the optimizer keeps per parameter
     spawned: bool = False  # a local rank the launcher forks (not a process of its own)
+    # --task dpo: each sample is two rows (chosen, rejected), scored per row, and a frozen
+    # reference model runs its own forward on them first (trainer/train/objectives.py DPOLoss).
+    dpo: bool = False
+    # --task sft or --per-document-attention: packed documents, so every forward builds a
+    # block-causal mask and rotary tables per position (models/documents.py).
+    packed_documents: bool = False
 
     @property
     def sharded(self):
@@ -127,8 +133,13 @@ class Setup:
         return not self.sharded and self.world > 1 and self.backend == "pytorch_ddp"
 
     @property
+    def rows(self):
+        """Sequences the model sees per micro-batch: a dpo pair is two."""
+        return self.sequences * (2 if self.dpo else 1)
+
+    @property
     def tokens(self):
-        return self.sequences * self.seq_len
+        return self.rows * self.seq_len
 
     @property
     def compute_bytes(self):
