@@ -333,3 +333,67 @@ def test_language_modeling_per_document_attention(chat, tmp_path):
     packed = first("--sample-break-mode", "complete", "--per-document-attention")
     assert packed == pytest.approx(padded, rel=1e-5)
     assert first("--sample-break-mode", "complete")[0] != pytest.approx(padded[0], rel=1e-3)
+
+
+def test_eval_lm_scores_the_assistants_tokens(chat, tmp_path, capsys):
+    """eval-lm on conversations scores their target tokens only: sft's loss before any step."""
+    import math
+
+    import cli
+
+    root, _ = chat
+    expected = train_updates(sft_argv(root, "llama", "--sample-break-mode", "eos"), 1, tmp_path)[1][0]
+    capsys.readouterr()
+    argv = [str(root / "llama-sft"), "--path", str(root / "llama"), "--gen-subset", "train"]
+    assert cli.COMMANDS["eval-lm"](argv + ["--tokens-per-sample", str(TOKENS_PER_SAMPLE), "--batch-size", "4"]) in (
+        0,
+        None,
+    )
+    out = capsys.readouterr().out
+    loss = float(next(x for x in out.splitlines() if x.startswith("Loss (base 2):")).split(":")[1].split(",")[0])
+    assert loss == pytest.approx(expected / math.log(2), abs=1e-4)
+
+
+def test_dpo_records_carry_the_rewards(chat, tmp_path, capfd):
+    from helpers import train_here
+
+    root, _ = chat
+    argv = dpo_argv(root, "llama", "--log-format", "json", "--log-interval", "1", "--max-update", "1")
+    records, _ = train_here(argv, capfd)
+    inner = records["train_inner"][0]
+    assert {"loss", "ppl", "wps", "wpb", "bsz", "gnorm", "lr", "num_updates"} <= set(inner)
+    assert inner["reward_margin"] == pytest.approx(inner["reward_chosen"] - inner["reward_rejected"], abs=2e-4)
+    assert 0 <= inner["reward_accuracy"] <= 1 and inner["bsz"] == PAIRS
+
+
+@pytest.mark.parametrize(
+    "task,data,flags,message",
+    [
+        ("dpo", "llama-sft", [], "--task dpo trains on preference pairs"),
+        ("sft", "llama-dpo", [], "--task sft trains on conversations"),
+        ("sft", "llama-dpo", ["--dpo-beta", "0.5"], "--dpo-beta is a setting of --task dpo"),
+        ("dpo", "llama-dpo", ["--sample-break-mode", "complete"], "--task dpo scores each sequence"),
+    ],
+)
+def test_wrong_data_or_flags_refused_in_one_line(chat, tmp_path, capsys, task, data, flags, message):
+    from cli import train_main
+
+    root, _ = chat
+    argv = (sft_argv if task == "sft" else dpo_argv)(root, "llama", *flags)
+    argv[0] = str(root / data)
+    capsys.readouterr()
+    assert train_main(argv + ["--save-dir", str(tmp_path / "ck")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "ck").exists()
+
+
+def test_dpo_without_a_reference_refused(chat, capsys):
+    from cli import train_main
+
+    root, _ = chat
+    argv = [a for a in dpo_argv(root, "llama") if a not in ("--dpo-reference", str(root / "llama-ref"))]
+    argv = [a for a in argv if a not in ("--finetune-from-model", str(root / "llama"))]
+    capsys.readouterr()
+    assert train_main(argv) != 0
+    assert "--task dpo needs a reference model" in capsys.readouterr().err
