@@ -373,6 +373,7 @@ def test_dpo_records_carry_the_rewards(chat, tmp_path, capfd):
         ("sft", "llama-dpo", [], "--task sft trains on conversations"),
         ("sft", "llama-dpo", ["--dpo-beta", "0.5"], "--dpo-beta is a setting of --task dpo"),
         ("dpo", "llama-dpo", ["--sample-break-mode", "complete"], "--task dpo scores each sequence"),
+        ("sft", "llama-sft", ["--sample-break-mode", "none"], "--task sft keeps conversations whole"),
     ],
 )
 def test_wrong_data_or_flags_refused_in_one_line(chat, tmp_path, capsys, task, data, flags, message):

@@ -60,6 +60,11 @@ def _check_chat_tasks(cfg):
             )
         if task.add_bos_token:
             raise UsageError(f"--task {name}: the chat template places <s> itself; drop --add-bos-token")
+    if name == "sft" and task.sample_break_mode not in ("complete", "eos"):
+        raise UsageError(
+            f"--task sft keeps conversations whole: --sample-break-mode {task.sample_break_mode} would cut or "
+            "group them otherwise; use complete (packed, the default) or eos (one per row)"
+        )
     if name == "dpo":
         if task.sample_break_mode != "eos":
             raise UsageError("--task dpo scores each sequence of a pair on its own row: drop --sample-break-mode")
