@@ -29,6 +29,7 @@ import numpy as np
 
 from data.errors import DataError, checked_index
 from data.indexed_dataset import IndexedDataset
+from data.iterator import collate_pairs
 from data.targets import data_kind, load_targets
 
 SFT_BREAK_MODES = ("complete", "eos")
@@ -154,40 +155,20 @@ def collate_conversations(samples, pad: int, width: int | None = None) -> dict:
     import torch
 
     rows = [(np.concatenate([s for s, _ in seqs]), np.concatenate([t for _, t in seqs])) for seqs in samples]
-    width = max([len(s) for s, _ in rows] + [width or 0, 1])
-    src = np.full((len(rows), width), pad, dtype=np.int64)
-    target = np.full((len(rows), width), pad, dtype=np.int64)
-    segments = np.zeros((len(rows), width), dtype=np.int64)
-    for r, ((s, t), seqs) in enumerate(zip(rows, samples)):
-        src[r, : len(s)], target[r, : len(t)] = s, t
+    out = collate_pairs(rows, pad, width=width)
+    segments = np.zeros(tuple(out["src_tokens"].shape), dtype=np.int64)
+    for r, seqs in enumerate(samples):
         lengths = [len(x) for x, _ in seqs]
-        segments[r, : len(s)] = np.repeat(np.arange(len(seqs)), lengths)
-        segments[r, len(s) :] = max(len(seqs) - 1, 0)
-    targets = int((target != pad).sum())
-    return {
-        "src_tokens": torch.from_numpy(src),
-        "target": torch.from_numpy(target),
-        "segments": torch.from_numpy(segments),
-        "ntokens": targets,
-        "nsentences": sum(len(seqs) for seqs in samples),
-    }
+        segments[r, : sum(lengths)] = np.repeat(np.arange(len(seqs)), lengths)
+        segments[r, sum(lengths) :] = max(len(seqs) - 1, 0)
+    out["segments"] = torch.from_numpy(segments)
+    out["nsentences"] = sum(len(seqs) for seqs in samples)
+    return out
 
 
 def collate_preference_pairs(pairs, pad: int) -> dict:
     """B pairs as 2B rows (the chosen sequences, then the rejected), right-padded; the loss
     is averaged over pairs (``sample_size``), the throughput counted in target tokens."""
-    import torch
-
-    rows = [pair[0] for pair in pairs] + [pair[1] for pair in pairs]
-    width = max([len(s) for s, _ in rows] + [1])
-    src = np.full((len(rows), width), pad, dtype=np.int64)
-    target = np.full((len(rows), width), pad, dtype=np.int64)
-    for r, (s, t) in enumerate(rows):
-        src[r, : len(s)], target[r, : len(t)] = s, t
-    return {
-        "src_tokens": torch.from_numpy(src),
-        "target": torch.from_numpy(target),
-        "ntokens": int((target != pad).sum()),
-        "nsentences": len(pairs),
-        "sample_size": len(pairs),
-    }
+    out = collate_pairs([pair[0] for pair in pairs] + [pair[1] for pair in pairs], pad)
+    out["nsentences"] = out["sample_size"] = len(pairs)
+    return out

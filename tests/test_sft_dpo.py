@@ -109,13 +109,20 @@ def chat(tmp_path_factory):
     return root, rows
 
 
-def sft_argv(root, model, *extra, batch_size=CONVERSATIONS):
+def task_argv(root, model, task, *extra, batch_size):
+    """train's command line: the model dir root/model on its data of `task` (sft or dpo), one
+    update holding every row by default."""
+    task_flags = {
+        "sft": [],
+        "dpo": ["--dpo-reference", str(root / f"{model}-ref"), "--dpo-beta", "0.2", "--dpo-label-smoothing", "0.1"],
+    }
     return [
-        str(root / f"{model}-sft"),
+        str(root / f"{model}-{task}"),
         "--task",
-        "sft",
+        task,
         "--finetune-from-model",
         str(root / model),
+        *task_flags[task],
         "--tokens-per-sample",
         str(TOKENS_PER_SAMPLE),
         "--batch-size",
@@ -132,37 +139,14 @@ def sft_argv(root, model, *extra, batch_size=CONVERSATIONS):
         "--disable-validation",
         *extra,
     ]
+
+
+def sft_argv(root, model, *extra, batch_size=CONVERSATIONS):
+    return task_argv(root, model, "sft", *extra, batch_size=batch_size)
 
 
 def dpo_argv(root, model, *extra, batch_size=PAIRS):
-    return [
-        str(root / f"{model}-dpo"),
-        "--task",
-        "dpo",
-        "--finetune-from-model",
-        str(root / model),
-        "--dpo-reference",
-        str(root / f"{model}-ref"),
-        "--dpo-beta",
-        "0.2",
-        "--dpo-label-smoothing",
-        "0.1",
-        "--tokens-per-sample",
-        str(TOKENS_PER_SAMPLE),
-        "--batch-size",
-        str(batch_size),
-        "--required-batch-size-multiple",
-        "1",
-        "--optimizer",
-        "adam",
-        "--lr",
-        "0.002",
-        "--max-update",
-        "2",
-        "--no-save",
-        "--disable-validation",
-        *extra,
-    ]
+    return task_argv(root, model, "dpo", *extra, batch_size=batch_size)
 
 
 def _tokenizer(path):
