@@ -261,15 +261,16 @@ def one_process(chat, task, update_freq, tmp_path):
     return _one_process[key]
 
 
-@pytest.mark.parametrize("task", list(ARGV))
-@pytest.mark.parametrize("update_freq", [1, 2])
-def test_fsdp_ranks_train_as_one_process(chat, task, update_freq, tmp_path):
+@pytest.mark.parametrize(
+    "task,backend,update_freq",
+    [(task, "fully_sharded", uf) for task in ARGV for uf in (1, 2)] + [("dpo", "pytorch_ddp", 1)],
+)
+def test_ranks_train_as_one_process(chat, task, backend, update_freq, tmp_path):
     """2 FSDP ranks (with --update-freq 1 or 2) take the samples one process takes with twice
-    the --update-freq: the same losses and gradient norms. dpo's reference is sharded too."""
-    argv = ARGV[task](
-        chat[0], "llama", "--ddp-backend", "fully_sharded", "--update-freq", str(update_freq), batch_size=1
-    )
-    sharded = train_updates(argv, 2, tmp_path)
+    the --update-freq: the same losses and gradient norms. dpo's reference is sharded too
+    (under DDP each rank holds its own)."""
+    flags = ["--ddp-backend", backend, "--update-freq", str(update_freq)]
+    sharded = train_updates(ARGV[task](chat[0], "llama", *flags, batch_size=1), 2, tmp_path)
     expected = one_process(chat, task, 2 * update_freq, tmp_path)
     assert sorted(sharded) == sorted(expected) == [1, 2]
     for n in expected:
@@ -291,10 +292,11 @@ def test_resume_continues_the_run(chat, task, tmp_path):
     assert rest[2] == pytest.approx(expected[2], rel=1e-6)
 
 
-def test_language_modeling_per_document_attention(chat, tmp_path):
+def test_language_modeling_per_document_attention(chat, tmp_path, capsys):
     """--per-document-attention: whole sequences packed into a sample (complete) score as
     each on a row of its own (eos), the first update's loss and gradient norm alike; without
     the flag the packed sequences read each other and the loss differs."""
+    import cli
     from data.preprocess import build_parser, preprocess
 
     root, _ = chat
@@ -317,6 +319,21 @@ def test_language_modeling_per_document_attention(chat, tmp_path):
     packed = first("--sample-break-mode", "complete", "--per-document-attention")
     assert packed == pytest.approx(padded, rel=1e-5)
     assert first("--sample-break-mode", "complete")[0] != pytest.approx(padded[0], rel=1e-3)
+    # eval-lm scores its checkpoint as it trained: packed blocks as sequences one per row
+    ck = tmp_path / "ck"
+    argv = [a for a in sft_argv(root, "llama", batch_size=24) if a != "--no-save"]
+    argv[argv.index("sft")], argv[0] = "language_modeling", str(data)
+    train_updates(
+        argv + ["--sample-break-mode", "complete", "--per-document-attention", "--save-dir", str(ck)], 1, tmp_path
+    )
+
+    def eval_lm(mode):
+        capsys.readouterr()
+        args = [str(data), "--path", str(ck / "checkpoint_last"), "--gen-subset", "train", "--batch-size", "4"]
+        assert cli.COMMANDS["eval-lm"](args + ["--sample-break-mode", mode]) in (0, None)
+        return next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Loss (base 2):"))
+
+    assert eval_lm("complete") == eval_lm("eos")
 
 
 def test_eval_lm_scores_the_assistants_tokens(chat, tmp_path, capsys):

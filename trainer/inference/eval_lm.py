@@ -28,7 +28,7 @@ from data.embedded_corpus import prepare_embedded_corpus
 from data.indexed_dataset import IndexedDataset, exists
 from data.iterator import EpochBatchIterator, collate_pairs
 from data.targets import data_kind, load_targets
-from data.token_block import TokenBlockDataset
+from data.token_block import DocumentBlocks, TokenBlockDataset, collate_documents
 from data.tokenizer import load_tokenizer
 from trainer.config.fairseq_model import check_fairseq_dictionary, is_fairseq_checkpoint
 from trainer.errors import UsageError
@@ -44,9 +44,9 @@ def evaluate(model, dataset, args, pad, bos, env):
     loss_sum, ntokens = 0.0, 0
     if len(dataset) == 0:
         return loss_sum, ntokens
-    conversations = isinstance(dataset, ConversationSamples)
+    whole = isinstance(dataset, (ConversationSamples, DocumentBlocks))  # no context window: sequences kept apart
     itr = EpochBatchIterator(
-        dataset if conversations else ContextWindowDataset(dataset, args.context_window, pad),
+        dataset if whole else ContextWindowDataset(dataset, args.context_window, pad),
         batch_size=args.batch_size,
         max_tokens=args.max_tokens,
         seed=1,
@@ -59,7 +59,9 @@ def evaluate(model, dataset, args, pad, bos, env):
         every_batch=True,
         num_workers=getattr(args, "num_workers", 1),
         collater=functools.partial(collate_conversations, pad=pad)
-        if conversations
+        if isinstance(dataset, ConversationSamples)
+        else functools.partial(collate_documents, pad=pad)
+        if isinstance(dataset, DocumentBlocks)
         else functools.partial(collate_pairs, pad=pad, bos=bos),
     )
     total = len(itr)
@@ -73,10 +75,12 @@ def evaluate(model, dataset, args, pad, bos, env):
                 continue
             # The model's own loss (pad targets, the context's and <s>'s among them, are not
             # scored), a chunk of logits at a time as in training.
+            segments = batch.get("segments") if isinstance(dataset, DocumentBlocks) else None
             loss_sum += model(
                 batch["src_tokens"].to(env.device),
                 target=batch["target"].to(env.device),
                 softmax_batch=getattr(args, "softmax_batch", None),
+                segments=None if segments is None else segments.to(env.device),
             ).item()
             ntokens += batch["ntokens"]
     return loss_sum, ntokens
@@ -171,6 +175,15 @@ def split_dataset(cfg, args, tokens_per_sample, data_dir, tok):
             f"{len(blocks.too_long):,} sentences of {args.gen_subset} are longer than a block of "
             f"{tokens_per_sample} tokens and are skipped"
         )
+    # A model trained with --per-document-attention is scored as it trained: each sequence of
+    # a block attending to itself only (with --sample-break-mode none, which cuts them, it
+    # never trained: config checks refuse that).
+    if cfg.task.get("per_document_attention", False) and break_mode != "none":
+        if args.context_window:
+            raise UsageError(
+                "the model attends to each sequence alone (--per-document-attention): drop --context-window"
+            )
+        return DocumentBlocks(blocks)
     return blocks
 
 
