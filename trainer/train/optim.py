@@ -1,10 +1,24 @@
-"""Optimizers (adam, adamw, cpu_adam, sgd, nag) and fairseq's learning-rate schedules."""
+"""Optimizers (adam, adamw, cpu_adam, sgd, nag; the others by name from their own files) and
+fairseq's learning-rate schedules."""
 
 import math
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
+
+from trainer.parallel.shard_sums import local_shards
+from trainer.train.adafactor import Adafactor
+from trainer.train.lamb import LAMB
+from trainer.train.pointwise_optim import Adamax, ShardLocalAdadelta, ShardLocalAdagrad
+
+# Each built from its config by its class (from_config).
+OTHER_OPTIMIZERS = {
+    "adafactor": Adafactor,
+    "lamb": LAMB,
+    "adagrad": ShardLocalAdagrad,
+    "adadelta": ShardLocalAdadelta,
+    "adamax": Adamax,
+}
 
 
 def param_groups(model, weight_decay):
@@ -45,16 +59,11 @@ def build_optimizer(model, cfg):
         return ShardLocalAdamW(
             groups, lr=lr, betas=tuple(optimizer_cfg.adam_betas), eps=optimizer_cfg.adam_eps, fused=True
         )
+    if optimizer_cfg._name in OTHER_OPTIMIZERS:
+        return OTHER_OPTIMIZERS[optimizer_cfg._name].from_config(groups, lr, optimizer_cfg)
     if optimizer_cfg._name == "nag":
         return NAG(groups, lr=lr, momentum=optimizer_cfg.momentum)
     return torch.optim.SGD(groups, lr=lr, momentum=optimizer_cfg.momentum)
-
-
-def local_shards(tensors):
-    """Each DTensor's local shard (itself for a plain tensor), without DTensor's dispatch:
-    under no_grad `to_local` is the attribute read."""
-    with torch.no_grad():
-        return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 class ShardLocalAdamW(torch.optim.AdamW):

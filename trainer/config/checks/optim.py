@@ -14,6 +14,21 @@ OPTION_READERS = {
     "optimizer.momentum": ("sgd", "nag"),
     "optimizer.adam_betas": ("adam", "adamw", "cpu_adam"),
     "optimizer.adam_eps": ("adam", "adamw", "cpu_adam"),
+    "optimizer.adafactor_eps": ("adafactor",),
+    "optimizer.clip_threshold": ("adafactor",),
+    "optimizer.decay_rate": ("adafactor",),
+    "optimizer.beta1": ("adafactor",),
+    "optimizer.scale_parameter": ("adafactor",),
+    "optimizer.relative_step": ("adafactor",),
+    "optimizer.warmup_init": ("adafactor",),
+    "optimizer.lamb_betas": ("lamb",),
+    "optimizer.lamb_eps": ("lamb",),
+    "optimizer.adamax_betas": ("adamax",),
+    "optimizer.adamax_eps": ("adamax",),
+    "optimizer.no_bias_correction": ("adamax",),
+    "optimizer.adadelta_rho": ("adadelta",),
+    "optimizer.adadelta_eps": ("adadelta",),
+    "optimizer.anneal_eps": ("adadelta",),
     "lr_scheduler.min_lr": ("cosine",),
     "lr_scheduler.t_mult": ("cosine",),
     "lr_scheduler.lr_period_updates": ("cosine",),
@@ -34,18 +49,76 @@ def check_optimization(cfg):
 def check_optimizer(cfg):
     optimizer = cfg.optimizer
     non_negative(cfg, "optimizer.weight_decay")
-    if len(optimizer.adam_betas) != 2:
-        raise UsageError(f'--adam-betas needs two numbers like "(0.9, 0.98)", got {list(optimizer.adam_betas)}')
-    if not all(0.0 <= b < 1.0 for b in optimizer.adam_betas):
-        raise UsageError(f"--adam-betas must each be in [0, 1), got {list(optimizer.adam_betas)}")
-    non_negative(cfg, "optimizer.adam_eps", "optimizer.momentum")
+    for flag, betas in (
+        ("--adam-betas", optimizer.adam_betas),
+        ("--lamb-betas", optimizer.lamb_betas),
+        ("--adamax-betas", optimizer.adamax_betas),
+    ):
+        _check_betas(flag, list(betas))
+    non_negative(
+        cfg,
+        "optimizer.adam_eps",
+        "optimizer.momentum",
+        "optimizer.lamb_eps",
+        "optimizer.adamax_eps",
+        "optimizer.adadelta_eps",
+    )
     _check_options_read(cfg, "optimizer")
+    if optimizer._name == "adafactor":
+        check_adafactor(cfg)
+    if optimizer._name == "adadelta":
+        if not 0.0 <= optimizer.adadelta_rho <= 1.0:
+            raise UsageError(f"--adadelta-rho must be in [0, 1], got {optimizer.adadelta_rho}")
+        if optimizer.anneal_eps:
+            raise UsageError(
+                "--anneal-eps: fairseq's adadelta accepts it and never reads it (torch's Adadelta has no such "
+                "option); drop it"
+            )
     if optimizer._name == "cpu_adam" and not cfg.distributed_training.cpu_offload:
         raise UsageError(
             "--optimizer cpu_adam steps Adam on the host, over the shards --cpu-offload keeps there "
             "(fairseq's pairing); add --cpu-offload (with --ddp-backend fully_sharded), or use "
             "--optimizer adam"
         )
+
+
+def _check_betas(flag, betas):
+    if len(betas) != 2:
+        raise UsageError(f'{flag} needs two numbers like "(0.9, 0.98)", got {betas}')
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise UsageError(f"{flag} must each be in [0, 1), got {betas}")
+
+
+def check_adafactor(cfg):
+    """fairseq's Adafactor refuses a manual lr with --relative-step, and --warmup-init
+    without it; shardlm's --lr has a default, so only an --lr away from it is refused."""
+    optimizer, eps = cfg.optimizer, list(cfg.optimizer.adafactor_eps)
+    if len(eps) != 2 or any(e < 0 for e in eps):
+        raise UsageError(f'--adafactor-eps needs two numbers >= 0 like "(1e-30, 1e-3)", got {eps}')
+    if optimizer.clip_threshold <= 0:
+        raise UsageError(f"--clip-threshold must be positive (the update's top RMS), got {optimizer.clip_threshold:g}")
+    if optimizer.decay_rate >= 0:
+        raise UsageError(
+            f"--decay-rate must be negative (the second moment's decay is 1 - step**decay_rate), "
+            f"got {optimizer.decay_rate}"
+        )
+    if optimizer.beta1 is not None and not 0.0 <= optimizer.beta1 < 1.0:
+        raise UsageError(f"--beta1 must be in [0, 1), got {optimizer.beta1}")
+    if optimizer.warmup_init and not optimizer.relative_step:
+        raise UsageError("--warmup-init warms up Adafactor's relative step: add --relative-step, or drop --warmup-init")
+    if optimizer.relative_step:
+        lr_default = next(f.default for g, f in iter_fields() if (g, f.name) == ("optimization", "lr"))
+        if cfg.optimization.lr != lr_default:
+            raise UsageError(
+                f"--relative-step computes Adafactor's lr itself (min(1e-2, 1/sqrt(step))), so --lr "
+                f"{cfg.optimization.lr} would be ignored; drop --lr (fairseq refuses both together too)"
+            )
+        schedule = cfg.lr_scheduler
+        if schedule._name != "fixed" or schedule.warmup_updates:
+            raise UsageError(
+                f"--relative-step computes Adafactor's lr itself, so --lr-scheduler {schedule._name} "
+                f"(--warmup-updates {schedule.warmup_updates}) would be ignored; drop them or --relative-step"
+            )
 
 
 def check_lr_scheduler(cfg):

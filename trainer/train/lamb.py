@@ -1,0 +1,91 @@
+"""fairseq's --optimizer lamb: apex's FusedLAMB with the arguments fairseq passes (lr,
+betas, eps, weight decay) and apex's defaults for the rest, written with torch ops, exact
+under FSDP2's row shards.
+
+FusedLAMB (apex/optimizers/fused_lamb.py, csrc/multi_tensor_lamb.cu), per update t:
+
+    norm   = the global norm of all gradients; g <- g / (norm / max_grad_norm) where
+             norm > max_grad_norm (apex's max_grad_norm=1.0: fairseq leaves it on)
+    m <- b1 m + (1 - b1) g;   v <- b2 v + (1 - b2) g^2          (grad_averaging)
+    u  = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd p  (adam_w_mode, bias_correction)
+    p <- p - lr * ratio * u,  ratio = ||p|| / ||u||, or 1 where either norm is 0
+
+and the ratio only for parameters with weight decay (use_nvlamb=False): those without
+(biases, norms, embeddings here) take Adam's step. The norms are of whole parameters: a
+rank sums its rows' squares, and a step sums them over the shard group in two
+all-reduces, one before the update (the gradients' and the parameters' squares) and one
+of the updates' squares.
+
+apex keeps t in the parameter group, which shardlm's checkpoints leave out
+(hyper-parameters come from the config); here it is per-parameter state, a 0-d tensor.
+"""
+
+import torch
+
+from trainer.parallel.shard_sums import local_shards, shard_layout, sum_over_shards
+
+MAX_GRAD_NORM = 1.0  # apex FusedLAMB's default, which fairseq does not change
+
+
+class LAMB(torch.optim.Optimizer):
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        super().__init__(params, defaults)
+
+    @classmethod
+    def from_config(cls, groups, lr, cfg):
+        return cls(groups, lr=lr, betas=tuple(cfg.lamb_betas), eps=cfg.lamb_eps, weight_decay=cfg.weight_decay)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        items = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not items:
+            return loss
+        layout = shard_layout([p for _, p in items])
+        params = local_shards([p for _, p in items])
+        grads = [g.float() for g in local_shards([p.grad for _, p in items])]
+        decayed = [i for i, (group, _) in enumerate(items) if group["weight_decay"] != 0]
+        # one all-reduce: the gradients' squares (all together), then each decayed parameter's
+        grad_sq = torch.stack(torch._foreach_norm(grads)).square().sum().reshape(1)
+        param_sq = [params[i].float().square().sum() for i in decayed]
+        sums = sum_over_shards(torch.cat([grad_sq, *[s.reshape(1) for s in param_sq]]), layout)
+        norm = sums[0].sqrt()
+        max_norm = self.defaults["max_grad_norm"]
+        clip = torch.where(norm > max_norm, norm / max_norm, torch.ones_like(norm))
+        updates = []
+        for (group, p), local, grad in zip(items, params, grads):
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            state["step"] += 1
+            step = state["step"].item()  # a host tensor, as torch's Adam keeps it
+            beta1, beta2 = group["betas"]
+            exp_avg, exp_avg_sq = local_shards([state["exp_avg"], state["exp_avg_sq"]])
+            grad = grad / clip
+            exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(group["eps"])
+            update = (exp_avg / (1 - beta1**step)).div_(denom)
+            if group["weight_decay"] != 0:
+                update.add_(local.float(), alpha=group["weight_decay"])
+            updates.append(update)
+        update_sq = [updates[i].square().sum() for i in decayed]
+        update_sums = sum_over_shards(torch.stack(update_sq), layout) if decayed else None
+        ratios = {}
+        for k, i in enumerate(decayed):
+            param_norm, update_norm = sums[1 + k].sqrt(), update_sums[k].sqrt()
+            trusted = (param_norm != 0) & (update_norm != 0)
+            ratios[i] = torch.where(trusted, param_norm / update_norm.clamp(min=1e-38), torch.ones_like(param_norm))
+        for i, ((group, _), local, update) in enumerate(zip(items, params, updates)):
+            step_size = group["lr"] * ratios[i] if i in ratios else group["lr"]
+            if local.dtype == torch.float32:
+                local.sub_(update * step_size)
+            else:
+                local.copy_(local.float() - update * step_size)
+        return loss
