@@ -33,6 +33,7 @@ from trainer.checkpoint.generation_config import generation_config, write_genera
 from trainer.checkpoint.hf_dir import is_hf_dir, load_hf_weights
 from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.tensors import (
+    check_optimizer_name,
     check_optimizer_state,
     check_shapes,
     load_tensors,
@@ -224,6 +225,7 @@ class Checkpointer:
                 "num_updates": num_updates,
                 "epoch": epoch,
                 "has_optimizer": with_optim,
+                "optimizer": self.cfg.optimizer._name if with_optim else None,
                 "ddp_backend": self.cfg.distributed_training.ddp_backend,
                 "torch": torch.__version__,
                 "state": pieces,
@@ -295,6 +297,8 @@ class Checkpointer:
             return self.restore_fairseq(path, finetune)
         saved = read_trainer_state(path)
         with_optim = not (finetune or self.checkpoint_cfg.reset_optimizer) and saved.get("has_optimizer")
+        if with_optim:
+            check_optimizer_name(path, saved.get("optimizer"), self.cfg.optimizer._name)
         self.load_model_and_optimizer(path, with_optim)
         if finetune:
             log.info(

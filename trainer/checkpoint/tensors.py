@@ -149,6 +149,22 @@ def check_shapes(path, model_state, cfg=None, kept_layers=None):
         raise refuse(f"it has parameter {extra[0]}, which this model lacks")
 
 
+# Optimizers whose state is the same tensors: their checkpoints resume one another.
+SAME_STATE = {"adamw": "adam", "cpu_adam": "adam"}
+
+
+def check_optimizer_name(path, saved, here):
+    """Refuse a checkpoint whose optimizer state is another optimizer's, in one line. `saved`:
+    the --optimizer recorded with it (None in checkpoints older than the record: their
+    state's keys are checked as before, by check_optimizer_state)."""
+    if saved is None or SAME_STATE.get(saved, saved) == SAME_STATE.get(here, here):
+        return
+    raise UsageError(
+        f"checkpoint {path} holds --optimizer {saved}'s state, not {here}'s; resume with --optimizer {saved}, "
+        f"or pass --reset-optimizer to start {here} afresh"
+    )
+
+
 def check_optimizer_state(path, optim_state):
     """Refuse optimizer state the checkpoint does not have (another --optimizer) in one line.
     Returns the parameters it has no state for at all while it has some for others: never
