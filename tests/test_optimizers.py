@@ -7,7 +7,8 @@ rows split unevenly (255 embeddings, 127 feed-forward units), so FSDP pads shard
 import pytest
 import torch
 
-from helpers import DUMMY, multi_rank_losses, train_here, train_updates, update_losses
+from helpers import DUMMY, compose, multi_rank_losses, train_here, train_updates, update_losses
+from trainer.errors import UsageError
 from trainer.train.adafactor import Adafactor
 from trainer.train.lamb import LAMB
 from trainer.train.pointwise_optim import Adamax, ShardLocalAdadelta, ShardLocalAdagrad
@@ -175,3 +176,50 @@ def test_adafactor_resumes_on_one_and_on_four_ranks(tmp_path, capfd):
     assert r.returncode != 0
     refusal = "holds --optimizer adafactor's state, not lamb's; resume with --optimizer adafactor, or pass --reset"
     assert refusal in r.stderr + r.stdout
+
+
+# ---------------------------------------------------------------- fp16, bad values
+@pytest.mark.parametrize("name", ["adafactor", "lamb"])
+def test_fp16_overflow_skips_the_step(name):
+    """An fp16 overflow skips the update on every rank before the optimizer runs its
+    collectives: no parameter moves and no state is made; the next update steps once."""
+    from trainer.parallel import ranks
+    from trainer.rendezvous import Rendezvous
+    from trainer.train.main import build
+
+    cfg = compose(UNEVEN + OPTIMIZERS[name] + FSDP + ["--batch-size", "2", "--fp16", "--fp16-init-scale", str(2**40)])
+    env = ranks.init_rank(cfg, Rendezvous("", 1), needs_process_group=True)
+    try:
+        task, trainer, _ = build(cfg, env)
+        batches = task.batch_iterator(cfg.dataset.train_subset, training=True).next_epoch_itr()
+        before = [p.detach().full_tensor().clone() for p in trainer.model.parameters()]
+        trainer.train_step([next(batches)])
+        assert not trainer.settle() and trainer.num_updates == 0
+        assert all(torch.equal(a, p.full_tensor()) for a, p in zip(before, trainer.model.parameters()))
+        assert not trainer.optimizer.state
+        trainer.scaler.update(new_scale=256.0)
+        trainer.train_step([next(batches)])
+        assert trainer.settle() and trainer.num_updates == 1
+        assert {float(s["step"]) for s in trainer.optimizer.state.values()} == {1.0}
+        assert not all(torch.equal(a, p.full_tensor()) for a, p in zip(before, trainer.model.parameters()))
+    finally:
+        ranks.teardown()
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--optimizer", "lamb", "--lamb-eps=-1e-8"], "optimizer.lamb_eps must be >= 0"),
+        (["--optimizer", "adamax", "--adamax-betas", "(0.9, 1.0)"], r"--adamax-betas must each be in \[0, 1\)"),
+        (["--optimizer", "adafactor", "--adafactor-eps", "(-1e-30, 1e-3)"], "--adafactor-eps needs two numbers >= 0"),
+        (["--optimizer", "adafactor", "--beta1", "1.5"], r"--beta1 must be in \[0, 1\)"),
+        (["--optimizer", "adafactor", "--warmup-init"], "--warmup-init warms up Adafactor's relative step"),
+        (["--optimizer", "adafactor", "--relative-step", "--lr", "0.01"], "--relative-step computes Adafactor's lr"),
+        (["--optimizer", "adadelta", "--anneal-eps"], "--anneal-eps: fairseq's adadelta accepts it and never reads"),
+        (["--optimizer", "adam", "--clip-threshold", "2"], "--clip-threshold is read by --optimizer adafactor only"),
+    ],
+)
+def test_bad_values_are_refused_in_one_line(flags, message):
+    with pytest.raises(UsageError, match=message) as refused:
+        compose(UNEVEN + flags)
+    assert "\n" not in str(refused.value)
