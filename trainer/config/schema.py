@@ -270,18 +270,32 @@ class TaskConfig:
 
 @dataclass
 class OptimizerConfig:
-    """trainer/train/optim.py: build_optimizer."""
+    """trainer/train/optim.py: build_optimizer; --optimizer muon: trainer/train/muon.py."""
 
     _name: str = _f(
         "adam",
         "optimizer (adam's weight decay is decoupled, as in fairseq and AdamW)",
         flag="--optimizer",
-        choices=("adam", "adamw", "cpu_adam", "sgd", "nag"),
+        choices=("adam", "adamw", "cpu_adam", "sgd", "nag", "muon"),
     )
     adam_betas: List[float] = _f([0.9, 0.999], 'Adam betas, e.g. "(0.9, 0.98)"')
     adam_eps: float = _f(1e-8, "Adam epsilon")
     weight_decay: float = _f(0.0, "weight decay (never applied to biases, norms and embeddings)")
     momentum: float = _f(0.0, "sgd and nag momentum (--optimizer nag's default: 0.99)")
+    # torch.optim.Muon's options and defaults; its weight decay is --weight-decay.
+    muon_momentum: float = _f(0.95, "muon: momentum of the decoder layers' matrices")
+    muon_nesterov: bool = _f(True, "muon: Nesterov momentum")
+    muon_ns_steps: int = _f(5, "muon: Newton-Schulz iterations per update")
+    muon_ns_coefficients: List[float] = _f(
+        [3.4445, -4.7750, 2.0315], 'muon: the Newton-Schulz polynomial\'s (a, b, c), e.g. "(3.4445, -4.775, 2.0315)"'
+    )
+    muon_eps: float = _f(1e-7, "muon: the floor of the update's norm before Newton-Schulz")
+    muon_adjust_lr_fn: str = _f(
+        "original",
+        "muon: the lr of each matrix: original (Keller Jordan's, lr * sqrt(max(1, rows / cols))) or "
+        "match_rms_adamw (Moonshot's, lr * 0.2 * sqrt(max(rows, cols)): AdamW's lr and weight decay carry over)",
+        choices=("original", "match_rms_adamw"),
+    )
 
 
 @dataclass
@@ -353,7 +367,7 @@ GROUP_OPTIONS = {
         "dpo": {"sample_break_mode": "eos"},
     },
     "criterion": {"cross_entropy": {}, "adaptive_loss": {}},
-    "optimizer": {"adam": {}, "adamw": {}, "cpu_adam": {}, "sgd": {}, "nag": {"momentum": 0.99}},
+    "optimizer": {"adam": {}, "adamw": {}, "cpu_adam": {}, "sgd": {}, "nag": {"momentum": 0.99}, "muon": {}},
     "lr_scheduler": {
         "fixed": {},
         "inverse_sqrt": {"warmup_updates": 4000},
