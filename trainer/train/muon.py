@@ -113,6 +113,13 @@ class Muon(ShardLocalAdamW):
         self.matrices = matrices
         self.exchange = MatrixExchange(params, matrices)
 
+    def __setstate__(self, state):
+        """Adam's (load_state_dict calls it) reads the "step" of every state: the matrices'
+        state is their momentum buffer alone."""
+        groups = state["param_groups"]
+        super().__setstate__({**state, "param_groups": groups[1:]})
+        self.param_groups = groups
+
     def describe(self):
         """The split, a line for the log."""
         muon, adam = self.param_groups[0]["params"], [p for g in self.param_groups[1:] for p in g["params"]]
