@@ -77,6 +77,19 @@ class DecoderLayer(nn.Module):
         self.fc2 = linear(cfg, ffn, dim, bias=bias)
         self.w_resid = nn.Parameter(torch.ones(dim)) if getattr(cfg, "scale_resids", False) else None
 
+    def weight_blocks(self):
+        """{name: row counts} of the 2-D weights that stack several matrices, one count per
+        matrix in row order, as the Hugging Face layout keeps them apart: qkv_proj's
+        q_proj, k_proj, v_proj; fc1's gate_proj and up_proj (--gated-ffn). An optimizer
+        that treats each matrix whole (--optimizer muon) splits them so; any other 2-D
+        weight is one matrix."""
+        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
+        blocks = {"qkv_proj.weight": (H * D, KV * D, KV * D)}
+        if self.gated:
+            half = self.fc1.weight.shape[0] // 2
+            blocks["fc1.weight"] = (half, half)
+        return blocks
+
     def attention(self, x, cache=None, rope=None, mask=None):
         B, T, _ = x.shape
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim

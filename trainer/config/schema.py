@@ -9,9 +9,11 @@ Torch-free: `train --help` must answer before torch is imported.
 """
 
 from dataclasses import dataclass, field, fields
-from typing import List, Optional
+from typing import Optional
 
 from models.config import PRESETS, TransformerLMConfig
+from trainer.config.optimizer_schema import OptimizerConfig
+from trainer.config.option_field import option as _f
 
 DDP_BACKENDS = ("pytorch_ddp", "c10d", "legacy_ddp", "no_c10d", "fully_sharded", "hybrid_shard")
 SHARDED_BACKENDS = ("fully_sharded", "hybrid_shard")
@@ -20,12 +22,6 @@ SHARDED_BACKENDS = ("fully_sharded", "hybrid_shard")
 BACKEND_ALIASES = {"c10d": "pytorch_ddp", "no_c10d": "legacy_ddp"}
 LOG_FORMATS = ("json", "simple", "tqdm", "none")
 BREAK_MODES = ("none", "complete", "complete_doc", "eos")
-
-
-def _f(default, help, **meta):
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help, **meta})
-    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass
@@ -269,43 +265,6 @@ class TaskConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    """trainer/train/optim.py: build_optimizer; adafactor.py, lamb.py and pointwise_optim.py
-    (adagrad, adamax, adadelta)."""
-
-    _name: str = _f(
-        "adam",
-        "optimizer (adam's weight decay is decoupled, as in fairseq and AdamW)",
-        flag="--optimizer",
-        choices=("adam", "adamw", "cpu_adam", "sgd", "nag", "adafactor", "lamb", "adagrad", "adamax", "adadelta"),
-    )
-    adam_betas: List[float] = _f([0.9, 0.999], 'Adam betas, e.g. "(0.9, 0.98)"')
-    adam_eps: float = _f(1e-8, "Adam epsilon")
-    weight_decay: float = _f(0.0, "weight decay (never applied to biases, norms and embeddings)")
-    momentum: float = _f(0.0, "sgd and nag momentum (--optimizer nag's default: 0.99)")
-    # trainer/train/adafactor.py
-    adafactor_eps: List[float] = _f(
-        [1e-30, 1e-3], 'adafactor: epsilons for the squared gradient and the parameter scale, e.g. "(1e-30, 1e-3)"'
-    )
-    clip_threshold: float = _f(1.0, "adafactor: clip each update to this root mean square")
-    decay_rate: float = _f(-0.8, "adafactor: the second moment's decay is 1 - step**decay_rate")
-    beta1: Optional[float] = _f(None, "adafactor: first-moment beta (default: none kept)")
-    scale_parameter: bool = _f(False, "adafactor: scale the lr by the parameter's root mean square")
-    relative_step: bool = _f(False, "adafactor: lr = min(1e-2, 1/sqrt(step)) instead of --lr and its schedule")
-    warmup_init: bool = _f(False, "adafactor: with --relative-step, lr = min(1e-6 * step, 1/sqrt(step))")
-    # trainer/train/lamb.py
-    lamb_betas: List[float] = _f([0.9, 0.999], 'lamb betas, e.g. "(0.9, 0.999)"')
-    lamb_eps: float = _f(1e-8, "lamb epsilon")
-    # trainer/train/pointwise_optim.py
-    adamax_betas: List[float] = _f([0.9, 0.999], 'adamax betas, e.g. "(0.9, 0.999)"')
-    adamax_eps: float = _f(1e-8, "adamax epsilon")
-    no_bias_correction: bool = _f(False, "adamax: no bias correction of the step size")
-    adadelta_rho: float = _f(0.9, "adadelta: the squared gradients' running average coefficient")
-    adadelta_eps: float = _f(1e-6, "adadelta epsilon")
-    anneal_eps: bool = _f(False, "adadelta: fairseq's flag, which its adadelta never reads (refused)")
-
-
-@dataclass
 class LRSchedulerConfig:
     """trainer/train/optim.py: LRSchedule."""
 
@@ -380,7 +339,7 @@ GROUP_OPTIONS = {
         "cpu_adam": {},
         "sgd": {},
         "nag": {"momentum": 0.99},
-        **{name: {} for name in ("adafactor", "lamb", "adagrad", "adamax", "adadelta")},
+        **{name: {} for name in ("adafactor", "lamb", "adagrad", "adamax", "adadelta", "muon")},
     },
     "lr_scheduler": {
         "fixed": {},

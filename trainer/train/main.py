@@ -10,8 +10,9 @@ from omegaconf import OmegaConf
 
 from data.atomic_file import write_atomically
 from models.transformer_lm import build_model, num_parameters
-from trainer.checkpoint.checkpointer import Checkpointer, load_model_weights
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.files import remove_unfinished_saves
+from trainer.checkpoint.model_weights import load_model_weights
 from trainer.checkpoint.save_dir_lock import SaveDirLock
 from trainer.config.checks import check_adaptive_vocab
 from trainer.config.schema import model_positions, uses_fsdp

@@ -19,6 +19,7 @@ from trainer.parallel.parallelize import mixed_precision_dtype
 from trainer.parallel.ranks import all_reduce_sum, on_device, on_device_sum
 from trainer.train.deferred_read import BACKOFF, DeferredRead, numerical_fault
 from trainer.train.meters import BAD, UpdateStats, update_status
+from trainer.train.muon import build_muon
 from trainer.train.objectives import build_objective
 from trainer.train.optim import CPU_ADAM, NAG, LRSchedule, ShardLocalAdamW, build_optimizer, local_shards
 
@@ -33,9 +34,11 @@ class Trainer:
     def __init__(self, cfg, model, env, pad, grad_sync, objective=None):
         self.cfg, self.model, self.env, self.pad, self.grad_sync = cfg, model, env, pad, grad_sync
         self.objective = objective or build_objective(cfg)
-        self.optimizer = build_optimizer(model, cfg)
+        self.optimizer = build_muon(model, cfg) if cfg.optimizer._name == "muon" else build_optimizer(model, cfg)
         if cfg.optimizer._name == "cpu_adam" and env.is_master:
             log.info(CPU_ADAM)
+        if cfg.optimizer._name == "muon" and env.is_master:
+            log.info(self.optimizer.describe())
         # An update's step steps the parameters of the next forward's first all-gathers
         # first, then starts those gathers (EarlyGather); nothing to pass where none is.
         early = grad_sync.early_gather

@@ -12,8 +12,9 @@ from trainer.errors import UsageError
 # another, each would be accepted and ignored.
 OPTION_READERS = {
     "optimizer.momentum": ("sgd", "nag"),
-    "optimizer.adam_betas": ("adam", "adamw", "cpu_adam"),
-    "optimizer.adam_eps": ("adam", "adamw", "cpu_adam"),
+    # muon steps all but the decoder layers' matrices with AdamW
+    "optimizer.adam_betas": ("adam", "adamw", "cpu_adam", "muon"),
+    "optimizer.adam_eps": ("adam", "adamw", "cpu_adam", "muon"),
     "optimizer.adafactor_eps": ("adafactor",),
     "optimizer.clip_threshold": ("adafactor",),
     "optimizer.decay_rate": ("adafactor",),
@@ -29,6 +30,12 @@ OPTION_READERS = {
     "optimizer.adadelta_rho": ("adadelta",),
     "optimizer.adadelta_eps": ("adadelta",),
     "optimizer.anneal_eps": ("adadelta",),
+    "optimizer.muon_momentum": ("muon",),
+    "optimizer.muon_nesterov": ("muon",),
+    "optimizer.muon_ns_steps": ("muon",),
+    "optimizer.muon_ns_coefficients": ("muon",),
+    "optimizer.muon_eps": ("muon",),
+    "optimizer.muon_adjust_lr_fn": ("muon",),
     "lr_scheduler.min_lr": ("cosine",),
     "lr_scheduler.t_mult": ("cosine",),
     "lr_scheduler.lr_period_updates": ("cosine",),
@@ -74,6 +81,8 @@ def check_optimizer(cfg):
                 "--anneal-eps: fairseq's adadelta accepts it and never reads it (torch's Adadelta has no such "
                 "option); drop it"
             )
+    if optimizer._name == "muon":
+        _check_muon(optimizer)
     if optimizer._name == "cpu_adam" and not cfg.distributed_training.cpu_offload:
         raise UsageError(
             "--optimizer cpu_adam steps Adam on the host, over the shards --cpu-offload keeps there "
@@ -119,6 +128,20 @@ def check_adafactor(cfg):
                 f"--relative-step computes Adafactor's lr itself, so --lr-scheduler {schedule._name} "
                 f"(--warmup-updates {schedule.warmup_updates}) would be ignored; drop them or --relative-step"
             )
+
+
+def _check_muon(optimizer):
+    if not 0.0 <= optimizer.muon_momentum < 1.0:
+        raise UsageError(f"--muon-momentum must be in [0, 1), got {optimizer.muon_momentum}")
+    if not 0 < optimizer.muon_ns_steps < 100:  # torch.optim.Muon's bound
+        raise UsageError(f"--muon-ns-steps must be in 1..99, got {optimizer.muon_ns_steps}")
+    if len(optimizer.muon_ns_coefficients) != 3:
+        raise UsageError(
+            f'--muon-ns-coefficients needs three numbers like "(3.4445, -4.775, 2.0315)", '
+            f"got {list(optimizer.muon_ns_coefficients)}"
+        )
+    if not optimizer.muon_eps > 0:
+        raise UsageError(f"--muon-eps must be positive (the floor of the update's norm), got {optimizer.muon_eps}")
 
 
 def check_lr_scheduler(cfg):
