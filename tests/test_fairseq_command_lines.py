@@ -364,3 +364,24 @@ def test_the_users_own_line_trains_on_the_embedded_corpus(line, tmp_path, capfd)
     assert {rec["bsz"] for rec in records["train_inner"]} == {8}
     assert records["train_inner"][0]["lr"] == 0.0005
     _loss_fell(records)
+
+
+# tests/test_binaries.py TestOptimizers.test_optimizers: train_translation_model's flags
+# (tests/utils.py: --optimizer nag --lr 0.05 --max-tokens 500 --max-epoch 1, then the test's
+# own --optimizer), on a language model; fairseq's six, with lamb, adamax and muon beside them.
+TEST_OPTIMIZERS = """train --task language_modeling {DATA} --save-dir {CK} --arch transformer_lm --optimizer nag \
+--lr 0.05 --max-tokens 500 --max-epoch 1 --no-progress-bar --distributed-world-size 1 --num-workers 0 \
+--required-batch-size-multiple 1"""
+
+
+@pytest.mark.parametrize(
+    "optimizer", ["adafactor", "adam", "nag", "adagrad", "sgd", "adadelta", "lamb", "adamax", "muon"]
+)
+def test_fairseq_optimizer_lines_train(optimizer, data_bin, tmp_path, capfd):
+    size = (
+        "--decoder-layers 2 --decoder-embed-dim 32 --decoder-ffn-embed-dim 64 --decoder-attention-heads 2 "
+        "--tokens-per-sample 32 --max-update 6 --log-format json --log-interval 1 --no-save --disable-validation"
+    )
+    records, _ = _run(TEST_OPTIMIZERS, data_bin, tmp_path, f"--optimizer {optimizer}", size, capfd=capfd)
+    losses = [rec["loss"] for rec in records["train_inner"]]
+    assert len(losses) == 6 and all(loss == loss for loss in losses), losses  # ran, nothing Nan
