@@ -114,6 +114,28 @@ CONFIGS = {
     + ["--distributed-world-size", "2", "--checkpoint-activations"],
     "qwen3 ddp 1 rank 53M --bf16": Q53 + ["--bf16"],
 }
+
+
+def with_optimizer(flags, name, *extra):
+    """flags with --optimizer NAME (and its own flags) in place of adam."""
+    i = flags.index("--optimizer")
+    return flags[: i + 1] + [name] + flags[i + 2 :] + list(extra)
+
+
+# The optimizers' rows: a batch small enough that the optimizer's state and step buffers
+# are a large share of the peak (issue 40: adafactor's replicated columns, muon's owners).
+M23_B2 = model(6, 512, 8192, batch=2)
+OPTIMIZER_CONFIGS = {
+    "fsdp 2 ranks 23M --optimizer adafactor": with_optimizer(M23_B2, "adafactor") + FSDP2,
+    "fsdp 2 ranks 23M --optimizer adafactor --beta1 0.9": with_optimizer(M23_B2, "adafactor", "--beta1", "0.9") + FSDP2,
+    "fsdp 2 ranks 23M --optimizer lamb": with_optimizer(M23_B2, "lamb") + FSDP2,
+    "fsdp 2 ranks 23M --optimizer adamax": with_optimizer(M23_B2, "adamax") + FSDP2,
+    "fsdp 2 ranks 23M --optimizer adagrad": with_optimizer(M23_B2, "adagrad") + FSDP2,
+    "fsdp 2 ranks 23M --optimizer muon": with_optimizer(M23_B2, "muon") + FSDP2,
+    "ddp 1 rank 23M --optimizer muon": with_optimizer(M23_B2, "muon"),
+    "fsdp 2 ranks 109M --optimizer muon": with_optimizer(M109, "muon") + FSDP2,
+}
+CONFIGS.update(OPTIMIZER_CONFIGS)
 # --task sft and --task dpo rows: a Llama model of Hugging Face's (--finetune-from-model; dpo's
 # frozen reference is the same model) on data dirs made in a temporary directory (task_data.py).
 # TASK_DATA: "{data}" and "{hf}" in the flags stand for the data dir and the model dir.

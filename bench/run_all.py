@@ -13,7 +13,7 @@ the git commit measured (short hash, "+dirty" when tracked files differ from it)
 with `--quick`, `--reps` or `--only` says so in that heading.
 
 Usage: python bench/run_all.py [--quick] [--reps N] [--only startup loop mfu gpu dataload preprocess fsdp plan
-                                                         scale]
+                                                         scale optim]
                                [--page docs/benchmarks.md | --no-page]
 """
 
@@ -48,6 +48,7 @@ SCRIPTS = {
     "fsdp": ("bench_fsdp.py", ["--steps", "1", "--only", "ddp", "fsdp", "fsdp + jemalloc"]),
     "plan": ("bench_plan.py", ["--only", "ddp 1 rank 23M", "fsdp 2 ranks 109M", "llama fsdp 2 ranks 76M"]),
     "scale": ("bench_scale.py", ["--budget-gb", "3", "--trials", "2"]),
+    "optim": ("bench_optim.py", ["--quick"]),
 }
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from trainer.parallel.owner_packing import owners_by_work
 from trainer.parallel.parallelize import local_rows
 
 
@@ -33,16 +34,6 @@ class Matrix:
         """Newton-Schulz's cost, up to a constant: each step multiplies by the Gram matrix
         of the short side."""
         return self.rows * self.cols * min(self.rows, self.cols)
-
-
-def owners_by_work(works, ranks):
-    """Longest-processing-time packing: the largest first, each onto the rank with the least
-    work so far (ties: the lower index, the lower rank), so every rank computes the same."""
-    loads, owners = [0] * ranks, [0] * len(works)
-    for i in sorted(range(len(works)), key=lambda i: (-works[i], i)):
-        rank = min(range(ranks), key=lambda r: (loads[r], r))
-        owners[i], loads[rank] = rank, loads[rank] + works[i]
-    return owners
 
 
 def chunk_rows(rows, ranks, rank):

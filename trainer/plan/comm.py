@@ -1,5 +1,6 @@
 """The bytes a rank receives per update, by collective: what `plan` reports beside memory."""
 
+from trainer.plan.optimizer_memory import optimizer_comm
 from trainer.plan.shapes import ModelShape, Setup
 
 
@@ -7,9 +8,11 @@ def comm_bytes(m: ModelShape, s: Setup):
     """Bytes each rank receives per update, by collective (the size of what is gathered or
     reduced, times the share of it that comes from other ranks)."""
     P, elem = m.params, s.compute_bytes  # bytes of one element in the compute dtype
-    out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
+    out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "all_to_all": 0.0}
     if s.world == 1:
         return out
+    for collective, nbytes in optimizer_comm(m, s).items():  # the step's own (adafactor, lamb, muon)
+        out[collective] += nbytes
     if s.sharded:
         S = s.shard
         share = (S - 1) / S

@@ -26,6 +26,7 @@ from trainer.plan.activations import (
     rope_table_bytes,
 )
 from trainer.plan.comm import comm_bytes
+from trainer.plan.optimizer_memory import EARLY_GATHER, alive_at_early_gather, state_bytes, step_moments
 from trainer.plan.shapes import ModelShape, Setup
 
 # The planner's names, importable from here as before the split into shapes, activations and comm.
@@ -64,6 +65,9 @@ COMPONENTS = (
     "parameters",
     "gradients",
     "optimizer_state",
+    "optimizer_state_replicated",
+    "optimizer_step",
+    "muon_owner_workspace",
     "gathered_parameters",
     "unsharded_gradients",
     "activations",
@@ -175,7 +179,12 @@ class UpdateWalk:
         with the sharded gradients), and DDP's buckets."""
         m, s, L = self.m, self.s, self.ledger
         P, S = m.params, s.shard
-        for name, nbytes in (("parameters", 4 * P / S), ("optimizer_state", 4 * s.optimizer_states * P / S)):
+        sharded_state, replicated_state = state_bytes(m, s)
+        for name, nbytes in (
+            ("parameters", 4 * P / S),
+            ("optimizer_state", sharded_state),
+            ("optimizer_state_replicated", replicated_state),
+        ):
             if self.offload:
                 self.host += nbytes
             else:
@@ -374,12 +383,31 @@ class UpdateWalk:
             L.sub("gathered_parameters", m.root_params * elem)
 
     def optimizer_step(self):
-        """The step is fused and in place; then the gradients are freed. With adam (2 states)
-        on several ranks, the root and the first layer are gathered for the next forward while
-        the rest is stepped (parallelize.EarlyGather)."""
-        m, s = self.m, self.s
-        if s.sharded and s.world > 1 and s.optimizer_states == 2:
-            self.ledger.transient("gathered_parameters", m.root_params * self.elem + (self.unit if m.layers else 0))
+        """The step reads the gradients in place and allocates what its optimizer needs for a
+        moment (trainer/plan/optimizer_memory.py: fused adam nothing; adafactor and lamb
+        every update; muon its exchange and owner buffers); then the gradients are freed.
+        Where the trainer steps with EarlyGather (parallelize.EarlyGather, several ranks),
+        the root and the first layer are gathered for the next forward during the step."""
+        m, s, L = self.m, self.s, self.ledger
+        for moment in step_moments(m, s):
+            self.moment(moment, on_host=self.offload and s.optimizer != "muon")
+        if s.sharded and s.world > 1 and s.optimizer in EARLY_GATHER:
+            alive = alive_at_early_gather(m, s)
+            for k, v in alive.items():
+                L.add(k, v)
+            L.transient("gathered_parameters", m.root_params * self.elem + (self.unit if m.layers else 0))
+            for k, v in alive.items():
+                L.sub(k, v)
+
+    def moment(self, nbytes, on_host):
+        """{component: bytes} alive together for a moment; under --cpu-offload an
+        optimizer's temporaries are the host's, beside its state."""
+        if on_host:
+            return
+        for k, v in nbytes.items():
+            self.ledger.add(k, v)
+        for k, v in nbytes.items():
+            self.ledger.sub(k, v)
 
 
 def simulate(m: ModelShape, s: Setup):

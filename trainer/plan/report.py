@@ -9,7 +9,10 @@ LABELS = {
     "runtime": "runtime (interpreter, libraries, communication)",
     "parameters": "parameters (fp32, this rank's shards)",
     "gradients": "gradients (fp32 shards; DDP: + its buckets)",
-    "optimizer_state": "optimizer state",
+    "optimizer_state": "optimizer state (this rank's shards)",
+    "optimizer_state_replicated": "optimizer state kept whole (adafactor's columns)",
+    "optimizer_step": "optimizer step's buffers (updates, exchange)",
+    "muon_owner_workspace": "muon: owned whole matrices, Newton-Schulz",
     "gathered_parameters": "gathered layers (unsharded, with prefetch)",
     "unsharded_gradients": "unsharded gradients before reduce-scatter",
     "activations": "activations saved for backward",
@@ -87,7 +90,8 @@ def as_text(cfg, plan):
     lines = [
         f"model {plan['model_name']}: {m.params:,} parameters ({m.layers} layers x {m.dim}, "
         f"vocabulary {m.vocab}{source})",
-        f"{s.world} rank(s), {s.ranks_per_host} per host, {s.device}, {s.precision}, {', '.join(flags)}",
+        f"{s.world} rank(s), {s.ranks_per_host} per host, {s.device}, {s.precision}, {', '.join(flags)}, "
+        f"--optimizer {s.optimizer}",
         f"batch per rank: {s.sequences}{' pairs (2 rows each)' if s.dpo else ''} x {s.seq_len} tokens, "
         f"--update-freq {s.update_freq} ({s.tokens * s.update_freq * s.world:,} tokens per update)",
         "",
@@ -106,6 +110,7 @@ def as_text(cfg, plan):
     lines.append(
         f"communication per rank per update: all-gather {comm['all_gather']:.3f} GB, reduce-scatter "
         f"{comm['reduce_scatter']:.3f} GB, all-reduce {comm['all_reduce']:.3f} GB"
+        + (f", all-to-all {comm['all_to_all']:.3f} GB" if comm["all_to_all"] else "")
     )
     lines += ["", "flag sets, fastest first (per-rank GB, host GB):"]
     for label, t, q, ok in plan["tried"]:

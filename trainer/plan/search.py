@@ -23,10 +23,8 @@ from trainer.config.implied import implies_activation_checkpointing
 from trainer.config.schema import ddp_backend, model_positions
 from trainer.errors import UsageError
 from trainer.plan.ledger import ModelShape, Setup, predict
+from trainer.plan.optimizer_memory import ELEMENTWISE_STATES
 from trainer.rendezvous import infer_rendezvous
-
-# nag keeps a momentum buffer whatever its momentum; sgd one only with momentum
-OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "cpu_adam": 2, "nag": 1}
 
 
 def vocab_size(cfg):
@@ -182,7 +180,8 @@ def setup_of(cfg, device, ranks_per_host):
     elif distributed.ddp_backend == "hybrid_shard":
         shard = distributed.shard_group_size or min(ranks_per_host, world)
     optimizer = cfg.optimizer
-    states = OPTIMIZER_STATES.get(optimizer._name, 1 if optimizer.momentum else 0)
+    # sgd keeps a momentum buffer only with momentum; adafactor's and muon's state is counted by shape
+    states = ELEMENTWISE_STATES.get(optimizer._name, 1 if optimizer._name == "sgd" and optimizer.momentum else 0)
     return Setup(
         device=device,
         world=world,
@@ -203,6 +202,8 @@ def setup_of(cfg, device, ranks_per_host):
         spawned=infer_rendezvous(cfg).spawn > 1,
         dpo=cfg.task._name == "dpo",
         packed_documents=cfg.task._name == "sft" or bool(cfg.task.get("per_document_attention", False)),
+        optimizer=optimizer._name,
+        first_moment=optimizer._name == "adafactor" and optimizer.get("beta1") is not None,
     )
 
 

@@ -113,7 +113,7 @@ class Setup:
     seq_len: int
     precision: str  # "fp32", "bf16" or "fp16"
     fp32_reduce_scatter: bool
-    optimizer_states: int  # fp32 tensors the optimizer keeps per parameter
+    optimizer_states: int  # fp32 tensors kept per parameter (adafactor's, muon's: plan/optimizer_memory.py)
     spawned: bool = False  # a local rank the launcher forks (not a process of its own)
     # --task dpo: each sample is two rows (chosen, rejected), scored per row, and a frozen
     # reference model runs its own forward on them first (trainer/train/objectives.py DPOLoss).
@@ -121,6 +121,8 @@ class Setup:
     # --task sft or --per-document-attention: packed documents, so every forward builds a
     # block-causal mask and rotary tables per position (models/documents.py).
     packed_documents: bool = False
+    optimizer: str = "adam"  # --optimizer: what its state and its step hold (trainer/plan/optimizer_memory.py)
+    first_moment: bool = False  # adafactor's --beta1: an fp32 first moment per parameter
 
     @property
     def sharded(self):
