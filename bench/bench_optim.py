@@ -33,10 +33,12 @@ WARMUP = 2
 TOKENS = 256  # per rank per update
 
 
-def flags(optimizer, steps):
+def flags(optimizer, steps, update_freq=1):
     model = list(M109)
     model[model.index("--batch-size") + 1] = "1"
     return with_optimizer(model, optimizer) + [
+        "--update-freq",
+        str(update_freq),
         "--max-update",
         str(WARMUP + steps),
         "--no-save",
@@ -78,9 +80,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run(optimizer, ranks, steps):
+def run(optimizer, ranks, steps, update_freq=1):
     """(median update seconds, median step seconds) of the timed updates."""
-    argv = [sys.executable, __file__, "--as-rank"] + flags(optimizer, steps)
+    argv = [sys.executable, __file__, "--as-rank"] + flags(optimizer, steps, update_freq)
     cores = os.cpu_count() or 2
     port = free_port()
     procs = []
@@ -114,18 +116,29 @@ def main():
     p = parser(__doc__, reps=1)
     p.add_argument("--steps", type=int, default=2, help="timed updates per run, after 2 warm-up ones")
     p.add_argument("--quick", action="store_true", help="1 timed update: a check that it runs")
+    p.add_argument(
+        "--update-freq",
+        type=int,
+        default=1,
+        help="micro-batches of 256 tokens per rank per update (Newton-Schulz is a cost per update: "
+        "Muon's ratio falls as an update holds more tokens)",
+    )
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="which to run, comma-separated (adam first)")
+    p.add_argument("--ranks-only", action="store_true", help="only the 2-rank setup")
     a = p.parse_args()
     steps = 1 if a.quick else a.steps
-    setups = [("2 ranks", 2), ("1 process", 1)]
-    results = {(o, label): [] for o in OPTIMIZERS for label, _ in setups}
+    optimizers = a.optimizers.split(",")
+    setups = [("2 ranks", 2)] + ([] if a.ranks_only else [("1 process", 1)])
+    results = {(o, label): [] for o in optimizers for label, _ in setups}
     for rep in range(a.reps):
-        order = [(o, s) for o in OPTIMIZERS for s in setups]
+        order = [(o, s) for o in optimizers for s in setups]
         for optimizer, (label, ranks) in order if rep % 2 == 0 else order[::-1]:
-            update, step = run(optimizer, ranks, steps)
+            update, step = run(optimizer, ranks, steps, a.update_freq)
             results[(optimizer, label)].append((update, step))
             note(f"rep {rep + 1} {optimizer} {label}: update {update:.2f} s, step {step:.3f} s")
     print(
-        f"\n109 M parameters, {TOKENS} tokens per rank per update, {steps} timed updates after {WARMUP} "
+        f"\n109 M parameters, {TOKENS * a.update_freq} tokens per rank per update (--update-freq {a.update_freq}), "
+        f"{steps} timed updates after {WARMUP} "
         f"warm-up, {a.reps} repetition(s) interleaved, medians; × adam: that update time over adam's"
     )
     print("\n| optimizer | setup | tokens/s | update s | step s | step share | update × adam |")
@@ -133,18 +146,19 @@ def main():
     rows = []
     for label, ranks in setups:
         base = median(u for u, _ in results[("adam", label)])
-        for optimizer in OPTIMIZERS:
+        for optimizer in optimizers:
             update = median(u for u, _ in results[(optimizer, label)])
             step = median(s for _, s in results[(optimizer, label)])
             ratio = update / base
             print(
-                f"| {optimizer} | {label} | {TOKENS * ranks / update:.0f} | {update:.2f} | {step:.3f} | "
-                f"{step / update:.0%} | {ratio:.3f} |"
+                f"| {optimizer} | {label} | {TOKENS * a.update_freq * ranks / update:.0f} | {update:.2f} | "
+                f"{step:.3f} | {step / update:.0%} | {ratio:.3f} |"
             )
             if ranks == 2 and optimizer in GOALS:
                 rows.append(
                     goal(
-                        f"optim: {optimizer} update vs adam's, 2 CPU ranks, 109M",
+                        f"optim: {optimizer} update vs adam's, 2 CPU ranks, 109M, "
+                        f"{TOKENS * a.update_freq} tokens per rank per update",
                         f"{ratio:.3f}× ({update:.2f} vs {base:.2f} s)",
                         f"≤ {GOALS[optimizer]}×",
                         ratio <= GOALS[optimizer],
