@@ -158,6 +158,23 @@ def generate_main(argv=None):
         return _fail("generate", e, 1)
 
 
+def serve_main(argv=None):
+    """An OpenAI-compatible HTTP server over a model (trainer/inference/serve.py)."""
+    from data.errors import DataError
+
+    try:
+        args = _parse_command(
+            "serve", "Serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions).", argv
+        )
+        from trainer.inference.serve_command import serve
+
+        return serve(args)
+    except UsageError as e:
+        return _fail("serve", e, 2)
+    except DataError as e:
+        return _fail("serve", e, 1)
+
+
 def export_model_main(argv=None):
     """One consolidated safetensors file (or an HF GPT-2 directory) from a checkpoint."""
     from data.errors import DataError
@@ -207,6 +224,7 @@ COMMANDS = {
     "preprocess": preprocess_main,
     "eval-lm": eval_lm_main,
     "generate": generate_main,
+    "serve": serve_main,
     "export-model": export_model_main,
     "export": export_model_main,
 }  # the short name; a shell's own `export` wins over a script of that name
@@ -237,5 +255,6 @@ preprocess = _entry(preprocess_main)
 shardlm = _entry(shardlm_main)
 eval_lm = _entry(eval_lm_main)
 generate = _entry(generate_main)
+serve = _entry(serve_main)
 export_model = _entry(export_model_main)
 plan = _entry(plan_main)

@@ -27,6 +27,7 @@ from trainer.config.flags import (
 REQUIRED = {
     "eval-lm": ["--path", "ckpt"],
     "generate": ["--path", "ckpt"],
+    "serve": ["--path", "ckpt"],
     "export-model": ["--path", "ckpt", "--out", "out"],
     "plan": [],
 }
@@ -146,7 +147,7 @@ def test_help_lists_every_flag_and_alias(prog, capsys):
                 assert (name if name != "data" else "DATA") in out
 
 
-@pytest.mark.parametrize("prog", ["train", "eval-lm", "generate", "export-model", "plan", "preprocess"])
+@pytest.mark.parametrize("prog", ["train", "eval-lm", "generate", "serve", "export-model", "plan", "preprocess"])
 def test_no_help_says_a_default_twice(prog, capsys):
     """`(default: tqdm on a terminal, else simple) (default: None)`: the second one is noise."""
     twice = [e for e in _entries(_help(prog, capsys)) if len(re.findall(r"\(default\b|; default:", e)) > 1]

@@ -99,6 +99,26 @@ class GenerateConfig:
 
 
 @dataclass
+class ServeConfig:
+    """serve: an OpenAI-compatible HTTP server (trainer/inference/serve_command.py, serve.py)."""
+
+    path: Optional[str] = _f(None, MODEL_PATH_HELP, required=True)
+    host: str = _f("127.0.0.1", "address to listen on (0.0.0.0: every interface; add --api-key then)")
+    port: int = _f(8000, "port to listen on", type=non_negative_int)
+    api_key: Optional[str] = _f(
+        None, "answer /v1 requests only with 'Authorization: Bearer KEY' (default: anyone who reaches the port)"
+    )
+    model_name: Optional[str] = _f(None, "the model's name in requests and /v1/models (default: the path's last part)")
+    max_queue: int = _f(
+        64, "requests that may wait for the model; one more is answered 429 (busy)", type=non_negative_int
+    )
+    shutdown_timeout: float = _f(
+        30.0, "on Ctrl-C or SIGTERM, seconds the requests in flight have to finish", type=positive_float
+    )
+    cpu: bool = _f(False, "run the model on the CPU even when a GPU is present")
+
+
+@dataclass
 class ExportModelConfig:
     """export-model: trainer/inference/export.py."""
 
@@ -149,6 +169,7 @@ class PlanConfig:
 COMMAND_GROUPS = {
     "eval-lm": ("eval_lm", EvalLMConfig),
     "generate": ("generate", GenerateConfig),
+    "serve": ("serve", ServeConfig),
     "export-model": ("export_model", ExportModelConfig),
     "plan": ("plan", PlanConfig),
 }

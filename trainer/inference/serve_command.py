@@ -1,0 +1,67 @@
+"""The serve command: load the model, start the engine, run the HTTP server until Ctrl-C or
+SIGTERM, let the requests in flight finish (up to --shutdown-timeout), exit 0."""
+
+import os
+import signal
+import sys
+
+from data.hf_tokenizer import HFTokenizer
+from trainer.errors import UsageError
+from trainer.inference import chat
+from trainer.inference.load import load_model, model_files_dir
+
+
+def serve(args):
+    import torch
+    import uvicorn
+
+    from trainer.inference.serve import Served, build_app
+    from trainer.inference.serve_engine import SequentialEngine
+
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    model, cfg, tokenizer = load_model(args.path, device)
+    if tokenizer is None:
+        raise UsageError(f"{args.path} has no tokenizer: serve reads and writes text, so it needs the model's own")
+    files_dir = model_files_dir(args.path)
+    hf = isinstance(tokenizer, HFTokenizer)
+    engine = SequentialEngine(model, tokenizer, banned=() if hf else (tokenizer.pad,), max_queue=args.max_queue)
+    served = Served(
+        engine,
+        name=args.model_name or os.path.basename(os.path.normpath(args.path)),
+        # As generate: an HF tokenizer starts a text itself (Llama 3's bos); a fairseq LM learned "</s> text".
+        start_ids=[] if hf else [tokenizer.eos],
+        stop_ids=chat.stop_ids(tokenizer, files_dir, cfg),
+        chat=_chat_template(files_dir, tokenizer) if hf else None,
+        api_key=args.api_key,
+    )
+    config = uvicorn.Config(
+        build_app(served),
+        host=args.host,
+        port=args.port,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        log_level="info",
+    )
+    server = uvicorn.Server(config)
+    # uvicorn handles SIGINT/SIGTERM while it runs (stop accepting, drain, then cancel what is
+    # left), then raises the signal again under the handlers found before it: these make that
+    # second delivery a no-op, so a requested shutdown exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    print(f"serve: {served.name} on http://{args.host}:{args.port}/v1 ({device})", file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        engine.close()
+    if not server.started:  # uvicorn said why (the port is taken, say)
+        return 1
+    return 0
+
+
+def _chat_template(files_dir, tokenizer):
+    """(template, specials, end-of-turn id), or None for a model without a chat template."""
+    try:
+        template = chat.chat_template(files_dir)
+    except UsageError:
+        return None
+    specials = chat.special_tokens(files_dir)
+    return template, specials, chat.end_of_turn_id(template, specials, tokenizer)
