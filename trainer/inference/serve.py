@@ -18,7 +18,9 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from trainer.errors import UsageError
 from trainer.inference import openai_api as api
+from trainer.inference.chat import render_chat
 from trainer.inference.serve_engine import GenerationRequest, QueueFull
 from trainer.inference.serve_text import StopText, continuation_text, text_offsets
 
@@ -168,9 +170,6 @@ async def chat_completions(request, served):
     messages = api.chat_messages(body)
     if served.chat is None:
         raise api.ApiError(400, f"'{served.name}' has no chat template: use /v1/completions", param="messages")
-    from trainer.errors import UsageError
-    from trainer.inference.chat import render_chat
-
     template, specials, end_of_turn = served.chat
     try:
         ids = served.tokenizer.encode_rendered(render_chat(template, messages, True, specials))

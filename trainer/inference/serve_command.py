@@ -5,19 +5,18 @@ import os
 import signal
 import sys
 
+import torch
+import uvicorn
+
 from data.hf_tokenizer import HFTokenizer
 from trainer.errors import UsageError
 from trainer.inference import chat
 from trainer.inference.load import load_model, model_files_dir
+from trainer.inference.serve import Served, build_app
+from trainer.inference.serve_engine import SequentialEngine
 
 
 def serve(args):
-    import torch
-    import uvicorn
-
-    from trainer.inference.serve import Served, build_app
-    from trainer.inference.serve_engine import SequentialEngine
-
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     model, cfg, tokenizer = load_model(args.path, device)
     if tokenizer is None:
