@@ -76,9 +76,9 @@ class CacheRows:
         """Store layer `layer`'s keys/values (B×H×T×D) at each row's next positions; return
         the rows' keys/values up to the longest row's new length (a view of the buffers)."""
         B = k.shape[0]
-        rows = torch.arange(self.start, self.start + B, device=k.device)[:, None]
-        self.cache.k[layer][rows, :, self._positions] = k.transpose(1, 2)
-        self.cache.v[layer][rows, :, self._positions] = v.transpose(1, 2)
+        row_ids = torch.arange(self.start, self.start + B, device=k.device)[:, None]
+        self.cache.k[layer][row_ids, :, self._positions] = k.transpose(1, 2)
+        self.cache.v[layer][row_ids, :, self._positions] = v.transpose(1, 2)
         end = max(self.lengths) + k.shape[2]
         rows = slice(self.start, self.stop)
         return self.cache.k[layer][rows, :, :end], self.cache.v[layer][rows, :, :end]
