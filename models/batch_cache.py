@@ -69,16 +69,17 @@ class CacheRows:
         lengths = torch.tensor(self.lengths, device=device)
         positions = lengths[:, None] + torch.arange(num_tokens, device=device)
         self._positions = positions
+        self._row_ids = torch.arange(self.start, self.stop, device=device)[:, None]
+        if min(self.lengths) == max(self.lengths):  # no padded slots: the layers' causal mask (or none) will do
+            return 0, positions, span, None
         mask = torch.arange(span, device=device) <= positions[:, :, None]  # B×T×L
         return 0, positions, span, mask[:, None]
 
     def append(self, layer, k, v):
         """Store layer `layer`'s keys/values (B×H×T×D) at each row's next positions; return
         the rows' keys/values up to the longest row's new length (a view of the buffers)."""
-        B = k.shape[0]
-        row_ids = torch.arange(self.start, self.start + B, device=k.device)[:, None]
-        self.cache.k[layer][row_ids, :, self._positions] = k.transpose(1, 2)
-        self.cache.v[layer][row_ids, :, self._positions] = v.transpose(1, 2)
+        self.cache.k[layer][self._row_ids, :, self._positions] = k.transpose(1, 2)
+        self.cache.v[layer][self._row_ids, :, self._positions] = v.transpose(1, 2)
         end = max(self.lengths) + k.shape[2]
         rows = slice(self.start, self.stop)
         return self.cache.k[layer][rows, :, :end], self.cache.v[layer][rows, :, :end]
