@@ -133,3 +133,22 @@ def test_16_concurrent_requests_share_forwards():
             h.result(timeout=60)
         sixteen = time.perf_counter() - start
     print(f"16 concurrent requests took {sixteen / one:.2f}x one request's time ({16 * one / sixteen:.1f}x tokens/s)")
+
+
+class LetterTokenizer:
+    """Token i is the letter chr(65 + i % 26): enough text to find stop strings in."""
+
+    def decode(self, ids):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def test_stop_string_ends_the_completion_and_cuts_its_text():
+    model = tiny_model()
+    greedy = sample(model, PROMPTS[2], 10, temperature=0)
+    text = LetterTokenizer().decode(greedy)
+    stop = text[4:6]
+    with Engine(model, LetterTokenizer()) as engine:
+        done = engine.submit(GenerationRequest(PROMPTS[2], max_tokens=10, temperature=0, stop=[stop])).result(30)
+    end = text.index(stop)
+    assert done.finish_reason == "stop" and done.text == text[:end]
+    assert [t.id for t in done.tokens] == greedy[: end + len(stop)]
