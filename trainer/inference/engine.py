@@ -131,13 +131,18 @@ class Engine:
     """Continuous batching over `model` (a TransformerLM in eval mode). eos_ids: the ids that
     end every completion (not returned); bos: what an empty prompt starts from; banned: ids
     never picked (fairseq's <pad>); max_batch: rows decoded together; max_len: positions per
-    row (default: the model's)."""
+    row (default: the model's). broadcast: with a model sharded across ranks, a callable
+    sending each cache operation and forward (`apply_op`'s ops) to the other ranks, which
+    run them too (`follow_ops`): every rank must run the same forwards."""
 
-    def __init__(self, model, tokenizer=None, eos_ids=(), max_batch=16, max_len=None, bos=None, banned=()):
+    def __init__(
+        self, model, tokenizer=None, eos_ids=(), max_batch=16, max_len=None, bos=None, banned=(), broadcast=None
+    ):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.eos_ids, self.bos, self.banned = set(eos_ids), bos, list(banned)
         self.device = next(model.parameters()).device
         self.cache = BatchKVCache(model, max_batch, min(max_len or model.max_positions, model.max_positions))
+        self._broadcast = broadcast
         self._rows = []  # the requests in the batch, row i of the cache being _rows[i]'s
         self._waiting = collections.deque()
         self._cond = threading.Condition()
@@ -216,6 +221,8 @@ class Engine:
                     row.handle._finish("error", e)
                 while self._rows:
                     self._retire(len(self._rows) - 1)
+        if self._broadcast is not None:
+            self._broadcast(("close",))
         with self._cond:
             ending = [row.handle for row in self._rows] + list(self._waiting)
         for handle in ending:
@@ -227,10 +234,10 @@ class Engine:
             return handle._finish("cancelled")
         request = handle.request
         ids = list(request.prompt_ids) or [self.bos]
-        i = self.cache.add_row()
+        i = self._run(("add_row",))
         row = _Row(handle, self.device)
         self._rows.append(row)
-        logits = self.model(torch.tensor([ids], device=self.device), self.cache.rows(i, i + 1))[0]
+        logits = self._run(("forward", [ids], i, i + 1))[0]
         if request.echo:
             logp = F.log_softmax(logits[:-1].float(), dim=-1)
             handle.prompt = [Token(ids[0])] + [
@@ -243,8 +250,7 @@ class Engine:
 
     def _step(self):
         """One forward over every row's pending token, and each row's next pick."""
-        tokens = torch.tensor([[row.pending] for row in self._rows], device=self.device)
-        logits = self.model(tokens, self.cache.rows(0, len(self._rows)))[:, -1]
+        logits = self._run(("forward", [[row.pending] for row in self._rows], 0, len(self._rows)))[:, -1]
         for i, row in enumerate(self._rows):
             self._take(row, logits[i], self.cache.lengths[i])
 
@@ -271,6 +277,11 @@ class Engine:
         else:
             row.pending = token
 
+    def _run(self, op):
+        if self._broadcast is not None:
+            self._broadcast(op)
+        return apply_op(self.model, self.cache, op)
+
     @staticmethod
     def _token(logp, token, k):
         top = []
@@ -288,6 +299,30 @@ class Engine:
 
     def _retire(self, i):
         # The cache moves its last row into row i: the list moves the same way.
-        self.cache.remove_row(i)
+        self._run(("remove_row", i))
         self._rows[i] = self._rows[-1]
         self._rows.pop()
+
+
+def apply_op(model, cache, op):
+    """Run one of the engine's operations on a BatchKVCache: ("add_row",) → the new row's
+    index; ("remove_row", i); ("forward", token ids (a list per row), first row, stop row)
+    → the rows' logits. Plain data, so that rank 0 can send them to the ranks that follow."""
+    if op[0] == "add_row":
+        return cache.add_row()
+    if op[0] == "remove_row":
+        return cache.remove_row(op[1])
+    _, tokens, start, stop = op
+    return model(torch.tensor(tokens, device=next(model.parameters()).device), cache.rows(start, stop))
+
+
+def follow_ops(model, receive, max_batch=16, max_len=None):
+    """What a rank other than 0 runs while rank 0's Engine serves: the same operations, in
+    the same order, on a cache of its own, so that a model sharded across the ranks (FSDP
+    gathers each layer in its forward, a collective every rank must join) runs the same
+    forwards everywhere. receive: a callable returning rank 0's next op; ("close",) ends it."""
+    model.eval()
+    cache = BatchKVCache(model, max_batch, min(max_len or model.max_positions, model.max_positions))
+    with torch.no_grad():
+        while (op := receive())[0] != "close":
+            apply_op(model, cache, op)
