@@ -6,7 +6,8 @@ import torch
 class KVCache:
     """Every layer's keys and values of the positions decoded so far, in buffers allocated
     once (B×H×max_len×head_dim per layer), so that generating a token runs each layer over
-    that one position instead of re-running the whole prefix."""
+    that one position instead of re-running the whole prefix. Every row is at the same
+    position; models/batch_cache.py holds rows at positions of their own."""
 
     def __init__(self, model, batch_size=1, max_len=None):
         layer = model.layers[0]
@@ -17,12 +18,21 @@ class KVCache:
         self.v = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in model.layers]
         self.length = 0  # positions stored so far = the position of the next token
 
+    def next_positions(self, num_tokens, device):
+        """(start, positions, span, mask) of the next `num_tokens` tokens, as the model's
+        forward reads them: they follow the cache, every row alike, so no per-row positions
+        and no mask (each layer makes the causal one)."""
+        return self.length, None, num_tokens, None
+
     def append(self, layer, k, v):
         """Store layer `layer`'s keys/values of the new positions; return those of all so far.
-        The model advances `length` once every layer has appended."""
+        The model calls `advance` once every layer has appended."""
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; {end} were asked for")
         self.k[layer][:, :, self.length : end] = k
         self.v[layer][:, :, self.length : end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def advance(self, num_tokens):
+        self.length += num_tokens

@@ -106,9 +106,11 @@ class DecoderLayer(nn.Module):
             # Incremental decoding: the new positions attend to every cached one and causally
             # among themselves. is_causal would align the mask top-left (wrong once the cache
             # holds anything), so say it explicitly; a single new token sees all: no mask.
+            # A batch whose rows are at lengths of their own brings its mask (models/batch_cache.py).
             k, v = cache(k, v)
             start = k.shape[2] - T
-            mask = None if T == 1 else torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
+            if mask is None and T > 1:
+                mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
             causal = False
         dropout_p = self.attention_dropout if self.training else 0.0
         if causal and use_matmul_attention(q, dropout_p):
@@ -139,7 +141,8 @@ class DecoderLayer(nn.Module):
         """cache: this layer's `KVCache.append` (generation only); None in training.
         rope: the (cos, sin) tables of x's positions (`rope_tables`), with --rope.
         mask: packed documents' B×1×T×T block-causal mask (models/documents.py), True where
-        a query may attend a key; None: plain causal attention. Never with a cache."""
+        a query may attend a key; None: plain causal attention. With a cache: None, or a
+        batch's B×1×T×L mask over its cached keys (models/batch_cache.py)."""
         attention = partial(self.attention, cache=cache, rope=rope, mask=mask)
         for norm, sublayer, scale in (
             (self.self_attn_layer_norm, attention, None),

@@ -179,12 +179,16 @@ class TransformerLM(nn.Module):
             kinds["quant_noise.weight"] = "torch_linear"
         return kinds
 
-    def embed(self, tokens, start=0, positions=None):
+    def embed(self, tokens, start=0, positions=None, span=None):
         """start: the first token's position (the cache's length when decoding incrementally).
-        positions: B×T, each token's own position (packed documents); None: start, start+1, …"""
+        positions: B×T, each token's own position counted from start (packed documents, or
+        rows of a batch each at its own length); None: start, start+1, …
+        span: how many positions from start the tokens may use (default T; more when rows
+        of a batch are at other lengths), so that the tables are made that long."""
         T = tokens.shape[1]
-        if start + T > self.max_positions:
-            raise ValueError(f"sequence of {start + T} tokens exceeds the model's {self.max_positions} positions")
+        span = T if span is None else span
+        if start + span > self.max_positions:
+            raise ValueError(f"sequence of {start + span} tokens exceeds the model's {self.max_positions} positions")
         x = self.embed_scale * self.embed_tokens(tokens)
         if self.quant_noise is not None:
             x = self.quant_noise(x)
@@ -195,7 +199,7 @@ class TransformerLM(nn.Module):
             rows = torch.arange(first, first + T, device=tokens.device) if positions is None else positions + first
             x = x + self.embed_positions(rows)
         elif self.positions == "sinusoidal":
-            table = sinusoidal_positions(T, x.shape[-1], x.device, x.dtype, first)
+            table = sinusoidal_positions(span, x.shape[-1], x.device, x.dtype, first)
             x = x + (table if positions is None else table[positions])
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
@@ -203,8 +207,8 @@ class TransformerLM(nn.Module):
 
     def rope_tables(self, start, length, x, positions=None):
         """(cos, sin) for positions start … start+length-1 with --rope, else None; each
-        length × head_dim, or with `positions` (B×T, packed documents) the rows of those
-        positions, B×1×T×head_dim, so that they broadcast over the heads."""
+        length × head_dim, or with `positions` (B×T, counted from start: packed documents, a
+        batch's rows) the rows of those positions, B×1×T×head_dim, to broadcast over the heads."""
         if self.rope is None:
             return None
         if self._inv_freq is None or self._inv_freq.device != x.device:
@@ -257,19 +261,22 @@ class TransformerLM(nn.Module):
             raise ValueError("per_row needs a target, and works without softmax_batch or an adaptive softmax")
         if self.training and self._noisy:
             set_noise_seeds(self._noisy, noise_seed)
-        start = 0 if cache is None else cache.length
-        # The documents' positions and mask are made once here and read by every layer.
-        positions = None if segments is None else document_positions(segments)
-        mask = None if segments is None else block_causal_mask(segments)
-        x = self.embed(tokens, start, positions)
-        rope = self.rope_tables(start, tokens.shape[1], x, positions)
+        # The positions and mask are made once here and read by every layer: the documents'
+        # with segments, the cache's rows' with a cache (a batch's rows at lengths of their own).
+        start, positions, span, mask = 0, None, tokens.shape[1], None
+        if segments is not None:
+            positions, mask = document_positions(segments), block_causal_mask(segments)
+        elif cache is not None:
+            start, positions, span, mask = cache.next_positions(tokens.shape[1], tokens.device)
+        x = self.embed(tokens, start, positions, span)
+        rope = self.rope_tables(start, span, x, positions)
         if cache is None:  # training, and generation without a cache
             for i in range(len(self.layers)) if layers is None or not self.training else layers:
                 x = self.layers[i](x, rope=rope, mask=mask)
         else:
             for i, layer in enumerate(self.layers):
-                x = layer(x, cache=partial(cache.append, i), rope=rope)
-            cache.length += tokens.shape[1]
+                x = layer(x, cache=partial(cache.append, i), rope=rope, mask=mask)
+            cache.advance(tokens.shape[1])
         if self.layer_norm is not None:
             x = self.layer_norm(x)
         if self.project_out_dim is not None:
