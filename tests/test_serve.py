@@ -94,7 +94,10 @@ def servers(model_dir):
     from trainer.rendezvous import free_port
 
     ports = free_port(), free_port()
-    procs = [_start(model_dir, ports[0]), _start(model_dir, ports[1], "--max-queue", "1", "--api-key", KEY)]
+    procs = [
+        _start(model_dir, ports[0]),
+        _start(model_dir, ports[1], "--max-batch", "1", "--max-queue", "1", "--api-key", KEY),
+    ]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         for proc, url in zip(procs, urls):

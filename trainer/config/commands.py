@@ -109,8 +109,11 @@ class ServeConfig:
         None, "answer /v1 requests only with 'Authorization: Bearer KEY' (default: anyone who reaches the port)"
     )
     model_name: Optional[str] = _f(None, "the model's name in requests and /v1/models (default: the path's last part)")
+    max_batch: int = _f(
+        16, "requests decoded together (continuous batching: rows join and leave between steps)", type=positive_int
+    )
     max_queue: int = _f(
-        64, "requests that may wait for the model; one more is answered 429 (busy)", type=non_negative_int
+        64, "requests that may wait for a free row; one more is answered 429 (busy)", type=non_negative_int
     )
     shutdown_timeout: float = _f(
         30.0, "on Ctrl-C or SIGTERM, seconds the requests in flight have to finish", type=positive_float

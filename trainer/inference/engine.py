@@ -69,19 +69,21 @@ _END = object()  # the last item of a handle's stream
 
 class GenerationHandle:
     """A submitted request: iterate it for its tokens as they are made, `result()` for the
-    whole completion, `cancel()` to free its row (a client gone)."""
+    whole completion, `cancel()` to free its row (a client gone). listener: called on the
+    engine's thread as listener(handle, Token) for each token, then listener(handle, None)
+    at the end, for a caller that cannot block on the stream (serve's event loop)."""
 
-    def __init__(self, request, tokenizer):
-        self.request, self._tokenizer = request, tokenizer
+    def __init__(self, request, tokenizer, listener=None):
+        self.request, self._tokenizer, self._listener = request, tokenizer, listener
         self.tokens, self.prompt, self.finish_reason = [], None, None
-        self._stream, self._done, self._error = queue.Queue(), threading.Event(), None
+        self._stream, self._done, self.error = queue.Queue(), threading.Event(), None
         self.cancelled = False
 
     def __iter__(self):
         while (item := self._stream.get()) is not _END:
             yield item
-        if self._error is not None:
-            raise self._error
+        if self.error is not None:
+            raise self.error
 
     def cancel(self):
         self.cancelled = True  # the engine's loop retires the row before its next step
@@ -92,8 +94,8 @@ class GenerationHandle:
     def result(self, timeout=None):
         if not self._done.wait(timeout):
             raise TimeoutError(f"the completion did not finish in {timeout} s")
-        if self._error is not None:
-            raise self._error
+        if self.error is not None:
+            raise self.error
         return Completion(self.tokens, self.finish_reason, self.prompt, self._text())
 
     def _text(self):
@@ -106,11 +108,15 @@ class GenerationHandle:
     def _emit(self, token):
         self.tokens.append(token)
         self._stream.put(token)
+        if self._listener is not None:
+            self._listener(self, token)
 
     def _finish(self, reason, error=None):
-        self.finish_reason, self._error = reason, error
+        self.finish_reason, self.error = reason, error
         self._done.set()
         self._stream.put(_END)
+        if self._listener is not None:
+            self._listener(self, None)
 
 
 class _Row:
@@ -150,11 +156,12 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="shardlm-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, request):
+    def submit(self, request, listener=None):
         """Queue `request` (a GenerationRequest); returns its GenerationHandle at once.
-        A request the engine cannot serve raises ValueError here, not in its stream."""
+        A request the engine cannot serve raises ValueError here, not in its stream.
+        listener: see GenerationHandle."""
         self._check(request)
-        handle = GenerationHandle(request, self.tokenizer)
+        handle = GenerationHandle(request, self.tokenizer, listener)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the engine is closed")
@@ -166,6 +173,11 @@ class Engine:
         """[Token] of the prompt: each token's log-probability given the ones before it
         (None for the first), with its `logprobs` most likely alternatives."""
         return self.submit(GenerationRequest(prompt_ids, max_tokens=0, echo=True, logprobs=logprobs)).result().prompt
+
+    def stats(self):
+        """Requests decoding now and requests waiting for a row (read without the lock: a
+        snapshot for /health)."""
+        return {"running": len(self._rows), "waiting": len(self._waiting)}
 
     def close(self):
         """Stop the loop; requests not finished end "cancelled"."""

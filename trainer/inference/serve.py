@@ -262,6 +262,10 @@ def _submit(served, common, opts, prompts, stops=None):
         raise api.ApiError(
             429, f"The server is busy ({e}): retry later", code="rate_limit_exceeded", type="requests"
         ) from None
+    except ValueError as e:  # the engine's own checks (the API's should have caught it first)
+        for h in handles:
+            h.cancel()
+        raise api.ApiError(400, str(e)) from None
     return handles
 
 

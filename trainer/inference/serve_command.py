@@ -13,7 +13,7 @@ from trainer.errors import UsageError
 from trainer.inference import chat
 from trainer.inference.load import load_model, model_files_dir
 from trainer.inference.serve import Served, build_app
-from trainer.inference.serve_engine import SequentialEngine
+from trainer.inference.serve_engine import BatchedEngine
 
 
 def serve(args):
@@ -23,7 +23,8 @@ def serve(args):
         raise UsageError(f"{args.path} has no tokenizer: serve reads and writes text, so it needs the model's own")
     files_dir = model_files_dir(args.path)
     hf = isinstance(tokenizer, HFTokenizer)
-    engine = SequentialEngine(model, tokenizer, banned=() if hf else (tokenizer.pad,), max_queue=args.max_queue)
+    banned = () if hf else (tokenizer.pad,)  # as generate: fairseq's generator never emits <pad>
+    engine = BatchedEngine(model, tokenizer, banned, max_batch=args.max_batch, max_queue=args.max_queue)
     served = Served(
         engine,
         name=args.model_name or os.path.basename(os.path.normpath(args.path)),
