@@ -13,7 +13,7 @@ the git commit measured (short hash, "+dirty" when tracked files differ from it)
 with `--quick`, `--reps` or `--only` says so in that heading.
 
 Usage: python bench/run_all.py [--quick] [--reps N] [--only startup loop mfu gpu dataload preprocess fsdp plan
-                                                         scale optim]
+                                                         scale optim serve]
                                [--page docs/benchmarks.md | --no-page]
 """
 
@@ -49,6 +49,7 @@ SCRIPTS = {
     "plan": ("bench_plan.py", ["--only", "ddp 1 rank 23M", "fsdp 2 ranks 109M", "llama fsdp 2 ranks 76M"]),
     "scale": ("bench_scale.py", ["--budget-gb", "3", "--trials", "2"]),
     "optim": ("bench_optim.py", ["--quick"]),
+    "serve": ("bench_serve.py", ["--quick"]),
 }
 
 

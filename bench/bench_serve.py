@@ -1,0 +1,150 @@
+"""serve under load: tokens/s of 16 concurrent clients against 1, and one request's latency
+against `generate`'s sampler on the same model and prompt.
+
+The model: `train --arch transformer_lm_gpt2_tiny` for a few updates on the embedded corpus
+(its weights barely matter; its shape and tokenizer are a real run's). `serve --cpu` runs it
+with OMP_NUM_THREADS=1, and this process times models.generate.sample (what `generate`
+runs) with one thread too, so both compute alike. Clients are the `openai` package's, each
+asking /v1/completions for --tokens tokens, greedy, with a stop string that never appears
+(the request then ends at max_tokens); each of the 16 has its own prompt.
+Runs alternate (1 client, 16 clients, one request, sample, …); medians. Goals: 16 clients
+≥ 5× the tokens/s of 1 (the batched engine shares each forward among them); one request
+≤ 1.2× sample's time (serving's HTTP and scheduling overhead is small).
+
+Usage: python bench/bench_serve.py [--reps 3] [--tokens 64] [--quick]
+"""
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import openai
+import torch
+
+from benchlib import BIN, ROOT, goal, median, note, parser, report
+
+CLIENTS = 16
+PROMPT = "The quick brown fox"
+
+
+def train_model(save_dir):
+    args = ["--arch", "transformer_lm_gpt2_tiny", "--batch-size", "8", "--tokens-per-sample", "128"]
+    args += ["--max-update", "3", "--save-dir", save_dir, "--log-format", "none", "--cpu"]
+    subprocess.run([str(BIN / "train"), *args], check=True, capture_output=True, cwd=ROOT)
+    return os.path.join(save_dir, "checkpoint_last")
+
+
+def start_server(path, port):
+    code = "import sys, cli; sys.exit(cli.serve_main(sys.argv[1:]))"
+    argv = [
+        sys.executable,
+        "-c",
+        code,
+        "--path",
+        path,
+        "--port",
+        str(port),
+        "--cpu",
+        "--max-batch",
+        str(CLIENTS),
+        "--model-name",
+        "m",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"serve exited {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("serve did not answer /health in 120 s")
+
+
+def complete(client, prompt, tokens):
+    """(seconds, tokens generated) of one request."""
+    t = time.perf_counter()
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=tokens, temperature=0, stop=["\x00never\x00"])
+    return time.perf_counter() - t, r.usage.completion_tokens
+
+
+def tokens_per_s(client, clients, tokens):
+    prompts = [f"{PROMPT} {i}" for i in range(clients)]
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        made = sum(n for _, n in pool.map(lambda p: complete(client, p, tokens), prompts))
+    return made / (time.perf_counter() - t)
+
+
+def main():
+    p = parser(__doc__, reps=3)
+    p.add_argument("--tokens", type=int, default=64, help="tokens each request generates")
+    p.add_argument("--quick", action="store_true", help="one repetition of 16 tokens: a check that it runs")
+    a = p.parse_args()
+    reps, tokens = (1, 16) if a.quick else (a.reps, a.tokens)
+    sys.path.insert(0, str(ROOT))  # bench scripts run as files: the repository's modules come after this
+    from models.generate import sample
+    from trainer.inference.load import load_model
+    from trainer.rendezvous import free_port
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = train_model(os.path.join(tmp, "ckpt"))
+        model, _, tokenizer = load_model(path, "cpu")
+        ids = [tokenizer.eos] + tokenizer.encode(PROMPT)  # as serve reads a text prompt
+        port = free_port()
+        proc = start_server(path, port)
+        try:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=600)
+            complete(client, PROMPT, tokens)  # warm-up, both sides
+            sample(model, ids, tokens, temperature=0)
+            one, many, latency, direct = [], [], [], []
+            for rep in range(reps):
+                one.append(tokens_per_s(client, 1, tokens))
+                many.append(tokens_per_s(client, CLIENTS, tokens))
+                seconds, made = complete(client, PROMPT, tokens)
+                latency.append(seconds)
+                t = time.perf_counter()
+                with torch.no_grad():
+                    out = sample(model, ids, tokens, temperature=0)
+                direct.append(time.perf_counter() - t)
+                note(
+                    f"rep {rep + 1}: 1 client {one[-1]:.0f} tok/s, {CLIENTS} clients {many[-1]:.0f} tok/s, "
+                    f"one request {seconds:.3f} s ({made} tokens), sample {direct[-1]:.3f} s ({len(out)} ids)"
+                )
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    o, m, lat, d = median(one), median(many), median(latency), median(direct)
+    print(f"\n`serve --cpu --max-batch {CLIENTS}` on transformer_lm_gpt2_tiny (3 updates), OMP_NUM_THREADS=1,")
+    print(f"{tokens} greedy tokens per request, {reps} alternating repetitions, medians\n")
+    print("| measurement | value |")
+    print("|---|---|")
+    print(f"| 1 client: tokens/s | {o:.0f} |")
+    print(f"| {CLIENTS} concurrent clients: tokens/s | {m:.0f} |")
+    print(f"| one request through serve: s | {lat:.3f} |")
+    print(f"| models.generate.sample in process: s | {d:.3f} |")
+    report(
+        [
+            goal(f"serve: {CLIENTS} clients vs 1, tokens/s", f"{m / o:.2f}× ({m:.0f} vs {o:.0f})", "≥ 5×", m / o >= 5),
+            goal(
+                "serve: one request vs generate's sampler, latency",
+                f"{lat / d:.2f}× ({lat:.3f} vs {d:.3f} s)",
+                "≤ 1.2×",
+                lat / d <= 1.2,
+            ),
+        ],
+        a.results,
+    )
+
+
+if __name__ == "__main__":
+    main()
