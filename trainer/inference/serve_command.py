@@ -16,14 +16,16 @@ from trainer.inference.serve import Served, build_app
 from trainer.inference.serve_engine import SequentialEngine
 
 
-def serve(args):
+def serve(args, loaded=None, make_engine=SequentialEngine):
+    """loaded: (model, cfg, tokenizer) already loaded (rank 0 of a sharded serve, whose
+    make_engine broadcasts: trainer/inference/sharded_serving.py)."""
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-    model, cfg, tokenizer = load_model(args.path, device)
+    model, cfg, tokenizer = loaded or load_model(args.path, device)
     if tokenizer is None:
         raise UsageError(f"{args.path} has no tokenizer: serve reads and writes text, so it needs the model's own")
     files_dir = model_files_dir(args.path)
     hf = isinstance(tokenizer, HFTokenizer)
-    engine = SequentialEngine(model, tokenizer, banned=() if hf else (tokenizer.pad,), max_queue=args.max_queue)
+    engine = make_engine(model, tokenizer, banned=() if hf else (tokenizer.pad,), max_queue=args.max_queue)
     served = Served(
         engine,
         name=args.model_name or os.path.basename(os.path.normpath(args.path)),
