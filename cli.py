@@ -166,6 +166,22 @@ def serve_main(argv=None):
         args = _parse_command(
             "serve", "Serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions).", argv
         )
+        from trainer.config.compose import compose_config
+        from trainer.rendezvous import infer_rendezvous
+
+        cfg = compose_config(
+            [("distributed_training.distributed_world_size", args.distributed_world_size), ("common.cpu", args.cpu)],
+            [],
+            None,
+            None,
+        )
+        if infer_rendezvous(cfg).world_size > 1:  # --distributed-world-size N, torchrun or SLURM: shard
+            import functools
+
+            from trainer.inference import sharded_serving
+            from trainer.launch.launcher import launch
+
+            return launch(cfg, functools.partial(sharded_serving.run, args), prog="serve")
         from trainer.inference.serve_command import serve
 
         return serve(args)

@@ -119,6 +119,9 @@ class ServeConfig:
         30.0, "on Ctrl-C or SIGTERM, seconds the requests in flight have to finish", type=positive_float
     )
     cpu: bool = _f(False, "run the model on the CPU even when a GPU is present")
+    distributed_world_size: int = _f(
+        1, "ranks to spawn: the model is sharded across them (FSDP); rank 0 serves HTTP", type=positive_int
+    )
 
 
 @dataclass

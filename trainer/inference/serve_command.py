@@ -16,15 +16,19 @@ from trainer.inference.serve import Served, build_app
 from trainer.inference.serve_engine import BatchedEngine
 
 
-def serve(args):
+def serve(args, loaded=None, broadcast=None):
+    """loaded: (model, cfg, tokenizer) already loaded, and broadcast: how each engine step
+    reaches the other ranks (rank 0 of a sharded serve: trainer/inference/sharded_serving.py)."""
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-    model, cfg, tokenizer = load_model(args.path, device)
+    model, cfg, tokenizer = loaded or load_model(args.path, device)
     if tokenizer is None:
         raise UsageError(f"{args.path} has no tokenizer: serve reads and writes text, so it needs the model's own")
     files_dir = model_files_dir(args.path)
     hf = isinstance(tokenizer, HFTokenizer)
     banned = () if hf else (tokenizer.pad,)  # as generate: fairseq's generator never emits <pad>
-    engine = BatchedEngine(model, tokenizer, banned, max_batch=args.max_batch, max_queue=args.max_queue)
+    engine = BatchedEngine(
+        model, tokenizer, banned, max_batch=args.max_batch, max_queue=args.max_queue, broadcast=broadcast
+    )
     served = Served(
         engine,
         name=args.model_name or os.path.basename(os.path.normpath(args.path)),

@@ -1,0 +1,83 @@
+"""serve --distributed-world-size 2: the model sharded across two gloo ranks (FSDP), rank 0
+serving HTTP. The real `openai` client gets the greedy completions and the prompt scores
+one process gives; a SIGTERM to the launcher ends it and every rank."""
+
+import os
+import signal
+import time
+
+import pytest
+from test_serve import _start, _wait_healthy, model_dir  # noqa: F401 (a fixture)
+
+openai = pytest.importorskip("openai")
+
+PROMPTS = ["the quick brown fox", "a big tree", "house", "the lazy dog sees a cat and"]
+
+
+def _descendants(pid):
+    """Every process below `pid` (the ranks, the rank server), from /proc."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _answers(url):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    texts = [
+        client.completions.create(model="tiny-chat", prompt=p, max_tokens=12, temperature=0).choices[0].text
+        for p in PROMPTS
+    ]
+    scored = client.completions.create(
+        model="tiny-chat", prompt=PROMPTS[-1], max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    chat = client.chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "a fox"}], max_tokens=8, temperature=0
+    )
+    return texts, scored.choices[0].logprobs.token_logprobs, chat.choices[0].message.content
+
+
+def test_two_ranks_serve_as_one_process_and_stop_together(model_dir):  # noqa: F811
+    from trainer.rendezvous import free_port
+
+    one, two = free_port(), free_port()
+    procs = [_start(model_dir, one), _start(model_dir, two, "--distributed-world-size", "2")]
+    try:
+        for proc, port in zip(procs, (one, two)):
+            _wait_healthy(proc, f"http://127.0.0.1:{port}")
+        expected = _answers(f"http://127.0.0.1:{one}")
+        texts, logprobs, chat = _answers(f"http://127.0.0.1:{two}")
+        assert texts == expected[0] and chat == expected[2]
+        assert logprobs[0] is None and logprobs[1:] == pytest.approx(expected[1][1:], abs=1e-4)
+        ranks = _descendants(procs[1].pid)
+        assert len(ranks) >= 2
+        procs[1].send_signal(signal.SIGTERM)
+        assert procs[1].wait(60) == 0, procs[1].stdout.read()
+        deadline = time.time() + 10
+        while any(map(_alive, ranks)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, ranks)), "a rank outlived the launcher"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

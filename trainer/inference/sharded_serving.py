@@ -1,0 +1,45 @@
+"""serve with the model sharded across ranks (--distributed-world-size N, torchrun, SLURM).
+
+Every rank loads the model and shards it with FSDP (trainer/parallel/serve_steps.py): each
+layer is gathered for its forward, a collective all ranks join. Rank 0 runs the HTTP server
+over the batched Engine, which broadcasts each cache operation and forward before running
+it; the other ranks run the same ones (`follow_ops`) until rank 0 sends ("close",).
+
+Stopping: the launcher (or torchrun, or SLURM) passes SIGINT/SIGTERM to every rank. Rank 0's
+server drains and closes its engine, which sends ("close",); the others ignore the signals
+and end on that op, so none is left in a collective. A rank that dies ends the job through
+the launcher (its ranks also die with it: trainer/launch/local_ranks.py).
+"""
+
+import functools
+import signal
+
+from trainer.errors import UsageError
+from trainer.inference import serve_command
+from trainer.inference.engine import follow_ops
+from trainer.inference.load import load_model
+from trainer.parallel.ranks import init_rank, teardown
+from trainer.parallel.serve_steps import broadcast_op, op_group, receive_op, shard_for_serving
+
+
+def run(args, cfg, rdv):
+    """One rank of a sharded serve (launched like eval-lm: spawned, torchrun or SLURM)."""
+    env = init_rank(cfg, rdv, needs_process_group=True)
+    try:
+        model, model_cfg, tokenizer = load_model(args.path, env.device)
+        if tokenizer is None:
+            raise UsageError(f"{args.path} has no tokenizer: serve reads and writes text, so it needs the model's own")
+        shard_for_serving(model.eval(), env.device)
+        group = op_group()
+        if env.rank == 0:
+            broadcast = functools.partial(broadcast_op, group=group)
+            return serve_command.serve(args, loaded=(model, model_cfg, tokenizer), broadcast=broadcast)
+        # Rank 0 decides when the job stops and tells us with ("close",): a signal here would
+        # leave it alone in the next all-gather.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        # the same rows as rank 0's engine: both caches must agree
+        follow_ops(model, functools.partial(receive_op, group=group), max_batch=args.max_batch)
+        return 0
+    finally:
+        teardown()
