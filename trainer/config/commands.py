@@ -169,6 +169,12 @@ class PlanConfig:
         "--arch and model flags",
         metavar="MODEL",
     )
+    serve: bool = _f(
+        False,
+        "plan `serve` instead of `train`: this rank's share of the weights, the KV cache and the "
+        "largest forward, against --device-memory-gb over --distributed-world-size ranks",
+    )
+    max_batch: int = _f(16, "with --serve: serve's --max-batch, rows of the KV cache", type=positive_int)
 
 
 # Each command's options and the group of their key=value overrides.

@@ -1,11 +1,14 @@
 """`plan`'s policy: the machine to plan for, from plan's own options (PlanConfig in
 trainer/config/commands.py) and this host, then the report of the plan."""
 
+import json
+
 from trainer.config.checks import check_config
+from trainer.config.schema import model_positions
 from trainer.errors import UsageError
 from trainer.host import host_memory_gb, runs_on_gpu
-from trainer.plan import report
-from trainer.plan.search import apply_hf_config, published_vocab
+from trainer.plan import report, serve
+from trainer.plan.search import apply_hf_config, model_shape, published_vocab, vocab_size
 
 
 def plan_report(cfg, opts):
@@ -22,6 +25,8 @@ def plan_report(cfg, opts):
         )
     check_config(cfg)
     device, device_gb, host_gb, ranks_per_host = planned_machine(cfg, opts)
+    if opts.serve:
+        return serve_report(cfg, opts, vocab, device, device_gb)
     plan = report.make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab, opts.path)
     return report.as_json(plan) if opts.format == "json" else report.as_text(cfg, plan)
 
@@ -47,3 +52,12 @@ def planned_machine(cfg, opts):
     # A CPU rank's memory is its share of the host's, unless --device-memory-gb says otherwise.
     device_gb = opts.device_memory_gb if device == "cuda" else (opts.device_memory_gb or host_gb / ranks_per_host)
     return device, device_gb, host_gb, ranks_per_host
+
+
+def serve_report(cfg, opts, vocab, device, device_gb):
+    """--serve: `serve` of this model over --distributed-world-size ranks, --max-batch rows."""
+    size = vocab[0] if vocab else vocab_size(cfg)
+    world = cfg.distributed_training.distributed_world_size
+    setup = serve.ServeSetup(device, world, opts.max_batch, model_positions(cfg))
+    plan = serve.serve_plan(model_shape(cfg, size), setup, device_gb)
+    return json.dumps(plan) if opts.format == "json" else serve.as_text(plan)
