@@ -399,3 +399,21 @@ def test_dpo_without_a_reference_refused(chat, capsys):
     capsys.readouterr()
     assert train_main(argv) != 0
     assert "--task dpo needs a reference model" in capsys.readouterr().err
+
+
+def test_dpo_starts_from_the_sft_checkpoint(chat, tmp_path):
+    """SFT's checkpoint starts DPO with no model flags (its config.yaml names the Hugging Face
+    model it came from), and is DPO's reference too: before the first step policy and
+    reference are the same weights, so every reward is 0 and the loss log 2 per pair."""
+    import math
+
+    root, _ = chat
+    sft = [a for a in sft_argv(root, "llama") if a != "--no-save"]
+    train_updates(sft + ["--max-update", "1", "--save-dir", str(tmp_path / "sft")], 1, tmp_path)
+    argv = dpo_argv(root, "llama", "--update-freq", "2", batch_size=PAIRS // 2)
+    argv[argv.index("--finetune-from-model") + 1] = str(tmp_path / "sft" / "checkpoint_last")
+    i = argv.index("--dpo-reference")
+    del argv[i : i + 2]
+    first = train_update_stats(argv, 2, tmp_path)[1]
+    assert first["reward_chosen"] == first["reward_rejected"] == 0.0
+    assert first["loss_sum"] / first["sample_size"] == pytest.approx(math.log(2), rel=1e-6)

@@ -74,9 +74,30 @@ def read_hf_config(path):
 
 
 def hf_finetune_dir(cfg):
-    """The HF model directory the run fine-tunes, or None (no --finetune-from-model, or one of ours)."""
+    """The HF model directory whose model the run fine-tunes, or None: --finetune-from-model
+    HF_DIR, or a checkpoint of ours that was fine-tuned from one (its config.yaml names the
+    directory), so that SFT's checkpoint starts DPO without the model's flags again."""
     path = cfg.checkpoint.get("finetune_from_model")
-    return Path(path) if path and is_hf_dir(path) else None
+    if not path:
+        return None
+    if is_hf_dir(path):
+        return Path(path)
+    return hf_source(path)
+
+
+def hf_source(checkpoint):
+    """The HF model directory a checkpoint of ours was fine-tuned from, if its config.yaml
+    names one that still exists (else None: its model then comes from the flags, as in fairseq)."""
+    import yaml  # omegaconf's dependency; torch-free
+
+    saved = Path(checkpoint) / "config.yaml"
+    if not saved.is_file():
+        return None
+    try:
+        name = (yaml.safe_load(saved.read_text()) or {}).get("model", {}).get("_name")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        return None
+    return Path(name) if isinstance(name, str) and is_hf_dir(name) else None
 
 
 def hf_model_settings(path):
