@@ -25,6 +25,13 @@ class BatchKVCache:
         self.v = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in model.layers]
         self.lengths = []  # positions stored in each active row
 
+    @staticmethod
+    def bytes_needed(model, max_batch, max_len):
+        """What __init__ allocates for `model` (its weights' dtype), in bytes."""
+        layer = model.layers[0]
+        per_row = layer.num_kv_heads * max_len * layer.head_dim * layer.out_proj.weight.element_size()
+        return 2 * len(model.layers) * max_batch * per_row
+
     @property
     def size(self):
         return len(self.lengths)

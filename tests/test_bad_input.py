@@ -277,6 +277,9 @@ CASES = [
         None,
         r"exceeds the model's 32 positions",
     ),
+    # serve
+    ("serve", ["--path", "export", "--bf16", "--fp16"], None, r"--fp16 and --bf16 both given: pick one$"),
+    ("serve", ["--path", "export", "--max-batch", "0"], None, r"--max-batch: must be at least 1, got 0$"),
     # export-model
     ("export-model", ["--path", CKPT, "--out", "export"], None, r"export/model\.safetensors already exists"),
     ("export-model", ["--path", CKPT, "--out", "corpus.txt"], None, r"--out corpus\.txt is a file"),

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+import torch
 from test_generate import MAX_POSITIONS, VOCAB, tiny_model
 
 import cli
@@ -35,6 +37,10 @@ def test_kv_cache_matches_the_engine():
         cache = BatchKVCache(model, 5, MAX_POSITIONS)
         measured = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
         assert kv_cache_bytes(shape(kv_heads=kv), ServeSetup("cpu", 1, 5, MAX_POSITIONS)) == measured
+    # serve --bf16: the cache takes the weights' dtype
+    half = BatchKVCache(tiny_model().to(torch.bfloat16), 5, MAX_POSITIONS)
+    measured = sum(t.numel() * t.element_size() for t in half.k + half.v)
+    assert kv_cache_bytes(shape(), ServeSetup("cpu", 1, 5, MAX_POSITIONS, elem=2)) == measured
 
 
 def test_fits_and_what_would():
@@ -56,9 +62,22 @@ def test_fits_and_what_would():
 
 def test_command_line(capsys):
     argv = ["--serve", "--arch", "transformer_lm_gpt2_big", "--tokens-per-sample", "2048", "--max-batch", "64"]
-    assert cli.plan_main(argv + ["--device-memory-gb", "4", "--distributed-world-size", "2", "--format", "json"]) == 0
-    plan = json.loads(capsys.readouterr().out)
-    assert not plan["fits"] and plan["max_batch"] == 64 and plan["world_size"] == 2
-    assert set(plan["components"]) >= {"parameters", "gathered_parameters", "kv_cache", "activations", "logits"}
+    two_ranks = ["--device-memory-gb", "4", "--distributed-world-size", "2", "--format", "json"]
+
+    def plan(*flags):
+        assert cli.plan_main(argv + two_ranks + list(flags)) == 0
+        return json.loads(capsys.readouterr().out)
+
+    full = plan()
+    assert not full["fits"] and full["max_batch"] == 64 and full["world_size"] == 2
+    assert set(full["components"]) >= {"parameters", "gathered_parameters", "kv_cache", "activations", "logits"}
     assert cli.plan_main(argv + ["--device-memory-gb", "140"]) == 0
     assert capsys.readouterr().out.strip().endswith("fits")
+    # --bf16 (serve's): two bytes a weight and a cached key
+    half = plan("--bf16")["components"]
+    for part in ("parameters", "kv_cache"):
+        assert half[part] == pytest.approx(full["components"][part] / 2, abs=1e-3), part
+    # --max-positions (serve's): a quarter of the 2048 positions, a quarter of the cache
+    short = plan("--max-positions", "512")
+    assert short["positions"] == 512
+    assert short["components"]["kv_cache"] == pytest.approx(full["components"]["kv_cache"] / 4, abs=1e-3)

@@ -29,6 +29,7 @@ SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|en
 WORDS = "the a fox dog runs jumps over lazy quick brown cat sees big tree house".split()
 KEY = "sk-test"
 POSITIONS = 512
+LIMIT = 300  # the second server's --max-positions
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,19 @@ def servers(model_dir):
     ports = free_port(), free_port()
     procs = [
         _start(model_dir, ports[0]),
-        _start(model_dir, ports[1], "--max-batch", "1", "--max-queue", "1", "--api-key", KEY),
+        _start(
+            model_dir,
+            ports[1],
+            "--max-batch",
+            "1",
+            "--max-queue",
+            "1",
+            "--api-key",
+            KEY,
+            "--bf16",
+            "--max-positions",
+            str(LIMIT),
+        ),
     ]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
@@ -225,12 +238,40 @@ def test_disconnect_frees_the_slot(servers, client):
     assert health()["generated_tokens"] - before < 400  # it stopped soon after the client left
 
 
+def test_bf16_and_max_positions(servers, model_dir):
+    """--bf16: the weights are cast as they are read; greedy text is the bf16 model's own.
+    --max-positions: requests are bounded by it, not by the model's positions."""
+    from models.generate import sample
+    from trainer.inference.load import load_model
+
+    url = servers[1][0]
+    assert [httpx.get(u + "/health").json()["dtype"] for u, _ in servers] == ["float32", "bfloat16"]
+    model, _, tok = load_model(str(model_dir), dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    prompt = "the quick brown fox"
+    ids = tok.encode(prompt)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    out = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=12, temperature=0, echo=True)
+    assert out.choices[0].text == tok.decode(ids + sample(model, ids, 12, temperature=0))
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {LIMIT} tokens"):
+        client.completions.create(model="tiny-chat", prompt=ids, max_tokens=LIMIT - len(ids) + 1)
+
+
+def test_a_cache_too_big_for_the_host_is_refused_in_one_line(model_dir, capsys):
+    import cli
+
+    assert cli.serve_main(["--path", str(model_dir), "--cpu", "--max-batch", str(10**8), "--port", "1"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"serve: error: the KV cache of --max-batch {10**8} rows x 512 "), err
+    assert err[0].endswith("GB free: lower --max-positions (or --max-batch)"), err
+
+
 def test_api_key_full_queue_then_sigterm(servers, model_dir):
     url, proc = servers[1]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
-    long = dict(model="tiny-chat", prompt="a", max_tokens=POSITIONS - 2, temperature=0)
+    long = dict(model="tiny-chat", prompt="a", max_tokens=LIMIT - 2, temperature=0)
     running = client.completions.create(**long, stream=True)
     next(iter(running))  # the engine runs it now
     answers = []

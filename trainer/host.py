@@ -15,6 +15,16 @@ def host_memory_gb():
         return None
 
 
+def host_available_gb():
+    """Memory this host can still give (/proc/meminfo's MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kb / 2**20
+    except (OSError, StopIteration):
+        return None
+
+
 def runs_on_gpu(cfg):
     """A run of `cfg` here computes on a GPU: one is present (its device node), visible
     (CUDA_VISIBLE_DEVICES does not hide them all) and --cpu is not given."""

@@ -112,6 +112,12 @@ class ServeConfig:
     max_batch: int = _f(
         16, "requests decoded together (continuous batching: rows join and leave between steps)", type=positive_int
     )
+    max_positions: Optional[int] = _f(
+        None,
+        "positions a request may use, prompt and completion (default: the model's); the KV cache holds "
+        "--max-batch rows of them, so a long-context model needs this lowered to fit",
+        type=positive_int,
+    )
     max_queue: int = _f(
         64, "requests that may wait for a free row; one more is answered 429 (busy)", type=non_negative_int
     )
@@ -119,6 +125,8 @@ class ServeConfig:
         30.0, "on Ctrl-C or SIGTERM, seconds the requests in flight have to finish", type=positive_float
     )
     cpu: bool = _f(False, "run the model on the CPU even when a GPU is present")
+    fp16: bool = _f(False, "hold and run the weights in float16 (log-probabilities still in fp32)")
+    bf16: bool = _f(False, "hold and run the weights in bfloat16 (log-probabilities still in fp32)")
     distributed_world_size: int = _f(
         1, "ranks to spawn: the model is sharded across them (FSDP); rank 0 serves HTTP", type=positive_int
     )
@@ -175,6 +183,9 @@ class PlanConfig:
         "largest forward, against --device-memory-gb over --distributed-world-size ranks",
     )
     max_batch: int = _f(16, "with --serve: serve's --max-batch, rows of the KV cache", type=positive_int)
+    max_positions: Optional[int] = _f(
+        None, "with --serve: serve's --max-positions, positions of a row (default: the model's)", type=positive_int
+    )
 
 
 # Each command's options and the group of their key=value overrides.

@@ -225,12 +225,14 @@ def hf_run_config(fields, max_positions, pad_token_id, vocab_size):
     return OmegaConf.create({"model": model, "task": task, "padding_idx": pad})
 
 
-def load_model(path, device="cpu", model_overrides=None, pad=None):
+def load_model(path, device="cpu", model_overrides=None, pad=None, dtype=None):
     """(model in eval mode, config, tokenizer or None) from a checkpoint, an export or a
     Hugging Face model directory. model_overrides: model keys to change first (eval-lm's
     --model-overrides). pad: the pad id of the data the model will score, whose targets its
     loss skips (default: the one it was trained with; config.json's pad_token_id); it
-    changes no logit (an embedding's padding_idx only zeroes that row's gradient)."""
+    changes no logit (an embedding's padding_idx only zeroes that row's gradient).
+    dtype: the weights' dtype (default fp32, whatever they were saved in); each tensor is
+    cast as it is read, so no fp32 copy of the whole model is ever made."""
     src = CheckpointTensors(path, hf=True)
     try:
         if model_overrides:
@@ -244,6 +246,8 @@ def load_model(path, device="cpu", model_overrides=None, pad=None):
             padding_idx=pad if pad is not None else src.cfg.get("padding_idx", 1),
         )
         model.to_empty(device=device)
+        if dtype is not None:
+            model.to(dtype)
         params = dict(model.named_parameters())
         # A model pruned by --decoder-layers-to-keep reads the layers it keeps, renumbered.
         renamed = renumber_layers({name: name for name in params}, saved_layer_ids(src.cfg.model, src.specs))
@@ -276,3 +280,10 @@ def tokenizer_of(path):
     if has_tokenizer(path):
         return load_tokenizer(path)
     return None
+
+
+def weights_dtype(args):
+    """The dtype --fp16 / --bf16 ask for (None: fp32)."""
+    if args.fp16 and args.bf16:
+        raise UsageError("--fp16 and --bf16 both given: pick one")
+    return torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else None

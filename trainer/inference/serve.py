@@ -28,8 +28,8 @@ from trainer.inference.serve_text import StopText, continuation_text, text_offse
 class Served:
     """What the routes need: the engine, the model's name, and how it reads and writes text."""
 
-    def __init__(self, engine, name, start_ids, stop_ids, chat=None, api_key=None):
-        self.engine, self.name, self.api_key = engine, name, api_key
+    def __init__(self, engine, name, start_ids, stop_ids, chat=None, api_key=None, dtype="float32"):
+        self.engine, self.name, self.api_key, self.dtype = engine, name, api_key, dtype
         self.tokenizer = engine.tokenizer
         self.start_ids = start_ids  # put before a text prompt (a fairseq LM's eos); HF: none
         self.stop_ids = tuple(stop_ids)
@@ -79,7 +79,7 @@ def _check_key(request, key):
 
 
 async def health(request, served):
-    return JSONResponse({"status": "ok", "model": served.name, **served.engine.stats()})
+    return JSONResponse({"status": "ok", "model": served.name, "dtype": served.dtype, **served.engine.stats()})
 
 
 async def models(request, served):

@@ -98,14 +98,16 @@ class BatchedEngine:
     """Engine (continuous batching, `max_batch` rows) behind serve's interface; at most
     `max_queue` requests wait for a row."""
 
-    def __init__(self, model, tokenizer, banned=(), max_batch=16, max_queue=64, broadcast=None):
+    def __init__(self, model, tokenizer, banned=(), max_batch=16, max_queue=64, max_len=None, broadcast=None):
         self.tokenizer = tokenizer
-        self.max_positions = model.max_positions
         self.max_queue = max_queue
         # serve passes each request's stop ids and checks prompts itself: no eos ids or bos here.
         # broadcast: a sharded serve's rank 0 sends each cache operation and forward to the
         # ranks that follow it (trainer/inference/sharded_serving.py)
-        self._engine = Engine(model, tokenizer, max_batch=max_batch, banned=banned, broadcast=broadcast)
+        self._engine = Engine(
+            model, tokenizer, max_batch=max_batch, max_len=max_len, banned=banned, broadcast=broadcast
+        )
+        self.max_positions = self._engine.cache.max_len
         self._generated = 0  # tokens made since start: /health shows the engine's progress
 
     def submit(self, request):

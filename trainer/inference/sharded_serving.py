@@ -17,7 +17,7 @@ import signal
 from trainer.errors import UsageError
 from trainer.inference import serve_command
 from trainer.inference.engine import follow_ops
-from trainer.inference.load import load_model
+from trainer.inference.load import load_model, weights_dtype
 from trainer.parallel.ranks import init_rank, teardown
 from trainer.parallel.serve_steps import broadcast_op, op_group, receive_op, shard_for_serving
 
@@ -26,10 +26,12 @@ def run(args, cfg, rdv):
     """One rank of a sharded serve (launched like eval-lm: spawned, torchrun or SLURM)."""
     env = init_rank(cfg, rdv, needs_process_group=True)
     try:
-        model, model_cfg, tokenizer = load_model(args.path, env.device)
+        model, model_cfg, tokenizer = load_model(args.path, env.device, dtype=weights_dtype(args))
         if tokenizer is None:
             raise UsageError(f"{args.path} has no tokenizer: serve reads and writes text, so it needs the model's own")
         shard_for_serving(model.eval(), env.device)
+        # every rank holds the whole cache: each checks its own, so that none is left waiting
+        serve_command.check_cache_fits(model, args, ranks_here=env.local_world_size)
         group = op_group()
         if env.rank == 0:
             broadcast = functools.partial(broadcast_op, group=group)
@@ -39,7 +41,9 @@ def run(args, cfg, rdv):
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         # the same rows as rank 0's engine: both caches must agree
-        follow_ops(model, functools.partial(receive_op, group=group), max_batch=args.max_batch)
+        follow_ops(
+            model, functools.partial(receive_op, group=group), max_batch=args.max_batch, max_len=args.max_positions
+        )
         return 0
     finally:
         teardown()

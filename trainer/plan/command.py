@@ -58,6 +58,9 @@ def serve_report(cfg, opts, vocab, device, device_gb):
     """--serve: `serve` of this model over --distributed-world-size ranks, --max-batch rows."""
     size = vocab[0] if vocab else vocab_size(cfg)
     world = cfg.distributed_training.distributed_world_size
-    setup = serve.ServeSetup(device, world, opts.max_batch, model_positions(cfg))
+    half = cfg.common.fp16 or cfg.common.bf16  # serve's --fp16 / --bf16, spelled as train's
+    elem = 2 if half else serve.SERVE_DTYPE_BYTES
+    positions = min(opts.max_positions or model_positions(cfg), model_positions(cfg))
+    setup = serve.ServeSetup(device, world, opts.max_batch, positions, elem)
     plan = serve.serve_plan(model_shape(cfg, size), setup, device_gb)
     return json.dumps(plan) if opts.format == "json" else serve.as_text(plan)

@@ -1,11 +1,11 @@
 """`plan --serve`: one rank's memory while `serve` runs a model, and whether it fits.
 
 What `serve` holds (trainer/inference/engine.py, models/batch_cache.py,
-trainer/parallel/serve_steps.py): the weights in the dtype load_model builds them in
-(fp32), sharded over every rank by FSDP (one unit a layer, the root another); during a
-forward the root and one layer gathered (two on a GPU, whose all-gather stream runs a
-layer ahead); the KV cache, max_batch rows × every position, allocated once and whole on
-every rank, since every rank runs every forward; and the largest forward's temporaries:
+trainer/parallel/serve_steps.py): the weights in fp32 (2 bytes with --fp16/--bf16),
+sharded over every rank by FSDP (one unit a layer, the root another); during a forward the
+root and one layer gathered (two on a GPU, whose all-gather stream runs a layer ahead); the
+KV cache, max_batch rows × --max-positions (default every position), allocated once and
+whole on every rank, since every rank runs every forward; and the largest forward's temporaries:
 a prefill of the longest prompt (one row, every position, its logits for every position
 kept for echo's log-probabilities) or a decode step (max_batch rows, one token each).
 Torch-free, as the rest of plan/.
@@ -24,7 +24,7 @@ SERVE_LABELS = {
     "activations": "largest forward's temporaries (one layer's)",
     "logits": "largest forward's logits",
 }
-# load_model builds the model in fp32 and reads the weights into it, whatever their saved dtype.
+# load_model builds the model in fp32 (without --fp16/--bf16), whatever the saved dtype.
 SERVE_DTYPE_BYTES = 4
 
 
