@@ -5,24 +5,23 @@ import os
 import subprocess
 
 
-def host_memory_gb():
-    """This machine's total memory (/proc/meminfo), or None where there is none to read."""
+def _meminfo_gb(field):
     try:
         with open("/proc/meminfo") as f:
-            kb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+            kb = next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
         return kb / 2**20
     except (OSError, StopIteration):
         return None
+
+
+def host_memory_gb():
+    """This machine's total memory (/proc/meminfo), or None where there is none to read."""
+    return _meminfo_gb("MemTotal")
 
 
 def host_available_gb():
     """Memory this host can still give (/proc/meminfo's MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo") as f:
-            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-        return kb / 2**20
-    except (OSError, StopIteration):
-        return None
+    return _meminfo_gb("MemAvailable")
 
 
 def runs_on_gpu(cfg):
