@@ -1,7 +1,7 @@
 """lm-evaluation-harness against serve: a log-likelihood multiple-choice task through
 `local-completions` and a generate-until task through `local-chat-completions` score what
-`--model hf` scores on the same exported model, served by one process or sharded over two
-ranks. Both tasks are local (a YAML over a jsonl in
+`--model hf` scores on the same exported model, served sharded over two ranks (the longest
+path: tests/test_serve_sharded.py shows two ranks answer as one process does). Both tasks are local (a YAML over a jsonl in
 the test's directory) and the tokenizer is the model's directory: nothing from the hub."""
 
 import json
@@ -64,8 +64,7 @@ def _without_bos(source, root):
     return path
 
 
-@pytest.mark.parametrize("flags", [(), ("--distributed-world-size", "2")], ids=["one-process", "two-ranks"])
-def test_lm_eval_through_serve_scores_as_hf(model_dir, tmp_path, monkeypatch, flags):  # noqa: F811
+def test_lm_eval_through_two_serving_ranks_scores_as_hf(model_dir, tmp_path, monkeypatch):  # noqa: F811
     from trainer.rendezvous import free_port
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -73,7 +72,7 @@ def test_lm_eval_through_serve_scores_as_hf(model_dir, tmp_path, monkeypatch, fl
     tasks = _tasks(tmp_path)
     model_dir = _without_bos(model_dir, tmp_path)
     port = free_port()
-    proc = _start(model_dir, port, *flags)
+    proc = _start(model_dir, port, "--distributed-world-size", "2")
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(proc, url)
