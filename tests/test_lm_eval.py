@@ -1,8 +1,9 @@
 """lm-evaluation-harness against serve: a log-likelihood multiple-choice task through
 `local-completions` and a generate-until task through `local-chat-completions` score what
 `--model hf` scores on the same exported model, served sharded over two ranks (the longest
-path: tests/test_serve_sharded.py shows two ranks answer as one process does). Both tasks are local (a YAML over a jsonl in
-the test's directory) and the tokenizer is the model's directory: nothing from the hub."""
+path: tests/test_serve_sharded.py shows two ranks answer as one process does). Both tasks
+are local (a YAML over a jsonl in the test's directory) and the tokenizer is the model's
+directory: nothing from the hub."""
 
 import json
 import shutil
