@@ -11,6 +11,7 @@ import signal
 
 import pytest
 from test_serve import _start, _wait_healthy, model_dir  # noqa: F401 (a fixture)
+from test_serve_sharded import ranks_end_with
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -94,8 +95,7 @@ def test_lm_eval_through_two_serving_ranks_scores_as_hf(model_dir, tmp_path, mon
             "hf", f"pretrained={model_dir},device=cpu", "tiny_gen", tasks, apply_chat_template=True
         )
         assert chat_resps == hf_chat_resps and chat["exact_match,none"] == hf_chat["exact_match,none"]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        assert ranks_end_with(proc, signal.SIGTERM) == 0  # drained, and no rank outlives the launcher
     finally:
         if proc.poll() is None:
             proc.kill()
