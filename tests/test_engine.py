@@ -113,10 +113,18 @@ def test_echo_and_token_logprobs_equal_the_full_forward():
 def test_stop_ids_end_a_completion_without_being_returned():
     model = tiny_model()
     greedy = sample(model, PROMPTS[2], 10, temperature=0)
+    end = greedy.index(greedy[3])
     with Engine(model) as engine:
-        result = engine.submit(GenerationRequest(PROMPTS[2], max_tokens=10, temperature=0, stop_ids=[greedy[3]]))
-        done = result.result(timeout=30)
-    assert [t.id for t in done.tokens] == greedy[: greedy.index(greedy[3])] and done.finish_reason == "stop"
+        how = dict(max_tokens=10, temperature=0, stop_ids=[greedy[3]])
+        done = engine.submit(GenerationRequest(PROMPTS[2], **how)).result(timeout=30)
+        scored = engine.submit(GenerationRequest(PROMPTS[2], logprobs=1, **how)).result(timeout=30)
+    assert [t.id for t in done.tokens] == greedy[:end] and done.finish_reason == "stop"
+    assert done.stop_token is None  # kept only when log-probabilities are asked for
+    # with them, the id that ended it and its score (serve lists it, as OpenAI's API does)
+    with torch.no_grad():
+        logp = F.log_softmax(model(torch.tensor([PROMPTS[2] + greedy[:end]]))[0, -1].float(), dim=-1)
+    assert scored.stop_token.id == greedy[3] and [t.id for t in scored.tokens] == greedy[:end]
+    assert scored.stop_token.logprob == pytest.approx(float(logp[greedy[3]]), abs=1e-5)
 
 
 def test_16_concurrent_requests_share_forwards():

@@ -288,3 +288,36 @@ def test_api_key_full_queue_then_sigterm(servers, model_dir):
     waiting.join(60)
     assert proc.wait(60) == 0
     assert text and answers[0].choices[0].finish_reason == "length"
+
+
+def test_a_completion_ended_by_eos_lists_it_for_lm_eval(model_dir):
+    """lm-evaluation-harness scores a text with echo, max_tokens 1 and logprobs, and sums
+    token_logprobs[len(context):-1]: the last entry must be the new token's, also when the
+    model's next token is an eos (a trained LM after a sentence). serve lists it, as OpenAI's
+    API and vLLM do; the text leaves it out. In process, with that token made an eos id."""
+    from starlette.testclient import TestClient
+
+    from data.hf_tokenizer import HFTokenizer
+    from trainer.inference.load import load_model
+    from trainer.inference.serve import Served, build_app
+    from trainer.inference.serve_engine import BatchedEngine
+
+    model, _, tok = load_model(str(model_dir))
+    ids = HFTokenizer(model_dir).encode("the lazy dog sees a cat")
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids]))[0].float(), -1)
+    eos = int(logp[-1].argmax())  # the greedy next token, served as an eos id
+    engine = BatchedEngine(model, tok, max_batch=2)
+    try:
+        app = build_app(Served(engine, "m", start_ids=[], stop_ids=[eos]))
+        with TestClient(app) as http:
+            body = dict(model="m", prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
+            choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    finally:
+        engine.close()
+    lp = choice["logprobs"]
+    assert choice["finish_reason"] == "stop" and choice["text"] == tok.decode(ids)
+    assert len(lp["token_logprobs"]) == len(ids) + 1 and len(lp["text_offset"]) == len(ids) + 1
+    expected = [float(logp[i, t]) for i, t in enumerate(ids[1:] + [eos])]
+    assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+    assert lp["text_offset"][-1] == len(choice["text"])

@@ -62,6 +62,7 @@ class Completion:
     finish_reason: str  # "stop" (eos id or stop), "length" (max_tokens or positions), "cancelled"
     prompt: list | None = None  # [Token] of the prompt, with echo
     text: str | None = None  # the tokens decoded (with a tokenizer), cut before a stop string
+    stop_token: Token | None = None  # with logprobs, the eos or stop id that ended it (not in tokens)
 
 
 _END = object()  # the last item of a handle's stream
@@ -75,7 +76,7 @@ class GenerationHandle:
 
     def __init__(self, request, tokenizer, listener=None):
         self.request, self._tokenizer, self._listener = request, tokenizer, listener
-        self.tokens, self.prompt, self.finish_reason = [], None, None
+        self.tokens, self.prompt, self.finish_reason, self.stop_token = [], None, None, None
         self._stream, self._done, self.error = queue.Queue(), threading.Event(), None
         self.cancelled = False
 
@@ -96,7 +97,7 @@ class GenerationHandle:
             raise TimeoutError(f"the completion did not finish in {timeout} s")
         if self.error is not None:
             raise self.error
-        return Completion(self.tokens, self.finish_reason, self.prompt, self._text())
+        return Completion(self.tokens, self.finish_reason, self.prompt, self._text(), self.stop_token)
 
     def _text(self):
         if self._tokenizer is None:
@@ -275,6 +276,11 @@ class Engine:
             picked[self.banned] = float("-inf")
         token = next_token(picked, request.temperature, request.top_k, request.top_p, row.generator)
         if token in self.eos_ids or token in request.stop_ids:
+            # Not a token of the completion or its text; with logprobs its score is kept all
+            # the same, as OpenAI's API and vLLM list it: lm-evaluation-harness scores a text
+            # with max_tokens 1 and drops the last entry, counting on it being the new token.
+            if request.logprobs is not None:
+                row.handle.stop_token = self._token(F.log_softmax(logits.float(), dim=-1), token, request.logprobs)
             row.finished = "stop"
             return
         if request.logprobs is None:

@@ -138,7 +138,11 @@ async def completions(request, served):
             if opts["logprobs"] is not None:
                 listed = prompt_events + new_events[:kept]
                 first = 0 if opts["echo"] else len(shown)
-                logprobs = api.legacy_logprobs(listed[first:], offsets[first : len(shown) + kept], served.piece)
+                listed_offsets = offsets[first : len(shown) + kept]
+                if handle.stop_event is not None and not text.stopped:  # the eos that ended it, after the text
+                    listed.append(handle.stop_event)
+                    listed_offsets.append(len(decode(shown)) + len(text.text))
+                logprobs = api.legacy_logprobs(listed[first:], listed_offsets, served.piece)
             prefix = decode(shown) if opts["echo"] else ""
             out.append(
                 {

@@ -45,6 +45,7 @@ class Handle:
     def __init__(self, request, loop, on_token):
         self.request = request
         self.finish_reason = None
+        self.stop_event = None  # with logprobs, the eos or stop id that ended it (a TokenEvent)
         self.generation = None  # the Engine's GenerationHandle, once submitted
         self._loop, self._on_token = loop, on_token
         self._events = asyncio.Queue()
@@ -78,6 +79,8 @@ class Handle:
             self._push(_event(token, self.request.logprobs))
             return
         self.finish_reason = gen.finish_reason
+        if gen.stop_token is not None:
+            self.stop_event = _event(gen.stop_token, self.request.logprobs)
         error = gen.error
         self._push(_DONE if error is None else RuntimeError(f"{type(error).__name__}: {error}"))
 
