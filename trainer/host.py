@@ -1,7 +1,8 @@
 """What this host has, read without torch (the launcher and `plan` never import it):
-memory, and whether a run here computes on a GPU."""
+memory, and the GPUs a run here computes on."""
 
 import os
+import re
 import subprocess
 
 
@@ -24,12 +25,33 @@ def host_available_gb():
     return _meminfo_gb("MemAvailable")
 
 
-def runs_on_gpu(cfg):
-    """A run of `cfg` here computes on a GPU: one is present (its device node), visible
-    (CUDA_VISIBLE_DEVICES does not hide them all) and --cpu is not given."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    hidden = visible is not None and visible.strip() in ("", "-1")
-    return not cfg.common.cpu and not hidden and os.path.exists("/dev/nvidia0")
+def runs_on_gpu(cfg, environ=None, dev_entries=None):
+    """A run of `cfg` here computes on a GPU: one is present and visible, and --cpu is not given."""
+    return not cfg.common.cpu and visible_gpu_count(environ, dev_entries) > 0
+
+
+def visible_gpu_count(environ=None, dev_entries=None):
+    """The GPUs a process here can use, counted without torch: the driver's device nodes
+    /dev/nvidia<N> (a container may expose only /dev/nvidia3; nvidiactl and nvidia-uvm are not
+    GPUs), as many as CUDA_VISIBLE_DEVICES lets through. CUDA reads that list up to its
+    first invalid entry ("-1" hides every GPU); an entry is an index or a GPU-/MIG- UUID."""
+    env = os.environ if environ is None else environ
+    if dev_entries is None:
+        try:
+            dev_entries = os.listdir("/dev")
+        except OSError:
+            dev_entries = []
+    present = sum(1 for name in dev_entries if re.fullmatch(r"nvidia\d+", name))
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    listed = 0
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        listed += 1
+    return min(listed, present)
 
 
 def gpu_memory_gb():
