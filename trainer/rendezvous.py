@@ -4,7 +4,11 @@ One code path, four ways in (fairseq's `infer_init_method`):
 1. `--distributed-world-size N` on one host spawns N local ranks itself;
 2. under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) it joins;
 3. under SLURM srun (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST) it joins;
-4. `--distributed-init-method tcp://host:port` with `--distributed-rank` is explicit.
+   with one task per node each task spawns its node's ranks (by default one per GPU);
+4. `--distributed-init-method tcp://host:port` with `--distributed-rank` is explicit: this
+   host spawns one rank per GPU (the whole world size on a CPU host), or with
+   `--distributed-no-spawn` is one rank, on GPU `--device-id`.
+GPUs are counted without torch (trainer/host.py).
 
 Nothing here imports torch: a launcher that spawns local ranks never needs it (they are
 forked from a server that has imported it, trainer/launch/local_ranks.py).
@@ -16,6 +20,7 @@ import subprocess
 from dataclasses import dataclass
 
 from trainer.errors import UsageError
+from trainer.host import visible_gpu_count
 
 
 @dataclass
@@ -30,17 +35,41 @@ class Rendezvous:
     spawn: int = 0
 
 
-def infer_rendezvous(cfg, environ=None):
+def infer_rendezvous(cfg, environ=None, gpus=None):
+    """`gpus`: the GPUs a rank here may use (default: counted, trainer/host.py; 0 under --cpu)."""
     env = os.environ if environ is None else environ
-    dist_cfg = cfg.distributed_training
+    if gpus is None:
+        gpus = 0 if cfg.common.cpu else visible_gpu_count(env)
+    rdv = _infer(cfg.distributed_training, env, gpus)
+    device_id = cfg.distributed_training.device_id
+    if device_id is not None:
+        if rdv.spawn > 1:
+            raise UsageError(
+                f"--device-id picks the GPU of a process that runs one rank; the {rdv.spawn} ranks spawned "
+                "here each take their own: drop it, or start one process per rank with --distributed-no-spawn"
+            )
+        rdv.local_rank = device_id
+    return rdv
+
+
+def _infer(dist_cfg, env, gpus):
     if dist_cfg.distributed_init_method:
-        local = 1 if dist_cfg.distributed_no_spawn else dist_cfg.distributed_world_size
+        if dist_cfg.distributed_no_spawn:  # fairseq: this process is rank --distributed-rank, on GPU --device-id
+            return Rendezvous(
+                dist_cfg.distributed_init_method,
+                dist_cfg.distributed_world_size,
+                rank=dist_cfg.distributed_rank,
+                local_rank=int(env.get("LOCAL_RANK", 0)),
+            )
+        # fairseq's call_main: this host starts one rank per GPU (all of the world size on a
+        # CPU host), ranks --distributed-rank, --distributed-rank + 1, …
+        local = min(gpus, dist_cfg.distributed_world_size) if gpus else dist_cfg.distributed_world_size
         return Rendezvous(
             dist_cfg.distributed_init_method,
             dist_cfg.distributed_world_size,
             rank=dist_cfg.distributed_rank,
             local_world_size=local,
-            spawn=0 if dist_cfg.distributed_no_spawn else local,
+            spawn=local,
         )
     if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return Rendezvous(
@@ -51,7 +80,7 @@ def infer_rendezvous(cfg, environ=None):
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
         )
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        return slurm_rendezvous(dist_cfg, env)
+        return slurm_rendezvous(dist_cfg, env, gpus)
     if dist_cfg.distributed_world_size > 1:
         port = dist_cfg.distributed_port if dist_cfg.distributed_port > 0 else free_port()
         return Rendezvous(
@@ -63,12 +92,14 @@ def infer_rendezvous(cfg, environ=None):
     return Rendezvous("", 1)
 
 
-def slurm_rendezvous(d, env):
+def slurm_rendezvous(d, env, gpus=0):
     """Master = first host of the job's node list. One task per rank: rank from
-    SLURM_PROCID. Or fairseq's other mode: one task per node, with --distributed-world-size
-    covering every node, and each task spawns its node's ranks."""
+    SLURM_PROCID. Or fairseq's other mode: one task per node, each spawning its node's ranks:
+    --distributed-world-size of them over all nodes, or without it one per GPU (`gpus` per node)."""
     ntasks, nnodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))
     world = d.distributed_world_size
+    if world == 1 and ntasks == nnodes and gpus > 1:
+        world = nnodes * gpus  # fairseq's default: every visible GPU of every node
     per_node_spawn = world > ntasks and ntasks == nnodes
     if per_node_spawn and world % nnodes:
         raise UsageError(f"--distributed-world-size {world} is not a multiple of the job's {nnodes} nodes")

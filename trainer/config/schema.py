@@ -96,6 +96,12 @@ class DistributedTrainingConfig:
         "run one rank in this process (rank --distributed-rank) "
         "instead of spawning --distributed-world-size local ranks",
     )
+    device_id: Optional[int] = _f(
+        None,
+        "the GPU of a process that runs one rank itself, e.g. with --distributed-no-spawn "
+        "(default: its local rank: $LOCAL_RANK, or $SLURM_LOCALID under srun; else 0)",
+        alias="--local_rank",
+    )
     heartbeat_timeout: int = _f(
         -1,
         "seconds a collective may wait for the other ranks before the job ends (a dead or hung rank); -1: 30 minutes",
