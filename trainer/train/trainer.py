@@ -2,8 +2,10 @@
 
 Gradients are those of the summed token loss divided by the update's token count over
 all ranks and micro-batches (fairseq's sample_size), so --update-freq 2 --batch-size 4
-gives the gradient of --batch-size 8. The division is folded into the loss before
-backward: no extra pass over the gradients.
+gives the gradient of --batch-size 8. As in fairseq, backward runs on the (loss-scaled)
+summed loss and the gradients are divided after it, by a factor on the device, in the
+pass that clips them: folded into the loss, 1/sample_size would start fp16's backward at
+loss_scale/sample_size (about 1e-4 at a million tokens) and flush small gradients to zero.
 """
 
 import contextlib
@@ -108,9 +110,10 @@ class Trainer:
         start = time.perf_counter()
         self.model.train()
         counts = on_device_sum(on_device(sample_counts(samples), self.env), self.env)
-        # Divide by the sample size (tokens; dpo's pairs) of the whole update; DDP averages
-        # gradients over ranks, which the weight undoes (FSDP sums them).
-        loss_weight = ((self.env.world_size if self.grad_sync.averages else 1) / counts[2].clamp(min=1)).float()
+        # Gradients are divided by the sample size (tokens; dpo's pairs) of the whole update
+        # after backward; DDP averages gradients over ranks, which the factor undoes (FSDP
+        # sums them).
+        grad_factor = ((self.env.world_size if self.grad_sync.averages else 1) / counts[2].clamp(min=1)).float()
         loss_total = torch.zeros((), dtype=torch.float64, device=self.env.device)
         extras_total = torch.zeros(len(self.objective.extras), dtype=torch.float64, device=self.env.device)
         lm = getattr(self.model, "module", self.model)  # the TransformerLM inside DDP
@@ -125,12 +128,11 @@ class Trainer:
                 loss_total += loss.detach()
                 if extras is not None:
                     extras_total += extras
-                scaled = loss * loss_weight
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         self.grad_sync.after_backward()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        gnorm = self.clip_grad_norm()
+        gnorm = self.clip_grad_norm(grad_factor)
         # Summed over ranks, so that every rank skips or stops at the same update.
         loss_total = on_device_sum(loss_total, self.env)
         extras_total = on_device_sum(extras_total, self.env) if len(extras_total) else None
@@ -195,17 +197,22 @@ class Trainer:
                 self.env.is_master,
             )
 
-    def clip_grad_norm(self):
-        """Global gradient norm over every shard, before clipping (what fairseq logs as gnorm),
-        as a tensor on the device; with --clip-norm, gradients are scaled as torch's
-        clip_grad_norm_ scales them, by a factor that stays on the device too."""
+    def clip_grad_norm(self, grad_factor):
+        """Multiplies the gradients by `grad_factor` (a 0-d tensor on the device: 1/sample
+        size, fairseq's multiply_grads) and returns the global norm of the result over every
+        shard, before clipping (what fairseq logs as gnorm), as a tensor on the device; with
+        --clip-norm, gradients are scaled as torch's clip_grad_norm_ scales them. Both in one
+        pass over the gradients, by a factor that stays on the device."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = global_grad_norm(grads)
+        raw = global_grad_norm(grads)
+        factor = grad_factor.to(raw.device)
+        norm = raw * factor
         clip = self.cfg.optimization.clip_norm
-        if clip > 0:  # without it, only the norm: clipping by infinity would still rescale them
-            local = local_shards(grads)
-            coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_(local, coef.to(local[0].device))
+        if clip > 0:  # without it, no clip factor: clipping by infinity would still rescale them
+            factor = factor * torch.clamp(clip / (norm + 1e-6), max=1.0)
+        local = local_shards(grads)
+        if local:
+            torch._foreach_mul_(local, factor.to(local[0].device))
         return norm
 
     @torch.no_grad()
