@@ -6,14 +6,29 @@ real entry points where one exists."""
 import os
 
 import pytest
+import torch
 from test_launch import fake_scontrol
+from torch.distributed.distributed_c10d import BackendConfig
 
 from helpers import DUMMY, compose
 from trainer.errors import UsageError
 from trainer.host import runs_on_gpu, visible_gpu_count
+from trainer.parallel.ranks import cuda_device_index, host_threads, nccl_error_handling, process_group_backend
 from trainer.rendezvous import infer_rendezvous
 
 ARGS = DUMMY + ["--batch-size", "2"]
+
+
+# 1. The default process group of a CUDA rank also has a CPU backend -----------------------
+
+
+def test_a_cuda_rank_groups_nccl_for_cuda_tensors_and_gloo_for_cpu_ones():
+    # GradScaler's DTensor unscale under --cpu-offload all-reduces a CPU found_inf on this group
+    assert BackendConfig(process_group_backend(torch.device("cuda", 3))).get_device_backend_map() == {
+        "cuda": "nccl",
+        "cpu": "gloo",
+    }
+    assert process_group_backend(torch.device("cpu")) == "gloo"
 
 
 # 5. --distributed-init-method spawns this host's GPUs, not the whole world --------------------
@@ -58,6 +73,21 @@ def test_device_id_with_spawned_ranks_is_refused():
         infer_rendezvous(cfg, environ={}, gpus=2)
 
 
+# 6. Never two ranks on one GPU without a word ----------------------------------------------
+
+
+def test_a_rank_gets_its_own_gpu_or_a_one_line_refusal():
+    assert [cuda_device_index(i, 4, 4, {}) for i in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(UsageError, match=r"^8 ranks on this node but 4 visible GPU\(s\).*at most 4 .*--cpu"):
+        cuda_device_index(5, 8, 4, {})
+    with pytest.raises(UsageError, match=r"--device-id 5.*4 visible GPU\(s\)"):
+        cuda_device_index(5, 1, 4, {})
+    # a scheduler that binds each task to one GPU (srun --gpus-per-task=1) shows it as device 0
+    assert cuda_device_index(3, 8, 1, {"CUDA_VISIBLE_DEVICES": "3"}) == 0
+    with pytest.raises(UsageError, match="2 ranks on this node but 1 visible GPU"):
+        cuda_device_index(1, 2, 1, {})
+
+
 # 7. SLURM, one task per node, no --distributed-world-size: every GPU of every node --------------
 
 
@@ -79,6 +109,18 @@ def test_one_slurm_task_per_node_spawns_every_visible_gpu(tmp_path, monkeypatch)
     assert (rdv.world_size, rdv.rank, rdv.spawn) == (2, 1, 0)
 
 
+# 8. Threads for the host's share of the work -----------------------------------------------
+
+
+def test_a_gpu_rank_with_cpu_offload_gets_its_share_of_the_cores():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert host_threads(cpu, False, local_world_size=4, cores=32) == 8
+    assert host_threads(cuda, True, local_world_size=4, cores=32) == 8  # the CPU Adam step
+    assert host_threads(cuda, False, local_world_size=4, cores=32) is None  # nothing big on the host
+    assert host_threads(cuda, True, local_world_size=1, cores=32) is None  # torch's default: every core
+    assert host_threads(cpu, False, local_world_size=8, cores=4) == 1
+
+
 # 9. A GPU is any /dev/nvidia<N> ------------------------------------------------------------
 
 
@@ -94,3 +136,12 @@ def test_gpus_are_counted_from_any_nvidia_device_node_and_cuda_visible_devices()
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": ""}, eight) == 0
     assert runs_on_gpu(compose(ARGS), {}, container)
     assert not runs_on_gpu(compose(ARGS + ["--cpu"]), {}, container)
+
+
+# 13. NCCL failures are a lost rank, in one line -----------------------------------------------
+
+
+def test_nccl_errors_surface_as_exceptions_unless_the_user_chose():
+    assert nccl_error_handling({}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}  # abort the communicator, raise
+    assert nccl_error_handling({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}) == {}
+    assert nccl_error_handling({"TORCH_NCCL_BLOCKING_WAIT": "1"}) == {}

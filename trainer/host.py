@@ -1,5 +1,5 @@
 """What this host has, read without torch (the launcher and `plan` never import it):
-memory, and the GPUs a run here computes on."""
+memory, cores, and the GPUs a run here computes on."""
 
 import os
 import re
@@ -52,6 +52,11 @@ def visible_gpu_count(environ=None, dev_entries=None):
             break
         listed += 1
     return min(listed, present)
+
+
+def usable_cores():
+    """The cores this process may run on (its affinity mask: SLURM's and taskset's share)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def gpu_memory_gb():

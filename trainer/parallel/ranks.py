@@ -1,9 +1,10 @@
 """Where each rank runs once it is started: device, threads, process group. How a process
-finds its job's ranks (the four ways in) is trainer/rendezvous.py's. CUDA + NCCL
-where a GPU exists, CPU + gloo otherwise.
+finds its job's ranks (the four ways in) is trainer/rendezvous.py's. CUDA + NCCL (and
+gloo for CPU tensors) where a GPU exists, one GPU per rank; CPU + gloo otherwise.
 """
 
 import gc
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -11,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.cpu.rank import prepare_cpu_rank
+from trainer.errors import UsageError
+from trainer.host import usable_cores
 
 RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
 
@@ -29,19 +32,69 @@ class DistEnv:
         return self.rank == 0
 
 
-def select_device(cfg, local_rank=0):
+def select_device(cfg, local_rank=0, local_world_size=1):
     if torch.cuda.is_available() and not cfg.common.cpu:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(cuda_device_index(local_rank, local_world_size, torch.cuda.device_count(), os.environ))
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def cuda_device_index(local_rank, local_world_size, device_count, environ):
+    """The GPU of local rank `local_rank`: its own, never one another rank of the node has.
+    A process shown one GPU by CUDA_VISIBLE_DEVICES (a scheduler's per-task binding, srun
+    --gpus-per-task=1) uses that one, whatever its local rank."""
+    if local_rank < device_count:
+        return local_rank
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "")
+    if device_count == 1 and visible.strip() and "," not in visible:
+        return 0
+    if local_world_size > device_count:
+        raise UsageError(
+            f"{local_world_size} ranks on this node but {device_count} visible GPU(s): two ranks would share one; "
+            f"start at most {device_count} ranks per node (--distributed-world-size, torchrun --nproc-per-node, "
+            "srun --ntasks-per-node), or pass --cpu"
+        )
+    raise UsageError(
+        f"--device-id {local_rank} (this process's local rank): this node has {device_count} visible GPU(s), "
+        f"numbered from 0; pass --device-id below {device_count}, or --cpu"
+    )
+
+
+def process_group_backend(device):
+    """The default group's backends: a CUDA rank's group also has gloo for CPU tensors (GradScaler
+    all-reduces a CPU found_inf under --cpu-offload; NCCL has no CPU side), as torchtitan's does."""
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+
+
+def host_threads(device, cpu_offload, local_world_size, cores):
+    """Threads a rank computes with on the host, or None for torch's default (every core, or
+    torchrun's OMP_NUM_THREADS=1): ranks on one host share its cores, or they fight over them.
+    A CPU rank computes there; a GPU rank does under --cpu-offload (the optimizer step)."""
+    if local_world_size < 2 or (device.type != "cpu" and not cpu_offload):
+        return None
+    return max(cores // local_world_size, 1)
+
+
+def nccl_error_handling(environ):
+    """The environment a CUDA rank's NCCL groups are made with, unless the user chose: a failed
+    or timed-out collective aborts its communicator and the rank's next collective raises
+    ("NCCL communicator was aborted"), which trainer/parallel/lost_peer.py turns into one line;
+    torch's default (3) has the watchdog take the process down with SIGABRT instead."""
+    chosen = ("ASYNC_ERROR_HANDLING", "BLOCKING_WAIT")  # TORCH_NCCL_…, or NCCL_… (the old names)
+    if any(f"{prefix}{knob}" in environ for prefix in ("TORCH_NCCL_", "NCCL_") for knob in chosen):
+        return {}
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 def init_rank(cfg, rdv, needs_process_group):
     """Join the job as rank `rdv.rank`. One rank joins a (one-rank) group only when its
     backend needs one: FSDP2 shards on a one-rank mesh with the same code."""
-    device = select_device(cfg, rdv.local_rank)
+    device = select_device(cfg, rdv.local_rank, rdv.local_world_size)
     if device.type == "cpu":
         prepare_cpu_rank(cfg, rdv)
+    threads = host_threads(device, cfg.distributed_training.cpu_offload, rdv.local_world_size, usable_cores())
+    if threads is not None:
+        torch.set_num_threads(threads)
     env = DistEnv(rdv.rank, rdv.world_size, rdv.local_rank, rdv.local_world_size, device, rdv.init_method)
     if rdv.world_size > 1 or (needs_process_group and not dist.is_initialized()):
         if rdv.init_method:
@@ -50,8 +103,10 @@ def init_rank(cfg, rdv, needs_process_group):
             store, _, _ = next(dist.rendezvous(rdv.init_method, rdv.rank, rdv.world_size, timeout=RENDEZVOUS_TIMEOUT))
         else:  # one rank alone: nobody to meet
             store = dist.HashStore()
+        if device.type == "cuda":
+            os.environ.update(nccl_error_handling(os.environ))  # read when the NCCL group is made
         dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
+            backend=process_group_backend(device),
             store=store,
             rank=rdv.rank,
             world_size=rdv.world_size,
