@@ -134,10 +134,21 @@ class ShardLocalAdamW(torch.optim.AdamW):
             capturable=group["capturable"],
             differentiable=group["differentiable"],
             fused=group["fused"],
-            grad_scale=getattr(self, "grad_scale", None),
-            found_inf=getattr(self, "found_inf", None),
+            grad_scale=flag_for_params(getattr(self, "grad_scale", None), params[0].device),
+            found_inf=flag_for_params(getattr(self, "found_inf", None), params[0].device),
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )
+
+
+def flag_for_params(flag, device):
+    """The fused step's skip flag (found_inf) or grad scale on the parameters' device. torch's
+    step copies one from another device with non_blocking=True, and under --cpu-offload
+    (the flag on the GPU, the shards on the host) the CPU kernel may then read the host copy
+    before the copy has landed: copied here synchronously instead, only in that case, so a
+    step on the GPU, flag and parameters both there, waits for nothing."""
+    if flag is None or flag.device == device:
+        return flag
+    return flag.to(device, non_blocking=False)
 
 
 class NAG(torch.optim.Optimizer):
