@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("trainer", "models", "data")
 # trainer/'s rooms, top first: a room may import itself and the rooms after it. train,
 # inference and plan sit side by side (none imports another); rendezvous, host and
-# errors are torch-free modules every room may use.
+# errors are torch-free modules every room may use (rendezvous counts the GPUs host finds).
 ROOMS = [
     "launch",
     {"train", "inference", "plan"},
@@ -17,7 +17,8 @@ ROOMS = [
     "parallel",
     "cpu",
     "config",
-    {"rendezvous", "host"},
+    "rendezvous",
+    "host",
     "errors",
     {"models", "data"},
 ]
