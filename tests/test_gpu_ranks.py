@@ -4,6 +4,7 @@ called here with a GPU host's values; the one-line errors users see are checked 
 real entry points where one exists."""
 
 import os
+import socket
 
 import pytest
 import torch
@@ -13,8 +14,9 @@ from torch.distributed.distributed_c10d import BackendConfig
 from helpers import DUMMY, compose
 from trainer.errors import UsageError
 from trainer.host import runs_on_gpu, visible_gpu_count
+from trainer.launch.launcher import launch
 from trainer.parallel.ranks import cuda_device_index, host_threads, nccl_error_handling, process_group_backend
-from trainer.rendezvous import infer_rendezvous
+from trainer.rendezvous import Rendezvous, gloo_address_problem, infer_rendezvous
 
 ARGS = DUMMY + ["--batch-size", "2"]
 
@@ -136,6 +138,47 @@ def test_gpus_are_counted_from_any_nvidia_device_node_and_cuda_visible_devices()
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": ""}, eight) == 0
     assert runs_on_gpu(compose(ARGS), {}, container)
     assert not runs_on_gpu(compose(ARGS + ["--cpu"]), {}, container)
+
+
+# 12. Gloo across hosts needs a routable address ----------------------------------------------
+
+
+def _resolver(table):
+    return lambda name: table.get(name)
+
+
+def test_gloo_across_hosts_refuses_a_hostname_that_resolves_to_loopback():
+    two_nodes = Rendezvous("tcp://node1:29500", 16, rank=8, local_rank=0, local_world_size=8)
+    ubuntu = _resolver({"node1": "10.0.0.1", "node2": "127.0.1.1"})
+    problem = gloo_address_problem(two_nodes, {}, "node2", ubuntu)
+    assert "node2 resolves to 127.0.1.1" in problem and "GLOO_SOCKET_IFNAME" in problem
+    assert gloo_address_problem(two_nodes, {"GLOO_SOCKET_IFNAME": "eth0"}, "node2", ubuntu) is None
+    assert gloo_address_problem(two_nodes, {}, "node2", _resolver({"node2": "10.0.0.2"})) is None
+    assert "does not resolve" in gloo_address_problem(two_nodes, {}, "node2", _resolver({}))
+    # the master node itself: its own name resolves to 127.0.1.1 there, and the job still spans hosts
+    master = Rendezvous("tcp://node1:29500", 16, rank=0, local_world_size=8)
+    assert "node1 resolves to 127.0.1.1" in gloo_address_problem(master, {}, "node1", _resolver({"node1": "127.0.1.1"}))
+    # one host: every rank here, or a loopback master no other host could reach
+    one_host = Rendezvous("tcp://127.0.0.1:29500", 8, local_world_size=8)
+    assert gloo_address_problem(one_host, {}, "node2", ubuntu) is None
+    no_spawn = Rendezvous("tcp://127.0.0.1:29500", 2, rank=1, local_world_size=1)
+    assert gloo_address_problem(no_spawn, {}, "node2", ubuntu) is None
+
+
+def _must_not_run(cfg, rdv):
+    raise AssertionError("a rank started")
+
+
+def test_the_launcher_refuses_a_loopback_hostname_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")  # resolves to loopback everywhere
+    torchrun = dict(RANK="2", LOCAL_RANK="0", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_ADDR="10.9.9.9")
+    for key, value in {**torchrun, "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert launch(compose(ARGS), target=_must_not_run) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("train: error: this job spans hosts, but this host's name localhost resolves to 127.")
+    assert "GLOO_SOCKET_IFNAME" in err and len(err.splitlines()) == 1
 
 
 # 13. NCCL failures are a lost rank, in one line -----------------------------------------------

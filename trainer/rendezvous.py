@@ -14,10 +14,12 @@ Nothing here imports torch: a launcher that spawns local ranks never needs it (t
 forked from a server that has imported it, trainer/launch/local_ranks.py).
 """
 
+import ipaddress
 import os
 import socket
 import subprocess
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from trainer.errors import UsageError
 from trainer.host import visible_gpu_count
@@ -124,6 +126,59 @@ def slurm_rendezvous(d, env, gpus=0):
         local_rank=int(env.get("SLURM_LOCALID", "0")),
         local_world_size=_tasks_per_node(env, ntasks, nnodes),
     )
+
+
+def check_gloo_address(rdv, environ=None):
+    """Refuse, before any rank starts, a job across hosts whose gloo groups could not connect."""
+    problem = gloo_address_problem(rdv, os.environ if environ is None else environ, socket.gethostname(), _address)
+    if problem:
+        raise UsageError(problem)
+
+
+def gloo_address_problem(rdv, environ, hostname, resolve):
+    """Why gloo (the CPU groups every run makes, NCCL runs included) cannot reach this host
+    from the others, or None. Unless GLOO_SOCKET_IFNAME names an interface, gloo binds to
+    the address this host's name resolves to, and tells the other hosts to connect there:
+    on a default Ubuntu /etc/hosts that is 127.0.1.1, their own loopback, and the job hangs
+    or fails at its first collective. `resolve(name)`: the name's first address, or None."""
+    if rdv.world_size <= rdv.local_world_size or environ.get("GLOO_SOCKET_IFNAME"):
+        return None  # every rank is on this host
+    master = urlsplit(rdv.init_method).hostname if rdv.init_method.startswith("tcp://") else None
+    if master and master.split(".")[0] != hostname.split(".")[0] and _is_loopback(_resolved(master, resolve)):
+        return None  # no other host could reach a loopback master: every rank is on this host
+    address = _resolved(hostname, resolve)
+    fix = (
+        "set GLOO_SOCKET_IFNAME to the network interface the other hosts reach this host by "
+        "(e.g. GLOO_SOCKET_IFNAME=eth0; `ip -brief address` lists them)"
+    )
+    spans = f"this job spans hosts, but this host's name {hostname}"
+    if address is None:
+        return f"{spans} does not resolve (gloo falls back to loopback); {fix}"
+    if _is_loopback(address):
+        return f"{spans} resolves to {address} (loopback), the address gloo would give the other hosts; {fix}"
+    return None
+
+
+def _resolved(name, resolve):
+    try:
+        return str(ipaddress.ip_address(name))
+    except ValueError:
+        return resolve(name)
+
+
+def _address(name):
+    """The first address `name` resolves to here (what gloo binds to), or None."""
+    try:
+        return socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (OSError, UnicodeError, IndexError):
+        return None
+
+
+def _is_loopback(address):
+    try:
+        return address is not None and ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def first_host(nodelist):

@@ -32,7 +32,7 @@ from trainer.launch.local_ranks import (
     stop_resource_tracker,
     traceback_file,
 )
-from trainer.rendezvous import infer_rendezvous
+from trainer.rendezvous import check_gloo_address, infer_rendezvous
 
 STOPPED = 3  # exit code of a spawned rank that stopped because of another rank
 GRACE_S = 5.0  # how long the other ranks get to end on their own once one has failed
@@ -42,6 +42,7 @@ def launch(cfg, target=None, prog="train"):
     """Run `target(cfg, rdv)` (default: training) on every rank of the job."""
     try:
         rdv = infer_rendezvous(cfg)  # SLURM's variables and scontrol can be wrong too
+        check_gloo_address(rdv)
     except USER_ERRORS as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
