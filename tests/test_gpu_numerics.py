@@ -85,3 +85,83 @@ def test_a_skip_flag_on_the_parameters_device_is_not_copied():
 
     flag = torch.zeros(())
     assert flag_for_params(flag, torch.device("cpu")) is flag and flag_for_params(None, torch.device("cpu")) is None
+
+
+class CudaRandomStates:
+    """torch.cuda's random-state functions for `visible` GPUs (no GPU here): a device index
+    that is not visible raises as CUDA's invalid device ordinal does; the _all forms are
+    torch's own loops over the visible indices."""
+
+    def __init__(self, visible):
+        self.visible, self.states, self.calls = visible, {}, []
+
+    def index(self, device):
+        index = device if isinstance(device, int) else torch.device(device).index
+        index = 0 if index is None else index
+        if not 0 <= index < self.visible:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index} ({self.visible} visible)")
+        return index
+
+    def get_rng_state(self, device="cuda"):
+        index = self.index(device)
+        self.calls.append(("get", index))
+        return self.states.get(index, torch.full((16,), index, dtype=torch.uint8)).clone()
+
+    def set_rng_state(self, state, device="cuda"):
+        index = self.index(device)
+        self.calls.append(("set", index))
+        self.states[index] = state.clone()
+
+    def get_rng_state_all(self):
+        return [self.get_rng_state(i) for i in range(self.visible)]
+
+    def set_rng_state_all(self, states):
+        for i, state in enumerate(states):
+            self.set_rng_state(state, i)
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        for name in ("get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        return self
+
+
+def test_a_rank_resumes_its_own_cuda_stream_on_the_gpu_it_has_now(monkeypatch):
+    """Saved by local rank 3 on cuda:3 of 4 visible GPUs, resumed with one GPU per task: its
+    stream, and only its, is saved and is restored on cuda:0."""
+    import json
+
+    from trainer.checkpoint.rng import rng_state, set_rng_state
+
+    saving = CudaRandomStates(visible=4).install(monkeypatch)
+    saving.states[3] = torch.arange(16, dtype=torch.uint8)
+    saved = json.loads(json.dumps(rng_state(torch.device("cuda", 3))))
+    assert saving.calls == [("get", 3)]
+
+    resuming = CudaRandomStates(visible=1).install(monkeypatch)
+    set_rng_state(saved, torch.device("cuda", 0), local_rank=3)
+    assert resuming.calls == [("set", 0)] and torch.equal(resuming.states[0], torch.arange(16, dtype=torch.uint8))
+
+
+def test_an_old_checkpoints_list_of_cuda_streams_still_loads(monkeypatch):
+    """Checkpoints before held every visible GPU's stream: local rank r ran on GPU r when it
+    saw more than r of them, else on the one it saw; that entry is restored on the rank's
+    device now. None matching (a list of 2 for local rank 3): the stream is left as it is."""
+    from trainer.checkpoint.rng import rng_state, set_rng_state
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    host = rng_state(torch.device("cpu"))
+    streams = [[k] * 16 for k in range(4)]
+    for entries, local_rank, device, expected in [
+        (streams, 3, 0, 3),
+        (streams, 1, 1, 1),
+        (streams[:1], 5, 0, 0),
+        (streams[:2], 3, 0, None),
+    ]:
+        resuming = CudaRandomStates(visible=2).install(monkeypatch)
+        set_rng_state({**host, "cuda": entries}, torch.device("cuda", device), local_rank=local_rank)
+        if expected is None:
+            assert resuming.calls == []
+        else:
+            assert resuming.calls == [("set", device)]
+            assert resuming.states[device].tolist() == [expected] * 16

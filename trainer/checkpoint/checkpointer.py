@@ -173,7 +173,7 @@ class Checkpointer:
         with_optim = not self.checkpoint_cfg.no_save_optimizer_state
         state = tensor_state(self.model, self.optimizer, with_optim)
         rng_file = tmp / "rng" / f"rank{self.env.rank}.json"
-        failed = files.write_failure(lambda: write_json(rng_file, rng_state()), self.save_dir)
+        failed = files.write_failure(lambda: write_json(rng_file, rng_state(self.env.device)), self.save_dir)
         if self.env.is_master and failed is None:
 
             def small_files():
@@ -311,7 +311,7 @@ class Checkpointer:
                 piece.load_state_dict(piece_state)
         rng = path / "rng" / f"rank{self.env.rank}.json"
         if rng.is_file():
-            set_rng_state(json.loads(rng.read_text()))
+            set_rng_state(json.loads(rng.read_text()), self.env.device, self.env.local_rank)
         log.info(
             f"loaded checkpoint {path} (epoch {saved['epoch']} @ {saved['num_updates']} updates"
             + ("" if with_optim else ", optimizer reset")
