@@ -3,19 +3,23 @@ small function of what the host has (GPU count, environment, /dev entries, an er
 called here with a GPU host's values; the one-line errors users see are checked through the
 real entry points where one exists."""
 
+import faulthandler
+import multiprocessing
 import os
 import socket
 
 import pytest
 import torch
 from test_launch import fake_scontrol
+from torch.distributed import DistBackendError
 from torch.distributed.distributed_c10d import BackendConfig
 
 from helpers import DUMMY, compose
 from trainer.errors import UsageError
 from trainer.host import runs_on_gpu, visible_gpu_count
-from trainer.launch.launcher import launch
-from trainer.parallel.ranks import cuda_device_index, host_threads, nccl_error_handling, process_group_backend
+from trainer.launch.launcher import join_ranks, launch
+from trainer.parallel.lost_peer import peer_lost
+from trainer.parallel.ranks import DistEnv, cuda_device_index, host_threads, nccl_error_handling, process_group_backend
 from trainer.rendezvous import Rendezvous, gloo_address_problem, infer_rendezvous
 
 ARGS = DUMMY + ["--batch-size", "2"]
@@ -188,3 +192,69 @@ def test_nccl_errors_surface_as_exceptions_unless_the_user_chose():
     assert nccl_error_handling({}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}  # abort the communicator, raise
     assert nccl_error_handling({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}) == {}
     assert nccl_error_handling({"TORCH_NCCL_BLOCKING_WAIT": "1"}) == {}
+
+
+# Texts as torch 2.x and NCCL 2.18-2.28 print them (pytorch's ProcessGroupNCCL.cpp and NCCLUtils,
+# and users' reports in NVIDIA/nccl issues 1141, 1514, 1928, 2076).
+REMOTE = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.hpp:268, remote process exited or there "
+    "was a network error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network error or "
+    "a remote process exiting prematurely.\nLast error:\nNET/IB : Got completion from peer 10.0.0.2<39138> with "
+    "error 12, opcode 0, len 0, vendor err 129"
+)
+CLOSED_REMOTE = (
+    "NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1275, internal error, NCCL version "
+    "2.14.3\nncclInternalError: Internal check failed.\nLast error:\nNet : Connection closed by remote peer "
+    "node2<50260>"
+)
+WATCHDOG = (
+    "[PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=41, "
+    "OpType=_REDUCE_SCATTER_BASE, NumelIn=131072, NumelOut=65536, Timeout(ms)=600000) ran for 600081 "
+    "milliseconds before timing out."
+)
+ABORTED = "NCCL communicator was aborted on rank 0. "
+SHM = (
+    "NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:317, unhandled system error (run with "
+    "NCCL_DEBUG=INFO for details), NCCL version 2.21.5\nncclSystemError: System call (e.g. socket, malloc) or "
+    "external library call failed or device error. \nLast error:\nError while creating shared memory segment "
+    "/dev/shm/nccl-EoOvZr (size 7340384)"
+)
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        (REMOTE, "lost rank 1: its connection closed (the process died or was killed)"),
+        (CLOSED_REMOTE, "lost rank 1: its connection closed (the process died or was killed)"),
+        (WATCHDOG, "rank 1 did not answer for 1800 s (--heartbeat-timeout): it died or hangs"),
+        (ABORTED + "Original reason for failure was: " + WATCHDOG, "rank 1 did not answer for 1800 s"),
+        (ABORTED, "lost rank 1: NCCL aborted the collectives on this rank"),
+    ],
+)
+def test_nccl_failures_name_the_lost_rank(text, line):
+    cfg = compose(ARGS)
+    env = DistEnv(0, 2, 0, 2, torch.device("cpu"))
+    lost = peer_lost(DistBackendError(text), cfg, env)
+    assert lost is not None and str(lost).startswith(line), lost
+    assert "\n" not in str(lost)
+
+
+def test_an_nccl_error_of_this_host_is_not_a_lost_rank():
+    env = DistEnv(0, 2, 0, 2, torch.device("cpu"))
+    assert peer_lost(DistBackendError(SHM), compose(ARGS), env) is None  # /dev/shm is full: its own message
+
+
+def _abort():
+    faulthandler.disable()  # its report of the abort is noise here
+    os.abort()
+
+
+def test_a_rank_the_watchdog_aborts_is_named_with_the_likely_cause(tmp_path, capsys):
+    ctx = multiprocessing.get_context("fork")
+    ranks = [ctx.Process(target=int), ctx.Process(target=_abort)]  # rank 0 ends cleanly
+    for p in ranks:
+        p.start()
+    assert join_ranks(ranks, 0, "train", "rerun the same command", str(tmp_path)) == 1
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"train: error: rank 1 (pid {ranks[1].pid}) was killed by SIGABRT (")
+    assert "NCCL's watchdog" in line and line.endswith("; rerun the same command") and "\n" not in line

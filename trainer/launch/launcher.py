@@ -158,13 +158,7 @@ def join_ranks(procs, first_rank, prog, hint, errors_dir, interrupted=lambda: No
     killed = [i for i in ended if procs[i].exitcode < 0]
     if killed:
         i = killed[0]
-        try:
-            name = signal.Signals(-procs[i].exitcode).name
-        except ValueError:
-            name = f"signal {-procs[i].exitcode}"
-        print(
-            f"{prog}: error: rank {first_rank + i} (pid {procs[i].pid}) was killed by {name}; {hint}", file=sys.stderr
-        )
+        print(killed_line(prog, first_rank + i, procs[i].pid, -procs[i].exitcode, hint), file=sys.stderr)
     elif os.access(traceback_file(errors_dir, failed), os.R_OK):  # an unexpected exception: its traceback
         with open(traceback_file(errors_dir, failed), "rb") as f:
             print(f"{prog}: rank {first_rank + failed} failed:\n{pickle.load(f).strip()}", file=sys.stderr)
@@ -177,6 +171,23 @@ def join_ranks(procs, first_rank, prog, hint, errors_dir, interrupted=lambda: No
     elif all(procs[i].exitcode == STOPPED for i in range(len(procs)) if i not in ended_by_us):
         print(f"{prog}: error: the ranks lost each other; {hint}", file=sys.stderr)
     return 1
+
+
+def killed_line(prog, rank, pid, signum, hint):
+    """The job's one line for a rank killed by a signal. SIGABRT is how NCCL's watchdog ends a
+    rank whose collective failed or timed out when TORCH_NCCL_ASYNC_ERROR_HANDLING asks it to
+    (or its heartbeat monitor, when the rank is stuck): the rank named may be the survivor."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    why = (
+        " (an abort from C++: NCCL's watchdog aborts a rank whose collective failed or timed out, "
+        "when another rank died or hangs; the rank's log says which)"
+        if signum == signal.SIGABRT
+        else ""
+    )
+    return f"{prog}: error: rank {rank} (pid {pid}) was killed by {name}{why}; {hint}"
 
 
 def _rank_errors(errors_dir):

@@ -7,9 +7,23 @@ from trainer.errors import RankStopped, resume_hint
 from trainer.parallel.ranks import collective_timeout
 
 # What gloo says when the other end of a collective died (the kernel closed its sockets)
-# or stopped answering for longer than the collective timeout.
-CLOSED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
-TIMED_OUT = ("Timed out", "timed out", "timeout", "Timeout")
+# or stopped answering for longer than the collective timeout, and what NCCL says when its
+# peer exited or its connection broke (ncclRemoteError; "Connection closed by remote peer"
+# under an older ncclInternalError). A bare ncclSystemError is not among them: it is also
+# this host's own fault (a full /dev/shm), said in its own message.
+CLOSED = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Connection closed by remote peer",
+    "Broken pipe",
+    "Connection refused",
+    "ncclRemoteError",
+    "remote process exited",
+)
+TIMED_OUT = ("Timed out", "timed out", "timeout", "Timeout")  # NCCL: "Watchdog caught collective operation timeout"
+# NCCL's watchdog aborted this rank's communicators (TORCH_NCCL_ASYNC_ERROR_HANDLING=2,
+# trainer/parallel/ranks.py) and the next collective raised this, its reason lost.
+ABORTED = ("NCCL communicator was aborted",)
 
 
 def peer_lost(error, cfg, env):
@@ -22,7 +36,7 @@ def peer_lost(error, cfg, env):
         return None
     text, hint = str(error), resume_hint(cfg, "train")
     peer = f"rank {1 - env.rank}" if env.world_size == 2 else "a peer rank"
-    address = re.search(r"\[([^\]]+)\]:(\d+)", text)
+    address = re.search(r"\[([^\]]+)\]:(\d+)", text) or re.search(r"([\w.:-]+)<(\d+)>", text)  # gloo's, NCCL's
     at = f" at {address.group(1)}" if address and env.world_size > 2 else ""
     if any(m in text for m in CLOSED):
         return RankStopped(f"lost {peer}{at}: its connection closed (the process died or was killed); {hint}")
@@ -30,5 +44,10 @@ def peer_lost(error, cfg, env):
         seconds = collective_timeout(cfg).total_seconds()
         return RankStopped(
             f"{peer}{at} did not answer for {seconds:g} s (--heartbeat-timeout): it died or hangs; {hint}"
+        )
+    if any(m in text for m in ABORTED):
+        return RankStopped(
+            f"lost {peer}: NCCL aborted the collectives on this rank (a rank died or hangs, or the network "
+            f"failed; NCCL's lines above say which); {hint}"
         )
     return None
