@@ -165,3 +165,27 @@ def test_an_old_checkpoints_list_of_cuda_streams_still_loads(monkeypatch):
         else:
             assert resuming.calls == [("set", device)]
             assert resuming.states[device].tolist() == [expected] * 16
+
+
+def test_a_gpu_rank_logs_allocated_and_reserved_peaks_a_cpu_rank_its_peak_rss(monkeypatch):
+    """mem_gb is the CUDA allocator's peak of live tensors (plan's ledger); mem_reserved_gb adds
+    what it keeps cached; both of the rank's own device, both reset for the next record. A
+    CPU rank logs its peak resident set size alone."""
+    from trainer.train.meters import peak_memory
+
+    calls = []
+
+    def peak(name, nbytes):
+        def read(device):
+            calls.append((name, torch.device(device).index))
+            return nbytes
+
+        return read
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", peak("allocated", 3 * 2**30))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", peak("reserved", 5 * 2**29))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", peak("reset", None))
+    assert peak_memory(torch.device("cuda", 2)) == {"mem_gb": 3.0, "mem_reserved_gb": 2.5}
+    assert sorted(calls) == [("allocated", 2), ("reserved", 2), ("reset", 2)] and calls[-1][0] == "reset"
+    cpu = peak_memory(torch.device("cpu"))
+    assert list(cpu) == ["mem_gb"] and cpu["mem_gb"] > 0.05

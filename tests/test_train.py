@@ -115,6 +115,7 @@ def test_json_log_fields_and_tensorboard(tmp_path):
     assert rec["ppl"] == pytest.approx(2 ** rec["loss"], rel=1e-2)
     assert rec["wpb"] == 4 * 32 and rec["bsz"] == 4 and rec["mem_gb"] > 0.05
     assert "mfu" not in rec  # no --peak-tflops, no peak to divide by
+    assert "mem_reserved_gb" not in rec  # a GPU rank's only
     assert "train_loss" in records["train"][0]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

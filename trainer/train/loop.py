@@ -6,7 +6,7 @@ import time
 
 from data.iterator import ORDER
 from trainer.parallel.ranks import all_reduce_sum
-from trainer.train.meters import LN2, TrainMeters, extra_fields, peak_memory_gb, perplexity
+from trainer.train.meters import LN2, TrainMeters, extra_fields, peak_memory, perplexity
 
 log = logging.getLogger("shardlm")
 STOPPED = "stopped"  # validate_and_save's answer when a stop signal ended its validation
@@ -144,7 +144,7 @@ class TrainLoop:
                 self.epoch_meters.reset()
             interval = TrainMeters(self.env.device, self.trainer.objective.extras)
             first_step = self.itr.iterations_in_epoch // optimization.update_freq + 1
-            peak_memory_gb(self.env.device)  # start this epoch's first interval from now
+            peak_memory(self.env.device)  # start this epoch's first interval from now
             for step, samples in enumerate(
                 self.progress.epoch_bar(grouped(batches, optimization.update_freq), epoch, updates_per_epoch),
                 start=first_step,
@@ -263,7 +263,7 @@ class TrainLoop:
             self.flops_per_token,
             peak * self.env.world_size if peak else None,
         )
-        rec["mem_gb"] = peak_memory_gb(self.env.device)
+        rec.update(peak_memory(self.env.device))
         rec["wall"] = round(time.perf_counter() - self.start)
         self.progress.log(tag, rec, step, self.trainer.num_updates, epoch, position)
 

@@ -149,23 +149,27 @@ def perplexity(loss_base2):
         return float("inf")
 
 
-def peak_memory_gb(device):
-    """This rank's peak memory since the previous call, then reset: the CUDA allocator's
-    peak on GPU, the process's peak resident set size (VmHWM) on CPU."""
+def peak_memory(device):
+    """This rank's peak memory since the previous call, then reset, as log fields in GiB. On a
+    GPU, `mem_gb` is the CUDA caching allocator's peak of allocated bytes (the tensors alive,
+    what plan's ledger counts) and `mem_reserved_gb` its peak of reserved bytes (those and
+    the blocks it keeps cached for reuse); neither counts the CUDA context or NCCL's buffers,
+    which plan's per-rank figure adds as its runtime. On a CPU, `mem_gb` alone: the process's
+    peak resident set size (VmHWM), everything the process holds."""
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
+        allocated, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
-        return round(peak / 2**30, 3)
+        return {"mem_gb": round(allocated / 2**30, 3), "mem_reserved_gb": round(reserved / 2**30, 3)}
     try:
         with open("/proc/self/status") as f:
             hwm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
-        return round(hwm_kb / 2**20, 3)
+        return {"mem_gb": round(hwm_kb / 2**20, 3)}
     except (OSError, StopIteration):
         import resource
 
-        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+        return {"mem_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
 
 
 def flops_per_token(model_cfg, num_params, vocab_size, embed_params, seq_len):
