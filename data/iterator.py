@@ -125,6 +125,9 @@ class EpochBatchIterator:
     ``len(item) - 1`` (fairseq's block size). ``num_workers`` processes read and collate
     batches ahead of the loop (torch's DataLoader, as fairseq's iterators); 0 does it in
     this process. The batches and their order are the same for any number of workers.
+    ``pin_memory`` reads them into page-locked host memory (torch's DataLoader's, for the
+    current accelerator), from which a copy to a GPU is asynchronous: set it when the batches
+    go to one (a CPU has no accelerator to pin for).
     """
 
     def __init__(
@@ -143,6 +146,7 @@ class EpochBatchIterator:
         num_workers: int = 0,
         collater: Callable | None = None,
         worker_init: Callable | None = None,
+        pin_memory: bool = False,
     ):
         if batch_size is None and max_tokens is None:
             raise DataError("set --batch-size or --max-tokens")
@@ -170,6 +174,7 @@ class EpochBatchIterator:
         self.multiple = required_batch_size_multiple
         self.num_workers = num_workers
         self.worker_init = worker_init  # run first in each worker process (torch's worker_init_fn)
+        self.pin_memory = pin_memory
         self.collater = collater or functools.partial(collate, pad=pad)
         self.epoch = 0
         self.iterations_in_epoch = 0
@@ -217,7 +222,8 @@ class EpochBatchIterator:
 
     def _iterate(self, epoch: int, offset: int) -> Iterator[dict]:
         dataset, batches = self._epoch_batches(epoch)
-        loaded = _load(_CollatedBatches(dataset, batches[offset:], self.collater), self.num_workers, self.worker_init)
+        collated = _CollatedBatches(dataset, batches[offset:], self.collater)
+        loaded = _load(collated, self.num_workers, self.worker_init, self.pin_memory)
         for out in loaded:
             # Counted as the loop takes the batch, not as a worker reads it: a checkpoint
             # saved after training on it records it as consumed.
@@ -266,16 +272,17 @@ def _as_is(batch):
     return batch
 
 
-def _load(batches: _CollatedBatches, num_workers: int, worker_init: Callable | None = None):
-    """The batches in order, read by ``num_workers`` processes (0: here, one at a time)."""
-    if num_workers == 0 or len(batches) == 0:
+def _load(batches: _CollatedBatches, num_workers: int, worker_init: Callable | None = None, pin_memory: bool = False):
+    """The batches in order, read by ``num_workers`` processes (0: here, one at a time), in
+    pinned memory with ``pin_memory`` (by torch's DataLoader, workers or not)."""
+    if (num_workers == 0 and not pin_memory) or len(batches) == 0:
         return map(batches.__getitem__, range(len(batches)))
     import torch  # torch-free callers (preflight) never load batches
     from torch.utils.data import DataLoader
 
     # fork starts a worker in milliseconds, sharing the memory-mapped token files;
     # elsewhere the datasets pickle by path and re-map them.
-    context = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    context = "fork" if num_workers and "fork" in multiprocessing.get_all_start_methods() else None
     # The loader draws its workers' seeds from this generator, not from torch's global one,
     # whose state (dropout) checkpoints save: a resumed run must draw what the first one did.
     return iter(
@@ -285,8 +292,9 @@ def _load(batches: _CollatedBatches, num_workers: int, worker_init: Callable | N
             shuffle=False,
             num_workers=num_workers,
             collate_fn=_as_is,
+            pin_memory=pin_memory,
             multiprocessing_context=context,
             generator=torch.Generator().manual_seed(0),
-            worker_init_fn=worker_init,
+            worker_init_fn=worker_init if num_workers else None,
         )
     )

@@ -2,6 +2,7 @@
 gradients of a large update, the skip flag handed to an optimizer on another device, the
 CUDA random streams a resumed rank restores, the memory fields logged, pinned batches."""
 
+import pytest
 import torch
 
 from helpers import DUMMY, compose
@@ -189,3 +190,32 @@ def test_a_gpu_rank_logs_allocated_and_reserved_peaks_a_cpu_rank_its_peak_rss(mo
     assert sorted(calls) == [("allocated", 2), ("reserved", 2), ("reset", 2)] and calls[-1][0] == "reset"
     cpu = peak_memory(torch.device("cpu"))
     assert list(cpu) == ["mem_gb"] and cpu["mem_gb"] > 0.05
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator")
+def test_a_gpu_rank_reads_pinned_batches_a_cpu_rank_pageable(monkeypatch):
+    """Batches bound for a GPU are read into page-locked memory (the DataLoader's pin_memory), so
+    `.to(device, non_blocking=True)` copies them asynchronously; from pageable memory the copy
+    is staged and waits. Not on a CPU rank, where pinning has no accelerator to pin for. Both
+    with worker processes and without."""
+    from torch.utils import data as torch_data
+
+    from trainer.parallel.ranks import DistEnv
+    from trainer.train.task import LMTask
+
+    loaders = []
+
+    class RecordingLoader(torch_data.DataLoader):
+        def __init__(self, *args, **kwargs):
+            loaders.append(kwargs.get("pin_memory", False))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(torch_data, "DataLoader", RecordingLoader)
+    # (device, --num-workers, pin_memory of each DataLoader made): none on a CPU rank without workers
+    for device, workers, pinned in [("cuda", 1, [True]), ("cuda", 0, [True]), ("cpu", 1, [False]), ("cpu", 0, [])]:
+        cfg = compose(DUMMY + ["--batch-size", "4", "--num-workers", str(workers)])
+        task = LMTask(cfg, DistEnv(0, 1, 0, 1, torch.device(device, 0) if device == "cuda" else torch.device(device)))
+        loaders.clear()
+        batch = next(task.batch_iterator(cfg.dataset.train_subset, training=True).next_epoch_itr())
+        assert batch["src_tokens"].shape == (4, 32)  # read (pinned where an accelerator is)
+        assert loaders == pinned, (device, workers, loaders)

@@ -206,6 +206,8 @@ class LMTask:
             num_workers=dataset_cfg.num_workers,
             worker_init=leave_stop_signals_to_the_rank,
             collater=self.collater(bos, width),
+            # A GPU rank copies its batches with non_blocking=True: asynchronous from pinned memory only.
+            pin_memory=self.env.device.type == "cuda",
         )
 
     def collater(self, bos, width):
