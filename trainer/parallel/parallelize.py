@@ -174,8 +174,9 @@ def shard_model(model, sharding, env):
     fully_shard(model, **{**kwargs, "reshard_after_forward": root_free_in_backward})
     model.set_unshard_in_backward(not root_free_in_backward)
     for unit in units + norms + [model]:
-        # Plain sums across ranks: the trainer already divides the loss by the update's
-        # token count over all ranks, so an average would only add a pass over the grads.
+        # Plain sums across ranks: the trainer divides the gradients by the update's token
+        # count over all ranks after backward (in its clip pass), so an average would only
+        # add a pass over the grads.
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
     background = prefetch = None

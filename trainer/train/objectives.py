@@ -1,6 +1,7 @@
 """What a micro-batch's loss is, per task: the token loss (language_modeling, dummy_lm, sft)
 or the DPO loss (dpo). Each returns the summed loss of its batch and, for dpo, sums the
-records report (rewards); the trainer divides by the update's sample size over all ranks.
+records report (rewards); the trainer divides the gradients (after backward) and the logged
+loss by the update's sample size over all ranks.
 
 DPO (Rafailov et al., 2023), as TRL's DPOTrainer computes its sigmoid loss: a sequence's
 log-probability is the sum over its completion tokens; with the policy's and the frozen

@@ -227,8 +227,8 @@ class Trainer:
 
 
 def sample_counts(batches):
-    """[target tokens, sentences, sample size] of batches: the sample size divides the loss,
-    the target tokens (fairseq's), or dpo's pairs."""
+    """[target tokens, sentences, sample size] of batches: the sample size divides the gradients
+    (after backward) and the logged loss, the target tokens (fairseq's), or dpo's pairs."""
     return [
         sum(b["ntokens"] for b in batches),
         sum(b["nsentences"] for b in batches),
