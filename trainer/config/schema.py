@@ -93,13 +93,14 @@ class DistributedTrainingConfig:
     distributed_rank: int = _f(0, "rank of the first process started here, with --distributed-init-method")
     distributed_no_spawn: bool = _f(
         False,
-        "run one rank in this process (rank --distributed-rank) "
-        "instead of spawning --distributed-world-size local ranks",
+        "with --distributed-init-method: run one rank in this process (rank --distributed-rank, "
+        "on GPU --device-id) instead of spawning one per GPU of this host",
     )
     device_id: Optional[int] = _f(
         None,
-        "the GPU of a process that runs one rank itself, e.g. with --distributed-no-spawn "
-        "(default: its local rank: $LOCAL_RANK, or $SLURM_LOCALID under srun; else 0)",
+        "the GPU (index on this node) of a process that runs one rank: alone, under torchrun, as "
+        "srun's task per rank, or with --distributed-no-spawn; refused where this process spawns "
+        "ranks, each of which takes its own (default: its local rank, $LOCAL_RANK or $SLURM_LOCALID; else 0)",
         alias="--local_rank",
     )
     heartbeat_timeout: int = _f(
