@@ -11,7 +11,7 @@ from helpers import DUMMY, compose
 def update_gradients(argv, sample_size):
     """The gradients one update hands its optimizer (fp32 copies), on one batch of 4 sequences
     counted as `sample_size` tokens: one rank's micro-batch in an update of that many tokens
-    over many ranks, whose loss the whole update's sample size divides."""
+    over many ranks, whose gradients the whole update's sample size divides."""
     from trainer.parallel import ranks
     from trainer.rendezvous import Rendezvous
     from trainer.train.main import build
@@ -218,4 +218,36 @@ def test_a_gpu_rank_reads_pinned_batches_a_cpu_rank_pageable(monkeypatch):
         loaders.clear()
         batch = next(task.batch_iterator(cfg.dataset.train_subset, training=True).next_epoch_itr())
         assert batch["src_tokens"].shape == (4, 32)  # read (pinned where an accelerator is)
+        assert loaders == pinned, (device, workers, loaders)
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator")
+def test_a_gpu_eval_lm_reads_pinned_batches_a_cpu_one_pageable(monkeypatch):
+    """eval-lm reads its blocks as training does: pinned for a GPU rank, with workers or without."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from torch.utils import data as torch_data
+
+    from data.indexed_dataset import IndexedDataset
+    from data.token_block import TokenBlockDataset
+    from trainer.inference.eval_lm import eval_batches
+    from trainer.parallel.ranks import DistEnv
+
+    loaders = []
+
+    class RecordingLoader(torch_data.DataLoader):
+        def __init__(self, *args, **kwargs):
+            loaders.append(kwargs.get("pin_memory", False))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(torch_data, "DataLoader", RecordingLoader)
+    valid = IndexedDataset(str(Path(__file__).parent / "fixtures" / "fairseq" / "data-bin" / "valid"))
+    blocks = TokenBlockDataset(valid, 32, "none", pad=1, eos=2)
+    for device, workers, pinned in [("cuda", 1, [True]), ("cuda", 0, [True]), ("cpu", 1, [False]), ("cpu", 0, [])]:
+        args = SimpleNamespace(batch_size=4, max_tokens=None, context_window=0, num_workers=workers)
+        env = DistEnv(0, 1, 0, 1, torch.device(device, 0) if device == "cuda" else torch.device(device))
+        loaders.clear()
+        batch = next(eval_batches(blocks, args, 1, None, env).next_epoch_itr())
+        assert batch["src_tokens"].shape == (4, 32)
         assert loaders == pinned, (device, workers, loaders)

@@ -39,13 +39,38 @@ log = logging.getLogger("shardlm")
 
 
 def evaluate(model, dataset, args, pad, bos, env):
-    """(summed loss in nats, scored tokens) over this rank's share of the split's blocks,
-    read through training's batch iterator by --num-workers processes."""
+    """(summed loss in nats, scored tokens) over this rank's share of the split's blocks."""
     loss_sum, ntokens = 0.0, 0
     if len(dataset) == 0:
         return loss_sum, ntokens
+    itr = eval_batches(dataset, args, pad, bos, env)
+    total = len(itr)
+    # fairseq-eval-lm's progress bar, on rank 0 when stderr is a terminal (--no-progress-bar: none).
+    show_progress = env.is_master and not getattr(args, "no_progress_bar", False) and sys.stderr.isatty()
+    with torch.no_grad():
+        for i, batch in enumerate(itr.next_epoch_itr(), 1):
+            if show_progress:
+                print(f"\reval-lm: batch {i}/{total}", end="" if i < total else "\n", file=sys.stderr, flush=True)
+            if batch.get("dummy"):  # no collectives here: a rank with fewer batches just stops
+                continue
+            # The model's own loss (pad targets, the context's and <s>'s among them, are not
+            # scored), a chunk of logits at a time as in training.
+            segments = batch.get("segments") if isinstance(dataset, DocumentBlocks) else None
+            loss_sum += model(
+                batch["src_tokens"].to(env.device, non_blocking=True),
+                target=batch["target"].to(env.device, non_blocking=True),
+                softmax_batch=getattr(args, "softmax_batch", None),
+                segments=None if segments is None else segments.to(env.device, non_blocking=True),
+            ).item()
+            ntokens += batch["ntokens"]
+    return loss_sum, ntokens
+
+
+def eval_batches(dataset, args, pad, bos, env):
+    """This rank's share of the split's batches, read through training's batch iterator by
+    --num-workers processes, into pinned memory on a GPU rank (as training's)."""
     whole = isinstance(dataset, (ConversationSamples, DocumentBlocks))  # no context window: sequences kept apart
-    itr = EpochBatchIterator(
+    return EpochBatchIterator(
         dataset if whole else ContextWindowDataset(dataset, args.context_window, pad),
         batch_size=args.batch_size,
         max_tokens=args.max_tokens,
@@ -63,27 +88,9 @@ def evaluate(model, dataset, args, pad, bos, env):
         else functools.partial(collate_documents, pad=pad)
         if isinstance(dataset, DocumentBlocks)
         else functools.partial(collate_pairs, pad=pad, bos=bos),
+        # Copied with non_blocking=True: asynchronous from pinned memory only.
+        pin_memory=env.device.type == "cuda",
     )
-    total = len(itr)
-    # fairseq-eval-lm's progress bar, on rank 0 when stderr is a terminal (--no-progress-bar: none).
-    show_progress = env.is_master and not getattr(args, "no_progress_bar", False) and sys.stderr.isatty()
-    with torch.no_grad():
-        for i, batch in enumerate(itr.next_epoch_itr(), 1):
-            if show_progress:
-                print(f"\reval-lm: batch {i}/{total}", end="" if i < total else "\n", file=sys.stderr, flush=True)
-            if batch.get("dummy"):  # no collectives here: a rank with fewer batches just stops
-                continue
-            # The model's own loss (pad targets, the context's and <s>'s among them, are not
-            # scored), a chunk of logits at a time as in training.
-            segments = batch.get("segments") if isinstance(dataset, DocumentBlocks) else None
-            loss_sum += model(
-                batch["src_tokens"].to(env.device),
-                target=batch["target"].to(env.device),
-                softmax_batch=getattr(args, "softmax_batch", None),
-                segments=None if segments is None else segments.to(env.device),
-            ).item()
-            ntokens += batch["ntokens"]
-    return loss_sum, ntokens
 
 
 def eval_lm(args, env):
