@@ -57,6 +57,10 @@ def train_main(argv=None):
             cfg = compose_config(settings, overrides, ns.config_dir, ns.config_name)
             check_config(cfg)
             check_inputs(cfg)
+            if cfg.distributed_training.dry_run:
+                from trainer.dryrun.command import dry_run  # torch-free: its rank process loads torch
+
+                return dry_run(cfg)
             if cfg.distributed_training.auto_tune:
                 from trainer.launch.auto_tune import auto_tune
 

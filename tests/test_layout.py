@@ -7,11 +7,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("trainer", "models", "data")
-# trainer/'s rooms, top first: a room may import itself and the rooms after it. train,
-# inference and plan sit side by side (none imports another); rendezvous, host and
-# errors are torch-free modules every room may use (rendezvous counts the GPUs host finds).
+# trainer/'s rooms, top first: a room may import itself and the rooms after it. dryrun runs
+# train (and plan, inference) on fake GPUs. train, inference and plan sit side by side (none
+# imports another); rendezvous, host and errors are torch-free modules every room may use
+# (rendezvous counts the GPUs host finds).
 ROOMS = [
     "launch",
+    "dryrun",
     {"train", "inference", "plan"},
     "checkpoint",
     "parallel",

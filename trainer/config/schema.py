@@ -144,6 +144,13 @@ class DistributedTrainingConfig:
         "--auto-tune: memory per rank to plan for (default: the "
         "device's memory; on a CPU the host's, shared by its ranks)",
     )
+    dry_run: bool = _f(
+        False,
+        "check the job on fake GPUs instead of running it (a login node needs none): each rank's node and "
+        "GPU, its process groups, the model sharded, and two updates of rank 0 and of the last rank with "
+        "every CUDA call and collective checked; prints each rank's peak memory beside plan's and exits",
+    )
+    dry_run_gpus_per_node: int = _f(8, "--dry-run: GPUs per node of the job checked")
 
 
 @dataclass

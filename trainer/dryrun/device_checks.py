@@ -1,0 +1,130 @@
+"""What a GPU would refuse, checked on fake devices: every op on a fake tensor passes through
+FakeDevices (torch's FakeTensorMode, which also sees the ops DTensor and FSDP2 run inside
+other ops), which checks it first.
+
+- Collectives as NCCL checks them: one device per collective, a CUDA tensor of the rank's
+  own GPU, a device type the group has a backend for (a CPU tensor in a collective of an
+  NCCL-only group fails on a GPU: "No backend type associated with device type cpu").
+- Host memory pinned (fake tensors have no pinned pages: pinning is recorded here), and each
+  non-blocking copy to a GPU going to the rank's own GPU; one from pageable memory is
+  recorded (it is silently synchronous on a GPU).
+"""
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._pytree import tree_flatten
+
+from trainer.dryrun.fake_cuda import CudaMisuse
+
+aten = torch.ops.aten
+
+
+def group_devices(group):
+    """The device types a process group (or a group's name, as functional collectives pass
+    it) has backends for; None for an argument that is no group."""
+    if isinstance(group, str):
+        try:
+            group = dist.distributed_c10d._resolve_process_group(group)
+        except (KeyError, ValueError, RuntimeError):
+            return None
+    if not isinstance(group, dist.ProcessGroup):
+        return None
+    return {t.type if isinstance(t, torch.device) else str(t) for t in group._device_types}
+
+
+class FakeDevices(FakeTensorMode):
+    """Fake tensors on fake GPUs, each op checked first. Records (collective, device type) in
+    `collectives`, non-blocking copies to a GPU as (from pinned memory?, target) in `copies`;
+    raises CudaMisuse where a GPU would fail. `rank_device` is set once the rank has one."""
+
+    def __init__(self):
+        super().__init__(allow_non_fake_inputs=True)
+        self.rank_device = None
+        self.host_reads = []
+        self.collectives = []
+        self.copies = []
+        self.pinned_storages = set()  # pinning belongs to storage: a view of pinned memory is pinned
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is aten._pin_memory.default:
+            out = torch.empty_like(args[0])
+            self.pin(out)
+            return out
+        if func is aten.is_pinned.default:
+            return self.is_pinned(args[0])
+        if func is aten._local_scalar_dense.default:
+            # The host reads a value the fake tensor does not have (on a GPU, a sync): every
+            # value read is 0, so losses and norms are finite and no update is skipped.
+            self.host_reads.append(str(args[0].device))
+            return False if args[0].dtype == torch.bool else 0
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self.check_collective(func, args, kwargs)
+        elif func in (aten._to_copy.default, aten.copy_.default):
+            self.check_copy(func, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func is aten.empty.memory_format and kwargs.get("pin_memory"):
+            self.pin(out)
+        elif func in (aten.lift_fresh.default, aten.lift_fresh_copy.default) and _really_pinned(args[0]):
+            self.pin(out)  # torch.tensor(data, pin_memory=True): a real pinned tensor made fake
+        return out
+
+    def adopt(self, batch):
+        """A batch of real host tensors as fake ones, pinned where they were."""
+        out = {}
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                pinned, value = _really_pinned(value), self.from_tensor(value)
+                if pinned:
+                    self.pin(value)
+            out[key] = value
+        return out
+
+    def pin(self, tensor):
+        self.pinned_storages.add(tensor.untyped_storage()._cdata)
+
+    def is_pinned(self, tensor):
+        if not isinstance(tensor, FakeTensor):
+            return _really_pinned(tensor)
+        return tensor.untyped_storage()._cdata in self.pinned_storages
+
+    def check_collective(self, func, args, kwargs):
+        flat = tree_flatten((args, kwargs))[0]
+        devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
+        name = func.name()
+        if len(devices) > 1:
+            raise CudaMisuse(f"{name} with tensors on {sorted(map(str, devices))}: one collective, one device")
+        for device in devices:
+            if device.type == "cuda" and self.rank_device is not None and device != self.rank_device:
+                raise CudaMisuse(f"{name} of a tensor on {device} from the rank of {self.rank_device}")
+            for have in filter(None, map(group_devices, flat)):
+                if device.type not in have:
+                    raise CudaMisuse(
+                        f"{name} of a {device.type} tensor on a group with backends for {sorted(have)} only "
+                        f"(No backend type associated with device type {device.type})"
+                    )
+        if devices:
+            dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in flat if isinstance(t, torch.Tensor)})
+            self.collectives.append((name, next(iter(devices)).type, ",".join(dtypes)))
+
+    def check_copy(self, func, args, kwargs):
+        source = args[1] if func is aten.copy_.default else args[0]
+        target = args[0].device if func is aten.copy_.default else kwargs.get("device")
+        if target is None or not isinstance(source, torch.Tensor):
+            return
+        target = torch.device(target)
+        if target.type != "cuda" or source.device.type != "cpu":
+            return
+        if target.index is not None and self.rank_device is not None and target != self.rank_device:
+            raise CudaMisuse(f"a copy to {target} from the rank of {self.rank_device}")
+        if kwargs.get("non_blocking") or (len(args) > 2 and args[2]):
+            self.copies.append((self.is_pinned(source), str(target)))
+
+
+def _really_pinned(tensor):
+    """Whether a real host tensor is in (fake CUDA's) pinned memory."""
+    if isinstance(tensor, FakeTensor) or tensor.device.type != "cpu":
+        return False
+    with unset_fake_temporarily():
+        return tensor.is_pinned()

@@ -1,0 +1,120 @@
+"""One rank of the dry run, on its fake GPU with a fake process group, through the project's
+own code: init_rank (device, process groups), build (model sharded as the job shards it,
+optimizer, data), train_step twice, the second under torch's FSDPMemTracker.
+"""
+
+import time
+import traceback
+
+from omegaconf import OmegaConf
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+
+from trainer.config.schema import uses_fsdp
+from trainer.dryrun.device_checks import FakeDevices
+from trainer.dryrun.fake_cuda import CudaStandIn
+from trainer.dryrun.fake_groups import FakeGroups
+from trainer.dryrun.host_side import unfaked_host_side
+from trainer.errors import USER_ERRORS
+from trainer.parallel.ranks import cuda_device_index, init_rank, teardown
+from trainer.rendezvous import Rendezvous
+from trainer.train.loop import grouped
+from trainer.train.main import build
+
+
+def run_job(job):
+    """{"config": YAML, "rank", "world_size", "gpus_per_node", "command"} → a report dict."""
+    cfg = OmegaConf.create(job["config"])
+    started = time.perf_counter()
+    report = {"rank": job["rank"], "command": job.get("command", "train")}
+    try:
+        report.update(DryRank(cfg, job).run())
+    except USER_ERRORS as e:
+        report["usage_error"] = str(e)
+    except Exception as e:  # what a GPU would have refused: the dry run's finding
+        report["failure"] = f"{type(e).__name__}: {e}".splitlines()[0]
+        report["traceback"] = traceback.format_exc()
+    report["seconds"] = round(time.perf_counter() - started, 2)
+    return report
+
+
+class DryRank:
+    def __init__(self, cfg, job):
+        self.cfg, self.job = cfg, job
+
+    def run(self):
+        cuda = CudaStandIn(self.job["gpus_per_node"])
+        groups = FakeGroups(cuda)
+        undo = [cuda.patch(), groups.patch(), unfaked_host_side()]
+        fake = FakeDevices()
+        try:
+            with fake:
+                env = self.init_rank()
+                fake.rank_device = env.device
+                result = {"device": str(env.device), "local_rank": env.local_rank, "node_gpus": self.node_gpus()}
+                result.update(self.commands[self.job.get("command", "train")](self, env, fake))
+            result.update(
+                groups=[list(g) for g in groups.groups],
+                collectives=[list(c) for c in fake.collectives],
+                host_reads=len(fake.host_reads),
+                pinned_copies=sum(1 for pinned, _ in fake.copies if pinned),
+                pageable_copies=sum(1 for pinned, _ in fake.copies if not pinned),
+                cuda_calls=sorted({c[0] for c in cuda.calls}),
+            )
+            return result
+        finally:
+            teardown()
+            for restore in reversed(undo):
+                restore()
+
+    def local_ranks(self):
+        """(local rank, ranks on this rank's node): ranks fill nodes of gpus_per_node in order."""
+        world, gpus, rank = self.job["world_size"], self.job["gpus_per_node"], self.job["rank"]
+        return rank % gpus, min(gpus, world - rank // gpus * gpus)
+
+    def node_gpus(self):
+        """The GPU each local rank of this rank's node takes, as the job's ranks pick it."""
+
+        _, local_world = self.local_ranks()
+        return [cuda_device_index(i, local_world, self.job["gpus_per_node"], {}) for i in range(local_world)]
+
+    def init_rank(self):
+
+        local_rank, local_world = self.local_ranks()
+        world, rank = self.job["world_size"], self.job["rank"]
+        rdv = Rendezvous("tcp://dry-run:29500", world, rank=rank, local_rank=local_rank, local_world_size=local_world)
+        return init_rank(self.cfg, rdv, needs_process_group=uses_fsdp(self.cfg) or world > 1)
+
+    def train(self, env, fake):
+        """Build the model, its optimizer and data, and run two updates (the second, with the
+        optimizer state alive, under torch's FSDPMemTracker: the peak the CUDA caching
+        allocator would count)."""
+
+        task, trainer, _ = build(self.cfg, env)
+        with unset_fake_temporarily():  # the data pipeline's tensors are real host tensors
+            batches = task.batch_iterator(self.cfg.dataset.train_subset, training=True).next_epoch_itr()
+            samples = next(iter(grouped(batches, self.cfg.optimization.update_freq)))
+            pinned = [b["src_tokens"].is_pinned() for b in samples]
+        samples = [fake.adopt(b) for b in samples]
+        trainer.train_step(samples)
+        first = len(fake.collectives)
+        peak = self.tracked_peak(trainer, lambda: trainer.train_step(samples), env)
+        trainer.finish()
+        return {"peak_bytes": peak, "batches_pinned": all(pinned), "update_collectives": len(fake.collectives) - first}
+
+    def tracked_peak(self, trainer, step, env):
+
+        model = trainer.model
+        if isinstance(model, FSDPModule):
+            tracker = FSDPMemTracker(model, trainer.optimizer)
+        else:
+            tracker = MemTracker()
+            tracker.track_external(model, trainer.optimizer)
+        with tracker:
+            step()
+        peak = tracker.get_tracker_snapshot("peak").get(env.device, {})
+        return next((v for k, v in peak.items() if str(getattr(k, "value", k)) == "Total"), 0)
+
+    commands = {"train": train}
