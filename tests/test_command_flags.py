@@ -18,6 +18,7 @@ from trainer.config.flags import (
     build_command_parser,
     build_parser,
     command_options,
+    flag_aliases,
     flag_name,
     parse_command,
     parse_flags,
@@ -86,7 +87,7 @@ def test_every_command_flag_reaches_its_field(prog, f):
     text, value = _non_default(f)
     argv = [text] if name == "data" else [name, text]
     assert getattr(parse(prog, base + argv), f.name) == value
-    for alias in (f.metadata.get("alias"),) if f.metadata.get("alias") else ():
+    for alias in flag_aliases(f):
         assert getattr(parse(prog, base + [alias, text]), f.name) == value
     if not f.metadata.get("required"):  # a required flag is given as a flag
         assert getattr(parse(prog, base + [f"{COMMAND_GROUPS[prog][0]}.{f.name}={text}"]), f.name) == value
@@ -142,9 +143,8 @@ def test_help_lists_every_flag_and_alias(prog, capsys):
     out = _help(prog, capsys)
     _, cls = COMMAND_GROUPS["export-model" if prog == "export" else prog]
     for f in fields(cls):
-        for name in (flag_name(f), f.metadata.get("alias")):
-            if name:
-                assert (name if name != "data" else "DATA") in out
+        for name in (flag_name(f), *flag_aliases(f)):
+            assert (name if name != "data" else "DATA") in out
 
 
 @pytest.mark.parametrize("prog", ["train", "eval-lm", "generate", "serve", "export-model", "plan", "preprocess"])

@@ -73,6 +73,46 @@ def test_no_spawn_takes_its_gpu_from_device_id_or_local_rank():
     assert infer_rendezvous(compose(ARGS + ["--device-id", "2"]), environ={}, gpus=8).local_rank == 2  # one process
 
 
+def test_no_spawn_under_srun_takes_its_gpu_from_slurm_localid():
+    # the help's default: $LOCAL_RANK (torchrun's), else $SLURM_LOCALID (srun's), else 0
+    cfg = _init_method("--distributed-world-size", "16", "--distributed-rank", "11", "--distributed-no-spawn")
+    srun = dict(SLURM_PROCID="11", SLURM_LOCALID="3", SLURM_NTASKS="16", SLURM_NNODES="2")
+    assert infer_rendezvous(cfg, environ=srun, gpus=8).local_rank == 3
+    assert infer_rendezvous(cfg, environ={**srun, "LOCAL_RANK": "5"}, gpus=8).local_rank == 5
+
+
+def test_device_id_takes_each_spelling_a_launcher_passes():
+    # torch.distributed.launch passes --local-rank since torch 2.0, --local_rank before
+    for argv in (["--device-id", "3"], ["--local_rank", "3"], ["--local-rank", "3"], ["--local-rank=3"]):
+        assert compose(ARGS + argv).distributed_training.device_id == 3, argv
+
+
+def test_no_spawn_without_an_init_method_is_refused_unless_the_environment_starts_the_ranks(tmp_path, monkeypatch):
+    # fairseq would pick a random localhost port for rank 0 of 2 and wait there for a rank that
+    # could never find it: refused, naming the fix, instead of spawning 2 ranks regardless
+    no_spawn = compose(ARGS + ["--distributed-world-size", "2", "--distributed-no-spawn"])
+    with pytest.raises(
+        UsageError, match=r"--distributed-no-spawn.*--distributed-init-method tcp://HOST:PORT.*--distributed-rank"
+    ):
+        infer_rendezvous(no_spawn, environ={}, gpus=2)
+    assert infer_rendezvous(compose(ARGS + ["--distributed-no-spawn"]), environ={}, gpus=8).spawn == 0  # one rank
+    # torchrun and srun's task per rank start every rank: the flag says what they do
+    torchrun = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="node1", MASTER_PORT="29500")
+    rdv = infer_rendezvous(compose(ARGS + ["--distributed-no-spawn"]), environ=torchrun, gpus=8)
+    assert (rdv.rank, rdv.world_size, rdv.spawn) == (1, 2, 0)
+    # one srun task per node: each task is one rank, not its node's spawner
+    monkeypatch.setenv("PATH", f"{fake_scontrol(tmp_path, ['gpu-a17', 'gpu-a18'])}:{os.environ['PATH']}")
+    slurm = dict(
+        SLURM_PROCID="1", SLURM_NODEID="1", SLURM_NTASKS="2", SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu-a[17-18]"
+    )
+    rdv = infer_rendezvous(compose(ARGS + ["--distributed-no-spawn"]), environ=slurm, gpus=8)
+    assert (rdv.world_size, rdv.rank, rdv.spawn) == (2, 1, 0)
+    with pytest.raises(UsageError, match="--distributed-no-spawn"):
+        infer_rendezvous(
+            compose(ARGS + ["--distributed-no-spawn", "--distributed-world-size", "16"]), environ=slurm, gpus=8
+        )
+
+
 def test_device_id_with_spawned_ranks_is_refused():
     cfg = compose(ARGS + ["--distributed-world-size", "2", "--device-id", "1"])
     with pytest.raises(UsageError, match="--device-id.*--distributed-no-spawn"):
@@ -113,6 +153,31 @@ def test_one_slurm_task_per_node_spawns_every_visible_gpu(tmp_path, monkeypatch)
     assert rdv.init_method == "tcp://gpu-a17:10007"
     rdv = infer_rendezvous(compose(ARGS), environ=env, gpus=0)  # CPU nodes: one rank per task, as before
     assert (rdv.world_size, rdv.rank, rdv.spawn) == (2, 1, 0)
+
+
+def test_one_slurm_task_on_a_gpu_node_spawns_its_gpus(monkeypatch):
+    # fairseq's SLURM init, one task per node: a job of one task is no exception
+    monkeypatch.setenv("PATH", "/nonexistent")  # every rank is on this node: no scontrol needed
+    one_task = dict(
+        SLURM_PROCID="0",
+        SLURM_NODEID="0",
+        SLURM_LOCALID="0",
+        SLURM_NTASKS="1",
+        SLURM_NNODES="1",
+        SLURM_JOB_ID="7",
+        SLURM_JOB_NODELIST="gpu-a17",
+    )
+    rdv = infer_rendezvous(compose(ARGS), environ=one_task, gpus=8)
+    assert (rdv.world_size, rdv.rank, rdv.spawn, rdv.local_world_size) == (8, 0, 8, 8)
+    assert rdv.init_method.startswith("tcp://127.0.0.1:")
+    for gpus in (0, 1):  # a CPU node, or one GPU: one rank, as before
+        assert (infer_rendezvous(compose(ARGS), environ=one_task, gpus=gpus).spawn, gpus) == (0, gpus)
+    given = infer_rendezvous(compose(ARGS + ["--distributed-world-size", "2"]), environ=one_task, gpus=8)
+    assert (given.world_size, given.spawn) == (2, 2)
+    assert infer_rendezvous(compose(ARGS + ["--distributed-no-spawn"]), environ=one_task, gpus=8).spawn == 0
+    # no SLURM: `train` on an 8-GPU host is one rank unless --distributed-world-size says more
+    rdv = infer_rendezvous(compose(ARGS), environ={}, gpus=8)
+    assert (rdv.world_size, rdv.spawn) == (1, 0)
 
 
 # 8. Threads for the host's share of the work -----------------------------------------------

@@ -4,10 +4,12 @@ One code path, four ways in (fairseq's `infer_init_method`):
 1. `--distributed-world-size N` on one host spawns N local ranks itself;
 2. under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) it joins;
 3. under SLURM srun (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST) it joins;
-   with one task per node each task spawns its node's ranks (by default one per GPU);
+   with one task per node each task spawns its node's ranks (by default one per GPU; a job of
+   one task too, on 127.0.0.1);
 4. `--distributed-init-method tcp://host:port` with `--distributed-rank` is explicit: this
    host spawns one rank per GPU (the whole world size on a CPU host), or with
-   `--distributed-no-spawn` is one rank, on GPU `--device-id`.
+   `--distributed-no-spawn` is one rank, on GPU `--device-id`. Under torchrun and srun's
+   task per rank that flag is what happens anyway; alone with more than one rank it is refused.
 GPUs are counted without torch (trainer/host.py).
 
 Nothing here imports torch: a launcher that spawns local ranks never needs it (they are
@@ -61,7 +63,7 @@ def _infer(dist_cfg, env, gpus):
                 dist_cfg.distributed_init_method,
                 dist_cfg.distributed_world_size,
                 rank=dist_cfg.distributed_rank,
-                local_rank=int(env.get("LOCAL_RANK", 0)),
+                local_rank=int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0))),  # torchrun's, else srun's
             )
         # fairseq's call_main: this host starts one rank per GPU (all of the world size on a
         # CPU host), ranks --distributed-rank, --distributed-rank + 1, …
@@ -81,28 +83,40 @@ def _infer(dist_cfg, env, gpus):
             local_rank=int(env.get("LOCAL_RANK", 0)),
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
         )
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        return slurm_rendezvous(dist_cfg, env, gpus)
-    if dist_cfg.distributed_world_size > 1:
+    world = dist_cfg.distributed_world_size
+    if "SLURM_PROCID" in env:
+        if int(env.get("SLURM_NTASKS", "1")) > 1:
+            return slurm_rendezvous(dist_cfg, env, gpus)
+        if world == 1 and gpus > 1 and not dist_cfg.distributed_no_spawn:
+            world = gpus  # fairseq's one task per node, in a job of one task: a rank per GPU here
+    if world > 1:
+        if dist_cfg.distributed_no_spawn:  # fairseq would wait, rank 0 of N, on a random port
+            raise UsageError(
+                f"--distributed-no-spawn runs this process as one of {world} ranks, but nothing tells it where "
+                "the others are: pass --distributed-init-method tcp://HOST:PORT with --distributed-rank, or "
+                f"drop --distributed-no-spawn to spawn all {world} here"
+            )
         port = dist_cfg.distributed_port if dist_cfg.distributed_port > 0 else free_port()
-        return Rendezvous(
-            f"tcp://127.0.0.1:{port}",
-            dist_cfg.distributed_world_size,
-            local_world_size=dist_cfg.distributed_world_size,
-            spawn=dist_cfg.distributed_world_size,
-        )
+        return Rendezvous(f"tcp://127.0.0.1:{port}", world, local_world_size=world, spawn=world)
     return Rendezvous("", 1)
 
 
 def slurm_rendezvous(d, env, gpus=0):
     """Master = first host of the job's node list. One task per rank: rank from
     SLURM_PROCID. Or fairseq's other mode: one task per node, each spawning its node's ranks:
-    --distributed-world-size of them over all nodes, or without it one per GPU (`gpus` per node)."""
+    --distributed-world-size of them over all nodes, or without it one per GPU (`gpus` per node);
+    --distributed-no-spawn keeps each task one rank."""
     ntasks, nnodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))
     world = d.distributed_world_size
-    if world == 1 and ntasks == nnodes and gpus > 1:
+    if d.distributed_no_spawn and world not in (1, ntasks):  # each task is one rank, whatever the tasks per node
+        raise UsageError(
+            f"--distributed-no-spawn makes each of SLURM's {ntasks} tasks one rank, but "
+            f"--distributed-world-size is {world}: launch {world} tasks, or drop --distributed-no-spawn"
+        )
+    task_per_node = ntasks == nnodes and not d.distributed_no_spawn
+    if world == 1 and task_per_node and gpus > 1:
         world = nnodes * gpus  # fairseq's default: every visible GPU of every node
-    per_node_spawn = world > ntasks and ntasks == nnodes
+    per_node_spawn = world > ntasks and task_per_node
     if per_node_spawn and world % nnodes:
         raise UsageError(f"--distributed-world-size {world} is not a multiple of the job's {nnodes} nodes")
     if not per_node_spawn and world not in (1, ntasks):

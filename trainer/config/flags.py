@@ -51,6 +51,12 @@ def flag_name(f):
     return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
 
 
+def flag_aliases(f):
+    """The field's other spellings: `alias`, one or a tuple of them (--local_rank, --local-rank)."""
+    alias = f.metadata.get("alias") or ()
+    return (alias,) if isinstance(alias, str) else tuple(alias)
+
+
 def iter_fields():
     """(group, field) for every config field, in schema order."""
     for group, cls in GROUPS.items():
@@ -126,7 +132,7 @@ def _add_field_flag(parser, arg_group, group, f):
         kw.pop("dest"), kw.pop("metavar")
         arg_group.add_argument(key, nargs="?", metavar="DATA", **kw)
         return
-    names = [name] + [n for n in (f.metadata.get("alias"), f.metadata.get("short")) if n]
+    names = [name, *flag_aliases(f)] + ([f.metadata["short"]] if f.metadata.get("short") else [])
     if f.metadata.get("required"):
         kw["required"] = True
     tp, _ = _base_type(f.type)

@@ -93,15 +93,16 @@ class DistributedTrainingConfig:
     distributed_rank: int = _f(0, "rank of the first process started here, with --distributed-init-method")
     distributed_no_spawn: bool = _f(
         False,
-        "with --distributed-init-method: run one rank in this process (rank --distributed-rank, "
-        "on GPU --device-id) instead of spawning one per GPU of this host",
+        "run one rank in this process instead of spawning this host's: with --distributed-init-method, "
+        "rank --distributed-rank on GPU --device-id; under srun, each task one rank (as under torchrun); "
+        "refused with more than one rank and no way to find the others",
     )
     device_id: Optional[int] = _f(
         None,
         "the GPU (index on this node) of a process that runs one rank: alone, under torchrun, as "
         "srun's task per rank, or with --distributed-no-spawn; refused where this process spawns "
         "ranks, each of which takes its own (default: its local rank, $LOCAL_RANK or $SLURM_LOCALID; else 0)",
-        alias="--local_rank",
+        alias=("--local_rank", "--local-rank"),  # torch.distributed.launch's, before torch 2.0 and since
     )
     heartbeat_timeout: int = _f(
         -1,
