@@ -251,3 +251,33 @@ def test_a_gpu_eval_lm_reads_pinned_batches_a_cpu_one_pageable(monkeypatch):
         batch = next(eval_batches(blocks, args, 1, None, env).next_epoch_itr())
         assert batch["src_tokens"].shape == (4, 32)
         assert loaders == pinned, (device, workers, loaders)
+
+
+def test_eval_lm_reads_its_summed_loss_once_not_every_batch(monkeypatch):
+    """Each `.item()` makes the host wait for the GPU: eval-lm sums the batches' losses on the
+    device (float64, as Python's float sum was) and reads the sum once, at the end."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from data.indexed_dataset import IndexedDataset
+    from data.token_block import TokenBlockDataset
+    from trainer.inference.eval_lm import evaluate
+    from trainer.parallel.ranks import DistEnv
+
+    losses = []
+
+    def model(src_tokens, target, softmax_batch=None, segments=None):
+        losses.append(torch.tensor(1 / 3 + 0.7 * len(losses), dtype=torch.float32))  # not exact in float32
+        return losses[-1]
+
+    reads, item = [], torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t) or item(t))
+    valid = IndexedDataset(str(Path(__file__).parent / "fixtures" / "fairseq" / "data-bin" / "valid"))
+    blocks = TokenBlockDataset(valid, 32, "none", pad=1, eos=2)
+    args = SimpleNamespace(batch_size=4, max_tokens=None, context_window=0, num_workers=0, no_progress_bar=True)
+    loss_sum, ntokens = evaluate(model, blocks, args, 1, None, DistEnv(0, 1, 0, 1, torch.device("cpu")))
+    assert len(losses) > 3 and len(reads) == 1
+    expected = 0.0
+    for loss in losses:
+        expected += float(loss)  # what summing .item() per batch gave
+    assert loss_sum == expected and isinstance(loss_sum, float) and ntokens > 0

@@ -40,9 +40,11 @@ log = logging.getLogger("shardlm")
 
 def evaluate(model, dataset, args, pad, bos, env):
     """(summed loss in nats, scored tokens) over this rank's share of the split's blocks."""
-    loss_sum, ntokens = 0.0, 0
     if len(dataset) == 0:
-        return loss_sum, ntokens
+        return 0.0, 0
+    # Summed on the device and read once at the end: an `.item()` per batch would make the host
+    # wait for the GPU every batch. float64, as the Python floats it replaces: the same sum.
+    loss_sum, ntokens = torch.zeros((), dtype=torch.float64, device=env.device), 0
     itr = eval_batches(dataset, args, pad, bos, env)
     total = len(itr)
     # fairseq-eval-lm's progress bar, on rank 0 when stderr is a terminal (--no-progress-bar: none).
@@ -61,9 +63,9 @@ def evaluate(model, dataset, args, pad, bos, env):
                 target=batch["target"].to(env.device, non_blocking=True),
                 softmax_batch=getattr(args, "softmax_batch", None),
                 segments=None if segments is None else segments.to(env.device, non_blocking=True),
-            ).item()
+            ).double()
             ntokens += batch["ntokens"]
-    return loss_sum, ntokens
+    return loss_sum.item(), ntokens
 
 
 def eval_batches(dataset, args, pad, bos, env):
