@@ -31,14 +31,32 @@ def dry_run_ranks(world):
 
 
 def rank_reports(jobs):
-    """Run `jobs` (dicts for trainer/dryrun/rank.py) in one fresh process; their reports."""
-    done = subprocess.run(
-        [sys.executable, "-m", "trainer.dryrun.rank"], input=json.dumps(jobs), capture_output=True, text=True
-    )
-    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or len(reports) != len(jobs):
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"the dry run's rank process failed: {last}")
+    """Run `jobs` (dicts for trainer/dryrun/rank.py); their reports, in order. The jobs of one
+    rank run one after another in one fresh process, each rank's in a process of its own, side
+    by side: torch caches what it works out per device mesh (a shard's offset, a mesh's
+    coordinate), and two ranks' meshes of one shape are equal to it."""
+    by_rank = {}
+    for i, job in enumerate(jobs):
+        by_rank.setdefault(job["rank"], []).append(i)
+    procs = {
+        rank: subprocess.Popen(
+            [sys.executable, "-m", "trainer.dryrun.rank"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in by_rank
+    }
+    reports = [None] * len(jobs)
+    for rank, proc in procs.items():
+        out, err = proc.communicate(json.dumps([jobs[i] for i in by_rank[rank]]))
+        got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or len(got) != len(by_rank[rank]):
+            last = (err.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"the dry run's process of rank {rank} failed: {last}")
+        for i, report in zip(by_rank[rank], got):
+            reports[i] = report
     return reports
 
 

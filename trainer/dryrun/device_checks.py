@@ -54,9 +54,10 @@ class FakeDevices(FakeTensorMode):
             return out
         if func is aten.is_pinned.default:
             return self.is_pinned(args[0])
-        if func is aten._local_scalar_dense.default:
-            # The host reads a value the fake tensor does not have (on a GPU, a sync): every
-            # value read is 0, so losses and norms are finite and no update is skipped.
+        if func is aten._local_scalar_dense.default and getattr(args[0], "constant", None) is None:
+            # The host reads a value the fake tensor does not have (a step counter on the host
+            # keeps its value: fake mode follows small constants): every such value read is 0,
+            # so losses and norms are finite and no update is skipped. On a GPU it waits.
             self.host_reads.append(str(args[0].device))
             return False if args[0].dtype == torch.bool else 0
         if func.namespace in ("c10d", "_c10d_functional"):

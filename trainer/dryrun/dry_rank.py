@@ -6,11 +6,13 @@ optimizer, data), train_step twice, the second under torch's FSDPMemTracker.
 import time
 import traceback
 
+import torch
 from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config.schema import uses_fsdp
 from trainer.dryrun.device_checks import FakeDevices
@@ -38,6 +40,16 @@ def run_job(job):
         report["traceback"] = traceback.format_exc()
     report["seconds"] = round(time.perf_counter() - started, 2)
     return report
+
+
+def bucket_all_reduce(state, bucket):
+    """DDP's bucket all-reduce, as its default hook does it, through the checked collective:
+    its C++ reducer would otherwise wait on a future the fake group leaves empty."""
+    buffer = bucket.buffer()
+    torch.distributed.all_reduce(buffer)
+    done = torch.futures.Future()
+    done.set_result(buffer)
+    return done
 
 
 class DryRank:
@@ -90,30 +102,47 @@ class DryRank:
     def train(self, env, fake):
         """Build the model, its optimizer and data, and run two updates (the second, with the
         optimizer state alive, under torch's FSDPMemTracker: the peak the CUDA caching
-        allocator would count)."""
-
+        allocator would count). DDP runs one, tracked: before its second forward its C++
+        reducer rebuilds its buckets from indices broadcast as data, which fake tensors lack."""
         task, trainer, _ = build(self.cfg, env)
+        ddp = isinstance(trainer.model, DistributedDataParallel)
+        if ddp:
+            trainer.model.register_comm_hook(None, bucket_all_reduce)
         with unset_fake_temporarily():  # the data pipeline's tensors are real host tensors
             batches = task.batch_iterator(self.cfg.dataset.train_subset, training=True).next_epoch_itr()
             samples = next(iter(grouped(batches, self.cfg.optimization.update_freq)))
             pinned = [b["src_tokens"].is_pinned() for b in samples]
         samples = [fake.adopt(b) for b in samples]
-        trainer.train_step(samples)
+        if not ddp:
+            trainer.train_step(samples)
         first = len(fake.collectives)
         peak = self.tracked_peak(trainer, lambda: trainer.train_step(samples), env)
         trainer.finish()
         return {"peak_bytes": peak, "batches_pinned": all(pinned), "update_collectives": len(fake.collectives) - first}
 
     def tracked_peak(self, trainer, step, env):
-
+        """The device's peak over `step`, in bytes: FSDPMemTracker for a sharded model, else
+        torch's MemTracker, which counts the same storages. Both follow one forward per module
+        per step: each micro-batch of --update-freq starts their per-module stats afresh (the
+        peak they keep is the whole step's)."""
         model = trainer.model
         if isinstance(model, FSDPModule):
             tracker = FSDPMemTracker(model, trainer.optimizer)
         else:
             tracker = MemTracker()
             tracker.track_external(model, trainer.optimizer)
-        with tracker:
-            step()
+        loss_sum = trainer.loss_sum
+
+        def micro_batch(*args, **kwargs):
+            tracker.reset_mod_stats()
+            return loss_sum(*args, **kwargs)
+
+        trainer.loss_sum = micro_batch
+        try:
+            with tracker:
+                step()
+        finally:
+            del trainer.loss_sum
         peak = tracker.get_tracker_snapshot("peak").get(env.device, {})
         return next((v for k, v in peak.items() if str(getattr(k, "value", k)) == "Total"), 0)
 

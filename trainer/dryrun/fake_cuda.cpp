@@ -132,3 +132,21 @@ struct FakeCudaHooks final : public at::CUDAHooksInterface {
 namespace at {
 C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", FakeCudaHooks)
 }
+
+#include <torch/csrc/distributed/c10d/reducer_timer.hpp>
+
+namespace {
+// DDP's reducer times each iteration with a timer of its device type; a CUDA one records
+// CUDA events. Here the host clock stands in: the timings DDP logs are not the dry run's.
+struct FakeCudaTimer final : public c10d::Timer {
+  explicit FakeCudaTimer(c10::Device) {}
+  std::optional<int64_t> measureDifference(Event start, Event end) override {
+    auto a = getTimestamp(start), b = getTimestamp(end);
+    if (!a || !b) return std::nullopt;
+    return *b - *a;
+  }
+};
+}
+namespace c10d {
+C10_REGISTER_TYPED_CLASS(TimerRegistry, c10::kCUDA, FakeCudaTimer)
+}

@@ -125,7 +125,11 @@ class MatrixExchange:
         if self.group is None:
             return send  # one rank: it sends to itself what it receives
         device = self.device or (send[0].device if send else torch.device("cpu"))
-        flat = torch.cat([t.reshape(-1) for t in send]).to(device) if send else torch.empty(0, dtype=dtype)
+        # A rank with nothing to send (it owns no piece: more ranks than matrices) still joins
+        # on the group's device: a host tensor in an NCCL all-to-all fails, or hangs its peers.
+        flat = (
+            torch.cat([t.reshape(-1) for t in send]).to(device) if send else torch.empty(0, dtype=dtype, device=device)
+        )
         out_splits = [sum(r * c for r, c in s) for s in shapes]
         in_splits = [sum(n * self.matrices[m].cols for m, _, n in pieces) for pieces in send_layout]
         out = torch.empty(sum(out_splits), dtype=dtype, device=flat.device)

@@ -1,0 +1,179 @@
+"""`train --dry-run` and the fake GPUs under it (trainer/dryrun/): the seed's command lines,
+at world sizes 8 and 16 (2 nodes x 8), run their rank 0 and last rank through init_rank,
+build and train_step on fake CUDA devices with every collective and CUDA call checked; what a
+GPU would refuse fails here, and what cannot run is refused in one line."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from test_sft_dpo import chat, dpo_argv, sft_argv  # noqa: F401 (chat: the module's fixture)
+
+from helpers import DUMMY, compose
+from trainer.dryrun.command import collective_mismatch, job_of, rank_reports
+
+BASE = DUMMY + ["--batch-size", "2", "--dry-run"]
+FSDP = ["--ddp-backend", "fully_sharded"]
+TINY_LLAMA = ["--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-attention-heads", "4"]
+TINY_LLAMA += ["--decoder-kv-heads", "2", "--decoder-ffn-embed-dim", "128"]
+# name: (flags, world size); each row one update of a tiny model on rank 0 and the last rank
+GRID = {
+    "fully_sharded": (FSDP, 8),
+    "hybrid_shard": (["--ddp-backend", "hybrid_shard"], 16),
+    "pytorch_ddp": (["--ddp-backend", "pytorch_ddp"], 8),
+    "fp16": (FSDP + ["--fp16"], 8),
+    "bf16": (FSDP + ["--bf16"], 8),
+    "memory_efficient_fp16": (FSDP + ["--memory-efficient-fp16"], 8),
+    "fp16_cpu_offload_adam": (FSDP + ["--fp16", "--cpu-offload"], 16),
+    "cpu_offload_cpu_adam": (FSDP + ["--cpu-offload", "--optimizer", "cpu_adam"], 8),
+    "checkpoint_activations": (FSDP + ["--checkpoint-activations"], 8),
+    "offload_activations": (FSDP + ["--offload-activations"], 8),
+    "update_freq_4": (FSDP + ["--update-freq", "4"], 8),
+    "no_reshard_after_forward": (FSDP + ["--no-reshard-after-forward"], 8),
+    "adafactor": (FSDP + ["--optimizer", "adafactor", "--lr", "0.001"], 8),
+    "lamb": (FSDP + ["--optimizer", "lamb"], 8),
+    # 16 ranks share fewer matrices than ranks: the last owns none (Muon's exchange)
+    "muon": (FSDP + ["--optimizer", "muon", "--lr", "0.01"], 16),
+    "llama": (FSDP + ["--arch", "llama3_2_1b"] + TINY_LLAMA, 8),
+    "qwen3": (FSDP + ["--arch", "qwen3_0_6b", "--decoder-head-dim", "16"] + TINY_LLAMA, 8),
+}
+
+
+def jobs_of(argv, world):
+    cfg = compose(argv + ["--distributed-world-size", str(world)])
+    return [job_of(cfg, rank) for rank in sorted({0, world - 1})]
+
+
+@pytest.fixture(scope="module")
+def grid(chat):  # noqa: F811
+    """{row: [rank 0's report, the last rank's]}, every row's jobs in one run."""
+    root, _ = chat
+    rows = {name: jobs_of(BASE + flags, world) for name, (flags, world) in GRID.items()}
+    rows["sft"] = jobs_of(sft_argv(root, "llama", *FSDP, "--dry-run", batch_size=1), 8)
+    rows["dpo"] = jobs_of(dpo_argv(root, "qwen3", *FSDP, "--bf16", "--dry-run", batch_size=1), 8)
+    reports = iter(rank_reports([job for jobs in rows.values() for job in jobs]))
+    return {name: [next(reports) for _ in jobs] for name, jobs in rows.items()}
+
+
+@pytest.mark.parametrize("row", [*GRID, "sft", "dpo"])
+def test_the_seed_command_lines_run_on_fake_gpus(grid, row):
+    reports = grid[row]
+    for r in reports:
+        assert "failure" not in r and "usage_error" not in r, r.get("traceback") or r.get("usage_error")
+        # each rank on its own GPU of its node, its NCCL group with a gloo side for host tensors
+        assert r["device"] == f"cuda:{r['local_rank']}" and r["node_gpus"] == list(range(len(r["node_gpus"])))
+        assert r["groups"][0] == ["default", "cuda:nccl,cpu:gloo"]
+        assert r["update_collectives"] > 0 and r["peak_bytes"] > 0
+        assert r["batches_pinned"] and r["pageable_copies"] <= r["pinned_copies"]
+        assert "set_device" in r["cuda_calls"]
+    # the same collectives, in the same order, of the same dtypes, on the same device types
+    assert collective_mismatch(reports) is None
+
+
+def run_fake(body):
+    """`body` in a fresh process over 8 fake GPUs (loaded before torch); its stdout."""
+    script = "from trainer.dryrun.fake_cuda import load_fake_cuda\nload_fake_cuda(8)\n" + textwrap.dedent(body)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_an_nccl_only_group_refuses_the_cpu_found_inf_of_fp16_with_cpu_offload():
+    """Defect 1 of issue 47: GradScaler's unscale all-reduces a host found_inf under
+    --cpu-offload; the group made as plain "nccl" has no CPU side and fails, as on 2+ GPUs."""
+    cfg = compose(BASE + FSDP + ["--fp16", "--cpu-offload", "--distributed-world-size", "8"])
+    out = run_fake(
+        f"""
+        import json
+        import trainer.parallel.ranks as ranks
+        from trainer.dryrun.dry_rank import run_job
+        job = json.loads({json.dumps(json.dumps(job_of(cfg, 3)))})
+        print(json.dumps(run_job(job)))
+        ranks.process_group_backend = lambda device: "nccl" if device.type == "cuda" else "gloo"
+        print(json.dumps(run_job(job)))
+        """
+    )
+    fixed, nccl_only = (json.loads(line) for line in out.splitlines()[-2:])
+    assert "failure" not in fixed, fixed.get("traceback")
+    assert "all_reduce of a cpu tensor on a group with backends for ['cuda'] only" in nccl_only["failure"]
+
+
+def test_the_fake_gpus_refuse_what_a_gpu_refuses():
+    out = run_fake(
+        """
+        import torch, torch.distributed as dist
+        from trainer.dryrun.device_checks import FakeDevices
+        from trainer.dryrun.fake_cuda import CudaMisuse, CudaStandIn
+        from trainer.dryrun.fake_groups import FakeGroups
+
+        cuda = CudaStandIn(8)
+        cuda.patch()
+        FakeGroups(cuda).patch()
+
+        def refused(fn):
+            try:
+                fn()
+            except CudaMisuse as e:
+                return str(e)
+            return "ran"
+
+        print(refused(lambda: dist.init_process_group("nccl", rank=3, world_size=8)))
+        print(refused(lambda: cuda.set_device(8)))
+        cuda.set_device(3)
+        dist.init_process_group("cuda:nccl,cpu:gloo", rank=3, world_size=8)
+        with FakeDevices() as fake:
+            fake.rank_device = torch.device("cuda", 3)
+            mine, other, host = torch.ones(4, device="cuda:3"), torch.ones(4, device="cuda:0"), torch.ones(4)
+            print(refused(lambda: dist.all_to_all_single(mine, host)))
+            print(refused(lambda: dist.all_reduce(other)))
+            print(refused(lambda: host.to("cuda:0", non_blocking=True)))
+            event = torch.cuda.Event()
+            print(refused(lambda: event.record(torch.cuda.Stream(device=0))))
+            dist.all_reduce(mine)
+            host.to("cuda:3", non_blocking=True)
+            torch.empty(4, pin_memory=True).to("cuda:3", non_blocking=True)
+            print(fake.collectives, fake.copies)
+        """
+    )
+    lines = out.splitlines()
+    assert "before torch.cuda.set_device" in lines[0]
+    assert "invalid device ordinal 8" in lines[1]
+    assert "tensors on ['cpu', 'cuda:3']: one collective, one device" in lines[2]
+    assert "of a tensor on cuda:0 from the rank of cuda:3" in lines[3]
+    assert "a copy to cuda:0 from the rank of cuda:3" in lines[4]
+    assert "recorded on a stream of cuda:0 while the current device is cuda:3" in lines[5]
+    assert lines[6] == "[('c10d::allreduce_', 'cuda', 'float32')] [(False, 'cuda:3'), (True, 'cuda:3')]"
+
+
+def run_dry(*argv):
+    return subprocess.run(
+        [sys.executable, "-c", "import sys, cli; sys.exit(cli.train_main(sys.argv[1:]))", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_train_dry_run_prints_each_rank_and_a_last_line():
+    done = run_dry(*BASE, *FSDP, "--bf16", "--checkpoint-activations", "--distributed-world-size", "16")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1].startswith("rank 0 (node 0, local rank 0 of 8, cuda:0)")
+    assert lines[2].startswith("rank 15 (node 1, local rank 7 of 8, cuda:7)")
+    assert lines[-1].startswith("dry run: ok, 16 ranks on 2 node(s) x 8 GPUs") and "plan predicts" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--cpu"], "--dry-run checks a GPU job on fake GPUs; drop --cpu"),
+        (["--dry-run-gpus-per-node", "0"], "--dry-run-gpus-per-node must be at least 1"),
+        (["--cpu-offload"], "--cpu-offload"),  # FSDP's flag under pytorch_ddp: refused as without --dry-run
+    ],
+)
+def test_a_command_line_that_cannot_run_is_refused_in_one_line(flags, message):
+    done = run_dry(*BASE, "--distributed-world-size", "8", *flags)
+    assert done.returncode == 2 and message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout
