@@ -3,10 +3,12 @@ own code: init_rank (device, process groups), build (model sharded as the job sh
 optimizer, data), train_step twice, the second under torch's FSDPMemTracker.
 """
 
+import contextlib
 import time
 import traceback
 
 import torch
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -50,6 +52,40 @@ def bucket_all_reduce(state, bucket):
     done = torch.futures.Future()
     done.set_result(buffer)
     return done
+
+
+@contextlib.contextmanager
+def flash_attention():
+    """scaled_dot_product_attention as a GPU runs it, while inside. torch's CPU build has no
+    fused kernel for CUDA tensors, so SDPA of fake CUDA tensors takes its math path, which
+    keeps every head's T×T probabilities for backward; a GPU takes flash attention wherever
+    it applies (no mask, fp16 or bf16, a head of at most 256 channels), which keeps only its
+    output and a row log-sum-exp. Its op has fake kernels for forward and backward, so the
+    tracker counts what flash allocates (not its kernels' workspace, which no tensor holds).
+    F's attribute is replaced, not a thread's function mode: a checkpointed layer's
+    recomputation runs on autograd's device thread, and must take the same path."""
+    sdpa = F.scaled_dot_product_attention
+
+    def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        flash = (
+            q.device.type == "cuda"
+            and attn_mask is None
+            and q.dim() == 4
+            and q.dtype in (torch.float16, torch.bfloat16)
+            and q.dtype == k.dtype == v.dtype
+            and q.shape[-1] <= 256
+            and q.shape[-1] % 8 == 0
+            and (enable_gqa or k.shape[1] == q.shape[1])
+        )
+        if flash:
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+        return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
 
 
 class DryRank:
@@ -122,9 +158,10 @@ class DryRank:
 
     def tracked_peak(self, trainer, step, env):
         """The device's peak over `step`, in bytes: FSDPMemTracker for a sharded model, else
-        torch's MemTracker, which counts the same storages. Both follow one forward per module
-        per step: each micro-batch of --update-freq starts their per-module stats afresh (the
-        peak they keep is the whole step's)."""
+        torch's MemTracker, which counts the same storages; attention runs as a GPU's flash
+        kernel would (flash_attention). Both follow one forward per module per step: each
+        micro-batch of --update-freq starts their per-module stats afresh (the peak they keep
+        is the whole step's)."""
         model = trainer.model
         if isinstance(model, FSDPModule):
             tracker = FSDPMemTracker(model, trainer.optimizer)
@@ -139,7 +176,7 @@ class DryRank:
 
         trainer.loss_sum = micro_batch
         try:
-            with tracker:
+            with tracker, flash_attention():
                 step()
         finally:
             del trainer.loss_sum
