@@ -12,7 +12,7 @@ import pytest
 from test_sft_dpo import chat, dpo_argv, sft_argv  # noqa: F401 (chat: the module's fixture)
 
 from helpers import DUMMY, compose
-from trainer.dryrun.command import collective_mismatch, job_of, rank_reports
+from trainer.dryrun.command import collective_mismatch, command_job, job_of, rank_reports
 
 BASE = DUMMY + ["--batch-size", "2", "--dry-run"]
 FSDP = ["--ddp-backend", "fully_sharded"]
@@ -53,6 +53,12 @@ def grid(chat):  # noqa: F811
     rows = {name: jobs_of(BASE + flags, world) for name, (flags, world) in GRID.items()}
     rows["sft"] = jobs_of(sft_argv(root, "llama", *FSDP, "--dry-run", batch_size=1), 8)
     rows["dpo"] = jobs_of(dpo_argv(root, "qwen3", *FSDP, "--bf16", "--dry-run", batch_size=1), 8)
+    model, data = str(root / "llama"), str(root / "llama-sft")
+    eval_lm = [data, "--path", model, "--gen-subset", "train", "--batch-size", "2"]
+    rows["eval-lm"] = [command_job("eval-lm", eval_lm, 8, rank) for rank in (0, 7)]
+    generate = ["--path", model, "--prompt", "the fox", "--max-new-tokens", "3"]
+    rows["generate"] = [command_job("generate", generate, 1, 0)]
+    rows["serve"] = [command_job("serve", ["--path", model, "--max-positions", "64"], 1, 0)]
     reports = iter(rank_reports([job for jobs in rows.values() for job in jobs]))
     return {name: [next(reports) for _ in jobs] for name, jobs in rows.items()}
 
@@ -70,6 +76,18 @@ def test_the_seed_command_lines_run_on_fake_gpus(grid, row):
         assert "set_device" in r["cuda_calls"]
     # the same collectives, in the same order, of the same dtypes, on the same device types
     assert collective_mismatch(reports) is None
+
+
+@pytest.mark.parametrize("command", ["eval-lm", "generate", "serve"])
+def test_the_inference_commands_run_their_forward_on_fake_gpus(grid, command):
+    for r in grid[command]:
+        assert "failure" not in r and "usage_error" not in r, r.get("traceback") or r.get("usage_error")
+        assert r["device"] == f"cuda:{r['local_rank']}"
+    assert {
+        "eval-lm": "Loss (base 2)",
+        "generate": "",
+        "serve": "prompt tokens, generated 2 (length)",
+    }[command] in grid[command][0]["printed"]
 
 
 def run_fake(body):

@@ -96,6 +96,7 @@ class GenerateConfig:
         "(or a list of them), FILE.jsonl one per line",
         metavar="FILE",
     )
+    cpu: bool = _f(False, "sample on the CPU even when a GPU is present")
 
 
 @dataclass

@@ -13,12 +13,14 @@ ranks must issue the same collectives on the same device types, or the job would
 Torch-free here: the rank process loads the fake devices before torch.
 """
 
+import concurrent.futures
 import json
 import subprocess
 import sys
 
 from omegaconf import OmegaConf
 
+from trainer.config.compose import compose_config
 from trainer.errors import UsageError
 from trainer.plan.ledger import RUNTIME_GB, simulate
 from trainer.plan.search import model_shape, setup_of, vocab_size
@@ -48,11 +50,14 @@ def rank_reports(jobs):
         )
         for rank in by_rank
     }
+    with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:  # each pipe read as it fills
+        outputs = dict(
+            zip(procs, pool.map(lambda r: procs[r].communicate(json.dumps([jobs[i] for i in by_rank[r]])), procs))
+        )
     reports = [None] * len(jobs)
-    for rank, proc in procs.items():
-        out, err = proc.communicate(json.dumps([jobs[i] for i in by_rank[rank]]))
+    for rank, (out, err) in outputs.items():
         got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or len(got) != len(by_rank[rank]):
+        if procs[rank].returncode != 0 or len(got) != len(by_rank[rank]):
             last = (err.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"the dry run's process of rank {rank} failed: {last}")
         for i, report in zip(by_rank[rank], got):
@@ -69,6 +74,15 @@ def job_of(cfg, rank, command="train"):
         "gpus_per_node": dist.dry_run_gpus_per_node,
         "command": command,
     }
+
+
+def command_job(command, argv, world, rank, gpus_per_node=8):
+    """A job of eval-lm, generate or serve (`argv`: its command line), on `world` ranks
+    composed as cli.py launches the command."""
+    cfg = compose_config([("distributed_training.distributed_world_size", world)], [], None, None)
+    job = job_of(cfg, rank, command)
+    job.update(gpus_per_node=gpus_per_node, argv=list(argv))
+    return job
 
 
 def check_job(cfg):

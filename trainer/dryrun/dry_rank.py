@@ -10,17 +10,17 @@ import traceback
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config.schema import uses_fsdp
 from trainer.dryrun.device_checks import FakeDevices
+from trainer.dryrun.dry_inference import COMMANDS as INFERENCE
 from trainer.dryrun.fake_cuda import CudaStandIn
 from trainer.dryrun.fake_groups import FakeGroups
-from trainer.dryrun.host_side import unfaked_host_side
+from trainer.dryrun.host_side import real_batches, unfaked_host_side
 from trainer.errors import USER_ERRORS
 from trainer.parallel.ranks import cuda_device_index, init_rank, teardown
 from trainer.rendezvous import Rendezvous
@@ -88,6 +88,27 @@ def flash_attention():
         F.scaled_dot_product_attention = sdpa
 
 
+class GradientTracker(FSDPMemTracker):
+    """FSDPMemTracker, less one gradient it kept alive itself. Its wrapper of a group's
+    post-backward labels the unsharded gradients in a loop whose variable still holds the
+    group's last gradient while FSDP reduces them and frees the rest, so that gradient (for
+    the root, a vocabulary table) counted into the reduction's peak after FSDP had let it
+    go. Here the labelling returns before the reduction starts."""
+
+    def _fsdp_param_group_post_backward(self, fsdp_mod, orig_post_backward):
+        label = super()._fsdp_param_group_post_backward(fsdp_mod, lambda *args, **kwargs: None)
+
+        def post_backward(*args, **kwargs):
+            label(*args, **kwargs)  # the unsharded gradients labelled; the state is post-backward
+            orig_post_backward(*args, **kwargs)
+            if group := fsdp_mod._get_fsdp_state()._fsdp_param_group:
+                for fsdp_param in group.fsdp_params:
+                    if fsdp_param.sharded_param.grad is not None:
+                        self._update_and_maybe_create_winfos(fsdp_param.sharded_param.grad, _FSDPRefType.SHARDED_GRAD)
+
+        return post_backward
+
+
 class DryRank:
     def __init__(self, cfg, job):
         self.cfg, self.job = cfg, job
@@ -95,14 +116,18 @@ class DryRank:
     def run(self):
         cuda = CudaStandIn(self.job["gpus_per_node"])
         groups = FakeGroups(cuda)
-        undo = [cuda.patch(), groups.patch(), unfaked_host_side()]
         fake = FakeDevices()
+        undo = [cuda.patch(), groups.patch(), unfaked_host_side(), real_batches(fake)]
         try:
             with fake:
                 env = self.init_rank()
                 fake.rank_device = env.device
                 result = {"device": str(env.device), "local_rank": env.local_rank, "node_gpus": self.node_gpus()}
-                result.update(self.commands[self.job.get("command", "train")](self, env, fake))
+                command = self.job.get("command", "train")
+                if command == "train":
+                    result.update(self.train(env, fake))
+                else:
+                    result.update(INFERENCE[command](self.job, env, fake))
             result.update(
                 groups=[list(g) for g in groups.groups],
                 collectives=[list(c) for c in fake.collectives],
@@ -144,11 +169,9 @@ class DryRank:
         ddp = isinstance(trainer.model, DistributedDataParallel)
         if ddp:
             trainer.model.register_comm_hook(None, bucket_all_reduce)
-        with unset_fake_temporarily():  # the data pipeline's tensors are real host tensors
-            batches = task.batch_iterator(self.cfg.dataset.train_subset, training=True).next_epoch_itr()
-            samples = next(iter(grouped(batches, self.cfg.optimization.update_freq)))
-            pinned = [b["src_tokens"].is_pinned() for b in samples]
-        samples = [fake.adopt(b) for b in samples]
+        batches = task.batch_iterator(self.cfg.dataset.train_subset, training=True).next_epoch_itr()
+        samples = next(iter(grouped(batches, self.cfg.optimization.update_freq)))
+        pinned = [fake.is_pinned(b["src_tokens"]) for b in samples]
         if not ddp:
             trainer.train_step(samples)
         first = len(fake.collectives)
@@ -164,7 +187,7 @@ class DryRank:
         is the whole step's)."""
         model = trainer.model
         if isinstance(model, FSDPModule):
-            tracker = FSDPMemTracker(model, trainer.optimizer)
+            tracker = GradientTracker(model, trainer.optimizer)
         else:
             tracker = MemTracker()
             tracker.track_external(model, trainer.optimizer)
@@ -182,5 +205,3 @@ class DryRank:
             del trainer.loss_sum
         peak = tracker.get_tracker_snapshot("peak").get(env.device, {})
         return next((v for k, v in peak.items() if str(getattr(k, "value", k)) == "Total"), 0)
-
-    commands = {"train": train}

@@ -2,7 +2,13 @@
 
 - Bookkeeping that builds small index tensors and reads them back (a device mesh's layout,
   a shard's offset) runs on real host tensors, as it does on a GPU host; so does reading a
-  rank's rows of a Hugging Face model (--finetune-from-model, dpo's reference) from disk.
+  rank's rows of a Hugging Face model (--finetune-from-model, dpo's reference) or a model's
+  tensors (eval-lm, generate, serve) from disk.
+- `torch.tensor(data, device=GPU)` builds the tensor on the host and copies it to the GPU
+  from C++, out of fake mode's sight: here the copy is made in sight.
+- The data pipeline reads real batches (its worker processes and pinning threads know
+  nothing of fake tensors); each batch becomes fake, pinned where it was, as it is handed
+  to the rank.
 - DDP's start-up checks read every parameter's data in C++ (the shapes compared across
   ranks, rank 0's weights broadcast): skipped. Every rank builds the same shapes from one
   config, and the weights' values are not the dry run's to check.
@@ -10,27 +16,37 @@
 
 import functools
 
+import torch
 import torch.distributed.device_mesh as device_mesh
 import torch.distributed.tensor._utils as dtensor_utils
 import torch.nn.parallel.distributed as ddp
+from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+import trainer.inference.load as inference_load
+from data.iterator import EpochBatchIterator
 from trainer.checkpoint.hf_dir import HFWeights
+from trainer.inference.load import CheckpointTensors
 
 HOST_SIDE = (
     (device_mesh, "init_device_mesh"),
     (dtensor_utils, "compute_local_shape_and_global_offset"),
     (HFWeights, "rows"),
+    (CheckpointTensors, "get"),
+    # a model the commands build on the meta device is shapes only already; made fake, its
+    # parameters could not be swapped for the device's by to_empty
+    (inference_load, "build_model"),
 )
 SKIPPED = ((ddp, "_verify_param_shape_across_processes"), (ddp, "_sync_module_states"))
 
 
 def unfaked_host_side():
-    """Patch each of HOST_SIDE to run outside fake mode, and SKIPPED to do nothing; returns a
-    function that restores them."""
-    saved = [(module, name, getattr(module, name)) for module, name in HOST_SIDE + SKIPPED]
+    """Patch each of HOST_SIDE to run outside fake mode, SKIPPED to do nothing and
+    torch.tensor to copy to a GPU in sight; returns a function that restores them."""
+    saved = [(module, name, getattr(module, name)) for module, name in HOST_SIDE + SKIPPED + ((torch, "tensor"),)]
     for module, name, fn in saved:
         setattr(module, name, _unfaked(fn) if (module, name) in HOST_SIDE else _skipped)
+    torch.tensor = _tensor_then_copy(saved[-1][2])
 
     def restore():
         for module, name, fn in saved:
@@ -50,3 +66,40 @@ def _unfaked(fn):
 
 def _skipped(*args, **kwargs):
     return None
+
+
+def _tensor_then_copy(tensor):
+    @functools.wraps(tensor)
+    def make(data, *args, device=None, **kwargs):
+        mode = active_fake_mode()
+        if mode is None or device is None or torch.device(device).type != "cuda":
+            return tensor(data, *args, device=device, **kwargs)
+        with unset_fake_temporarily():
+            host = tensor(data, *args, **kwargs)
+        # from_tensor keeps no constant: fake mode would copy a constant to the GPU for real
+        return mode.from_tensor(host).to(device)
+
+    return make
+
+
+def real_batches(fake):
+    """Patch the batch iterators to read real batches and hand them on as `fake`'s (a
+    FakeDevices); returns a function that restores them."""
+    next_epoch_itr = EpochBatchIterator.next_epoch_itr
+
+    def fake_batches(itr, *args, **kwargs):
+        with unset_fake_temporarily():
+            batches = next_epoch_itr(itr, *args, **kwargs)
+        while True:
+            with unset_fake_temporarily():
+                batch = next(batches, None)
+            if batch is None:
+                return
+            yield fake.adopt(batch)
+
+    EpochBatchIterator.next_epoch_itr = fake_batches
+
+    def restore():
+        EpochBatchIterator.next_epoch_itr = next_epoch_itr
+
+    return restore

@@ -4,6 +4,8 @@ With --chat, replies of a chat model to conversations, through its chat template
 
 import sys
 
+import torch
+
 from data.data_dir import data_dirs
 from data.hf_tokenizer import HFTokenizer
 from data.tokenizer import load_tokenizer
@@ -25,7 +27,9 @@ def generate(args):
     prompts = None if chatting else args.prompt if args.prompt else [line.rstrip("\n") for line in sys.stdin]
     if prompts == []:
         raise UsageError("no prompts: pass --prompt TEXT, or one prompt per line on stdin")
-    model, cfg, tokenizer = load_model(args.path)
+    # On a GPU when there is one, as eval-lm and serve: sampling is a forward per token.
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    model, cfg, tokenizer = load_model(args.path, device)
     files_dir = model_files_dir(args.path)
     if getattr(args, "data", None):
         tokenizer = _data_tokenizer(args.data, args.path, tokenizer, model.vocab_size)
