@@ -1,12 +1,19 @@
-"""The dry run's tracked update counts attention as a GPU runs it (trainer/dryrun/dry_rank.py
+"""GPU memory without a GPU: the dry run's tracked peak and plan's ledger.
+
+The tracked update counts attention as a GPU runs it (trainer/dryrun/dry_rank.py
 flash_attention): torch's CPU build has no fused kernel for CUDA tensors, so SDPA of fake CUDA
 tensors would take its math path and keep every head's T×T probabilities, which a GPU's
-flash kernel never holds. bench/bench_dry_run_memory.py compares the tracked peaks with plan."""
+flash kernel never holds. plan counts FSDP2's reduction of each unit as torch does it
+(trainer/plan/ledger.py UpdateWalk.reduce), checked here against the tracker where it decides
+the peak; bench/bench_dry_run_memory.py compares the two on full-size models."""
 
 import ast
 import subprocess
 import sys
 import textwrap
+
+from helpers import compose
+from trainer.dryrun.command import job_of, planned_bytes, rank_reports
 
 SAVED_BY_ATTENTION = """
 from trainer.dryrun.fake_cuda import load_fake_cuda
@@ -50,3 +57,36 @@ def test_the_tracked_update_saves_what_flash_attention_saves():
     assert (1, 4, 256) in flash and (1, 4, 256, 16) in flash  # the row log-sum-exp and the output
     assert grads == [(1, 4, 256, 16), (1, 2, 256, 16), (1, 2, 256, 16)]
     assert after == math  # torch's own SDPA again outside
+
+
+def llama(vocab, *flags):
+    """8 gated layers of width 512 (7 M parameters each), 64 tokens, bf16, checkpointed: the
+    activations are small beside the parameters' states and gradients."""
+    argv = ["--task", "dummy_lm", "--dict-size", str(vocab), "--arch", "llama3_2_1b", "--decoder-layers", "8"]
+    argv += ["--decoder-embed-dim", "512", "--decoder-attention-heads", "4", "--decoder-kv-heads", "2"]
+    argv += ["--decoder-ffn-embed-dim", "4096", "--tokens-per-sample", "64", "--batch-size", "1", "--bf16"]
+    argv += ["--optimizer", "adam", "--lr", "0.0001", "--checkpoint-activations", "--dry-run", *flags]
+    return compose(argv)
+
+
+def test_plan_counts_fsdp2s_reduction_as_the_tracker_does():
+    """One rank and a 131k-token vocabulary: the peak is the root's reduction, where the
+    reduce-scatter's bf16 input and output and the fp32 shard made from them are alive with
+    every layer's fp32 gradient (plan had 0.93 of the tracker's peak, counting neither the
+    output nor its cast). hybrid_shard with shard groups of 8 against fully_sharded over 8:
+    FSDP2 holds each unit's all-reduced bf16 shard to the end of backward, which only the
+    hybrid run has (plan had no difference)."""
+    cfgs = [
+        llama(131072, "--ddp-backend", "fully_sharded", "--distributed-world-size", "1"),
+        llama(256, "--ddp-backend", "fully_sharded", "--distributed-world-size", "8"),
+        llama(256, "--ddp-backend", "hybrid_shard", "--distributed-world-size", "16"),
+    ]
+    reports = rank_reports([job_of(cfg, 0) for cfg in cfgs])
+    for r in reports:
+        assert "failure" not in r, r.get("traceback")
+    tracked = [r["peak_bytes"] for r in reports]
+    planned = [planned_bytes(cfg)[0] for cfg in cfgs]
+    assert abs(planned[0] / tracked[0] - 1) < 0.01
+    held_tracked, held_planned = tracked[2] - tracked[1], planned[2] - planned[1]
+    assert held_tracked > 0.05 * tracked[1]
+    assert abs(held_planned / held_tracked - 1) < 0.05

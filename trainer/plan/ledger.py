@@ -117,20 +117,16 @@ class MicroBatch:
     )
     kept: bool  # those unsharded gradients are already there
     first_reduce: bool  # FSDP2's first reduction of a unit becomes its sharded gradient
-    later_output: float  # bytes per parameter of a later reduction's output: a new shard, added in, then freed
 
 
 def micro_batch(s: Setup, micro):
     last = s.update_freq - 1
     deferring_sync = s.sharded and s.defer_grad_sync
-    first_reduce = micro == (last if deferring_sync else 0)
-    reduce_bytes = 4 if s.fp32_reduce_scatter else s.compute_bytes
     return MicroBatch(
         first=micro == 0,
         deferring=deferring_sync and micro < last,
         kept=deferring_sync and micro > 0,
-        first_reduce=first_reduce,
-        later_output=0 if first_reduce else reduce_bytes / s.shard,
+        first_reduce=micro == (last if deferring_sync else 0),
     )
 
 
@@ -159,6 +155,12 @@ class UpdateWalk:
         # also the size of a unit's unsharded gradient kept in the reduce dtype (--defer-grad-sync)
         self.rs_buffer, self.root_rs = m.layer_params * self.reduce_bytes, m.root_params * self.reduce_bytes
         self.in_flight = 0  # the reduce-scatter input still alive behind the next layer's backward
+        # On several CPU ranks gloo's transfers keep it until the next reduce-scatter starts
+        # (trainer/cpu/gloo_comms.py), past that one's copy-in; FSDP2 lets it go before.
+        self.kept_by_gloo = s.device == "cpu" and s.world > 1
+        # hybrid_shard: each unit's reduced shard in the reduce dtype, all-reduced across
+        # replicas, is held by FSDP2 until the end of backward where it is not the gradient.
+        self.all_reduced = 0
         # The output layer's weight is read again in backward: the int8 clamps, or dpo's
         # per-row loss, which recomputes its logits there. Under FSDP the root stays gathered.
         self.root_read_in_backward = m.scalar_noise or s.dpo
@@ -344,16 +346,8 @@ class UpdateWalk:
                     L.add("unsharded_gradients", self.rs_buffer - self.unit)
                 self.release(i)
             elif s.sharded:
-                # reduce-scatter: the gradients are copied into a flat input buffer in the
-                # reduce dtype, which stays alive while the collective runs, behind the next
-                # layer's backward (FSDP2's own stream on a GPU, gloo's thread here).
-                L.add("unsharded_gradients", self.rs_buffer)
-                L.sub("unsharded_gradients", (self.rs_buffer if mb.kept else self.unit) + self.in_flight)
-                self.in_flight = self.rs_buffer
-                L.transient("gradients", m.layer_params * mb.later_output)
-                if mb.first_reduce and not self.offload:
-                    L.add("gradients", 4 * m.layer_params / s.shard)
-                self.release(i)
+                self.release(i)  # FSDP2's post-backward reshards the layer, then reduces it
+                self.reduce(m.layer_params, self.rs_buffer if mb.kept else self.unit, mb)
         L.sub("activations", rope_table_bytes(m, s))
         L.sub("document_mask", self.shared_mask)
 
@@ -366,21 +360,42 @@ class UpdateWalk:
             L.transient(
                 "gradients" if not s.sharded else "unsharded_gradients", m.vocab * m.dim * (elem if s.sharded else 4)
             )
+        if s.sharded and self.root_read_in_backward:  # gathered through backward (int8_logits_loss, per_row_loss)
+            L.sub("gathered_parameters", m.root_params * elem)  # resharded before its reduction
         if mb.deferring:
             if not mb.kept and self.reduce_bytes != elem:
                 L.add("unsharded_gradients", self.root_rs - m.root_params * elem)
         elif s.sharded:
-            L.add("unsharded_gradients", self.root_rs)
-            L.transient("gradients", m.root_params * mb.later_output)
-            L.sub(
-                "unsharded_gradients",
-                (self.root_rs if mb.kept else m.root_params * elem) + self.in_flight + self.root_rs,
-            )
-            self.in_flight = 0
-            if mb.first_reduce and not self.offload:
-                L.add("gradients", 4 * m.root_params / s.shard)
-        if s.sharded and self.root_read_in_backward:  # gathered through backward (int8_logits_loss, per_row_loss)
-            L.sub("gathered_parameters", m.root_params * elem)
+            self.reduce(m.root_params, self.root_rs if mb.kept else m.root_params * elem, mb)
+            # the end of backward: the last reduce-scatter input and the all-reduced shards go
+            L.sub("unsharded_gradients", self.in_flight)
+            L.sub("gradients", self.all_reduced)
+            self.in_flight = self.all_reduced = 0
+
+    def reduce(self, params, unsharded, mb: MicroBatch):
+        """FSDP2's reduction of one unit's gradients after its backward (post-backward's
+        foreach_reduce): the previous unit's reduce-scatter input is let go, the gradients
+        (`unsharded` bytes) are copied into a flat input in the reduce dtype and freed, and
+        the reduce-scatter's output, this rank's shard of it, is cast to fp32 where the
+        reduce dtype is lower; that fp32 shard becomes the sharded gradient (on the host
+        under --cpu-offload) or, in a later micro-batch, is added into it. The input stays
+        while the collective runs, behind the next unit's backward; under hybrid_shard the
+        output, all-reduced across replicas, until the end of backward where it is not itself
+        the gradient (FSDP2 holds it there against reuse while the all-reduce runs)."""
+        L, s = self.ledger, self.s
+        rs_input = params * self.reduce_bytes
+        if not self.kept_by_gloo:
+            L.sub("unsharded_gradients", self.in_flight)
+        L.add("unsharded_gradients", rs_input)
+        L.sub("unsharded_gradients", unsharded + (self.in_flight if self.kept_by_gloo else 0))
+        self.in_flight = rs_input
+        output, fp32 = rs_input / s.shard, 4 * params / s.shard
+        cast = fp32 if self.reduce_bytes != 4 else 0
+        kept = mb.first_reduce and not self.offload
+        held = output if s.backend == "hybrid_shard" and (cast or not kept) else 0
+        L.add("gradients", output + cast)
+        L.sub("gradients", output + cast - (fp32 if kept else 0) - held)
+        self.all_reduced += held
 
     def optimizer_step(self):
         """The step reads the gradients in place and allocates what its optimizer needs for a
