@@ -10,7 +10,6 @@ import traceback
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
@@ -18,9 +17,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config.schema import uses_fsdp
 from trainer.dryrun.device_checks import FakeDevices
+from trainer.dryrun.dry_inference import COMMANDS as INFERENCE
 from trainer.dryrun.fake_cuda import CudaStandIn
 from trainer.dryrun.fake_groups import FakeGroups
-from trainer.dryrun.host_side import unfaked_host_side
+from trainer.dryrun.host_side import real_batches, unfaked_host_side
 from trainer.errors import USER_ERRORS
 from trainer.parallel.ranks import cuda_device_index, init_rank, teardown
 from trainer.rendezvous import Rendezvous
@@ -116,14 +116,18 @@ class DryRank:
     def run(self):
         cuda = CudaStandIn(self.job["gpus_per_node"])
         groups = FakeGroups(cuda)
-        undo = [cuda.patch(), groups.patch(), unfaked_host_side()]
         fake = FakeDevices()
+        undo = [cuda.patch(), groups.patch(), unfaked_host_side(), real_batches(fake)]
         try:
             with fake:
                 env = self.init_rank()
                 fake.rank_device = env.device
                 result = {"device": str(env.device), "local_rank": env.local_rank, "node_gpus": self.node_gpus()}
-                result.update(self.commands[self.job.get("command", "train")](self, env, fake))
+                command = self.job.get("command", "train")
+                if command == "train":
+                    result.update(self.train(env, fake))
+                else:
+                    result.update(INFERENCE[command](self.job, env, fake))
             result.update(
                 groups=[list(g) for g in groups.groups],
                 collectives=[list(c) for c in fake.collectives],
@@ -165,11 +169,9 @@ class DryRank:
         ddp = isinstance(trainer.model, DistributedDataParallel)
         if ddp:
             trainer.model.register_comm_hook(None, bucket_all_reduce)
-        with unset_fake_temporarily():  # the data pipeline's tensors are real host tensors
-            batches = task.batch_iterator(self.cfg.dataset.train_subset, training=True).next_epoch_itr()
-            samples = next(iter(grouped(batches, self.cfg.optimization.update_freq)))
-            pinned = [b["src_tokens"].is_pinned() for b in samples]
-        samples = [fake.adopt(b) for b in samples]
+        batches = task.batch_iterator(self.cfg.dataset.train_subset, training=True).next_epoch_itr()
+        samples = next(iter(grouped(batches, self.cfg.optimization.update_freq)))
+        pinned = [fake.is_pinned(b["src_tokens"]) for b in samples]
         if not ddp:
             trainer.train_step(samples)
         first = len(fake.collectives)
@@ -203,5 +205,3 @@ class DryRank:
             del trainer.loss_sum
         peak = tracker.get_tracker_snapshot("peak").get(env.device, {})
         return next((v for k, v in peak.items() if str(getattr(k, "value", k)) == "Total"), 0)
-
-    commands = {"train": train}
