@@ -171,6 +171,8 @@ def dry_run(cfg, out=sys.stdout):
     if mismatch:
         print(f"dry run: FAILED: {mismatch}", file=out)
         return 1
+    if cfg.common.compile:
+        print("--compile: not checked; the layers ran uncompiled (inductor needs a CUDA build of torch)", file=out)
     tensors, runtime = planned_bytes(cfg)
     peaks = ", ".join(f"rank {r['rank']} {gib(r['peak_bytes'])}" for r in reports)
     print(
