@@ -8,14 +8,23 @@ Read as `chunks.NAME` at call time (not `from … import`), so that a test chang
 changes it for the kernel and the planner alike.
 """
 
-LOSS_CHUNK_BYTES = 32 * 2**20  # fp32 logits of one chunk of the loss's rows
+# fp32 logits of one chunk of the loss's rows. Each chunk also makes a whole V×d gradient
+# for W (a matmul whose inner size is the chunk's rows) and adds it into the fp32 sum, so
+# fewer, larger chunks cost less; a CPU keeps them small for its caches and resident set.
+# A GPU has the memory to spare and loses most to small matmuls and per-chunk launches: a
+# GiB is a few thousand rows at a 128k vocabulary, a small part of a GPU's memory next to
+# the N×V logits of the plain form.
+LOSS_CHUNK_BYTES = 32 * 2**20
+LOSS_CHUNK_BYTES_GPU = 2**30
 # One chunk's T×T attention scores; its backward holds three such tensors.
 ATTENTION_SCORES_BYTES = 8 * 2**20
 
 
-def loss_chunk_rows(vocab):
-    """Rows of the loss taken at once: their fp32 logits fill LOSS_CHUNK_BYTES (at least one row)."""
-    return max(1, LOSS_CHUNK_BYTES // (4 * vocab))
+def loss_chunk_rows(vocab, device_type):
+    """Rows of the loss taken at once on a device of this type ("cuda", "cpu", …): their fp32
+    logits fill LOSS_CHUNK_BYTES_GPU on a GPU, LOSS_CHUNK_BYTES elsewhere (at least one row)."""
+    budget = LOSS_CHUNK_BYTES_GPU if device_type == "cuda" else LOSS_CHUNK_BYTES
+    return max(1, budget // (4 * vocab))
 
 
 def attention_heads_per_chunk(heads, seq_len, itemsize):

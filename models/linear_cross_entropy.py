@@ -76,7 +76,7 @@ def _chunks(x, weight, target, ignore_index, grad_x, grad_w, scale=None):
     rows and adding into grad_w as it goes (where given), each position's gradient scaled
     by `scale` (N, fp32; None: by 1)."""
     n, vocab = x.shape[0], weight.shape[0]
-    chunk = chunks.loss_chunk_rows(vocab)
+    chunk = chunks.loss_chunk_rows(vocab, x.device.type)
     # One chunk's buffers, allocated once and reused by every chunk: fp32 logits, and
     # under mixed precision the low-precision product and gradient. A CPU allocator
     # that hands large blocks back to the OS (FSDP ranks do) would otherwise fault in
@@ -85,7 +85,7 @@ def _chunks(x, weight, target, ignore_index, grad_x, grad_w, scale=None):
     logits = torch.empty(rows, vocab, dtype=torch.float32, device=x.device)
     low = torch.empty(rows, vocab, dtype=x.dtype, device=x.device) if mixed else None
     # Under mixed precision a chunk's gradient for W is made in the low dtype, then added
-    # into the fp32 sum (see _add_in_blocks).
+    # into the fp32 sum (see _add_low_into).
     needs_w = grad_w is not None
     grad_w_low = torch.empty(weight.shape, dtype=x.dtype, device=x.device) if mixed and needs_w else None
     for start in range(0, n, chunk):
@@ -138,17 +138,22 @@ def _chunk(xs, weight, ts, ignore_index, grad_x, grad_w, logits_buf, low_buf, gr
         if grad_w_low is None:
             grad_w.addmm_(grad.t(), xs)
         else:
-            _add_in_blocks(grad_w, torch.mm(grad.t(), xs, out=grad_w_low))
+            _add_low_into(grad_w, torch.mm(grad.t(), xs, out=grad_w_low))
     return loss
 
 
 ADD_BLOCK_BYTES = 4 * 2**20
 
 
-def _add_in_blocks(total, part):
-    """total += part, for an fp32 total and a low-precision part, a few MiB of rows at a
-    time. Done whole, a CPU first copies all of part to fp32: a temporary the size of the
-    total (128 MiB for a 32k × 1024 W), and a slower add than in blocks, which need none."""
+def _add_low_into(total, part):
+    """total += part, for an fp32 total and a low-precision part, without an fp32 temporary
+    of the total's size. A GPU's add casts inside its kernel, so it is added whole: in
+    blocks it would be one small kernel launch per block. Done whole, a CPU first copies
+    all of part to fp32 (128 MiB for a 32k × 1024 W), and adds slower than in blocks of a
+    few MiB of rows, which need none."""
+    if total.device.type == "cuda":
+        total.add_(part)
+        return
     rows = max(1, ADD_BLOCK_BYTES // (4 * total.shape[1]))
     for start in range(0, total.shape[0], rows):
         total[start : start + rows] += part[start : start + rows]

@@ -1,5 +1,9 @@
 """The fused output projection + cross-entropy against the plain two-step form."""
 
+import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -93,3 +97,46 @@ def test_bf16_forward_peak_is_what_plan_counts(monkeypatch):
     kept = (3 * rows * d * 2 + V * d * 4) / 2**20  # grad_x (bf16), grad_w (fp32)
     transient = (rows * V * (4 + 2) + V * d * 2) / 2**20
     assert extra == pytest.approx(kept + transient, rel=0.08), f"{extra:.0f} MiB at the peak"
+
+
+def test_a_gpu_adds_each_chunks_gradient_for_w_whole():
+    """On a GPU W's low-precision gradient goes into the fp32 sum in one add per chunk (the
+    add casts inside its kernel): in blocks of rows, as on a CPU, it was one small kernel
+    per block, hundreds per chunk at a 128k vocabulary. Counted on fake GPUs (trainer/dryrun/):
+    one loss of 4096 bf16 rows over a 32k × 512 W, forward and backward; each chunk runs
+    three matmuls (logits, x's and W's gradients)."""
+    script = """
+        from trainer.dryrun.fake_cuda import load_fake_cuda
+        load_fake_cuda(1)
+        import json, torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from trainer.dryrun.device_checks import FakeDevices
+        from models.linear_cross_entropy import linear_cross_entropy
+
+        class Count(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.calls = {"add_": 0, "mm": 0}
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name in self.calls:
+                    self.calls[name] += 1
+                return func(*args, **(kwargs or {}))
+
+        with FakeDevices():
+            x = torch.empty(4096, 512, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            w = torch.empty(32768, 512, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            target = torch.zeros(4096, dtype=torch.long, device="cuda")
+            with Count() as count:
+                linear_cross_entropy(x, w, target).backward()
+            assert w.grad.device.type == "cuda" and w.grad.dtype == torch.bfloat16
+        print(json.dumps(count.calls))
+    """
+    script = textwrap.dedent(script)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    calls = json.loads(done.stdout.splitlines()[-1])
+    n_chunks = calls["mm"] // 3
+    assert calls["add_"] <= 2 * n_chunks, calls  # W's gradient and the loss's sum, per chunk
+    assert n_chunks == -(-4096 // chunks.loss_chunk_rows(32768, "cuda"))

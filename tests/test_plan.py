@@ -151,7 +151,7 @@ def test_loss_arithmetic():
     chunk of fp32 logits with, under mixed precision, their low-precision product and W's
     gradient in low precision (models/linear_cross_entropy.py; tests/test_loss.py measures it)."""
     n, V, d = SETUP.sequences * SETUP.seq_len, SHAPE.vocab, SHAPE.dim
-    rows = min(n, loss_chunk_rows(V))
+    rows = min(n, loss_chunk_rows(V, "cpu"))
     fp32 = simulate(SHAPE, SETUP)[0].most["logits_and_loss"]
     assert fp32 == n * d * 4 + V * d * 4 + rows * V * 4
     bf16 = simulate(SHAPE, replace(SETUP, precision="bf16"))[0].most["logits_and_loss"]
@@ -160,14 +160,22 @@ def test_loss_arithmetic():
 
 def test_the_planner_follows_the_kernels_chunk_sizes(monkeypatch):
     """The loss's and a CPU attention's chunk sizes live in models/chunks.py, which the
-    kernels and the planner both read: change one and the prediction moves with it."""
+    kernels and the planner both read: change one and the prediction moves with it, the
+    loss's GPU size for a GPU's setup and its CPU size for a CPU's."""
     shape = replace(SHAPE, vocab=50_000)  # the loss takes several chunks of rows
-    n, V, rows = SETUP.sequences * SETUP.seq_len, shape.vocab, loss_chunk_rows(shape.vocab)
+    n, V, rows = SETUP.sequences * SETUP.seq_len, shape.vocab, loss_chunk_rows(shape.vocab, "cpu")
     assert rows < n
     before = simulate(shape, SETUP)[0].most["logits_and_loss"]
     monkeypatch.setattr(chunks, "LOSS_CHUNK_BYTES", chunks.LOSS_CHUNK_BYTES // 4)
-    assert loss_chunk_rows(V) == rows // 4
+    assert loss_chunk_rows(V, "cpu") == rows // 4
     assert before - simulate(shape, SETUP)[0].most["logits_and_loss"] == (rows - rows // 4) * V * 4
+    # a GPU's chunk has a size of its own: all 512 rows here, then 100 when it is made smaller
+    gpu, cpu = replace(SETUP, device="cuda"), simulate(shape, SETUP)[0].most["logits_and_loss"]
+    assert loss_chunk_rows(V, "cuda") > n
+    before = simulate(shape, gpu)[0].most["logits_and_loss"]
+    monkeypatch.setattr(chunks, "LOSS_CHUNK_BYTES_GPU", 4 * V * 100)
+    assert before - simulate(shape, gpu)[0].most["logits_and_loss"] == (n - 100) * V * 4
+    assert simulate(shape, SETUP)[0].most["logits_and_loss"] == cpu
     # a CPU's bf16 attention, 4 sequences × 4 heads of 1024² scores: 4 heads a chunk, then all 16
     bf16 = replace(SETUP, precision="bf16", seq_len=1024)
     before = simulate(SHAPE, bf16)[0].most["activations"]

@@ -241,10 +241,9 @@ class UpdateWalk:
         if self.autocast:  # the loss casts W itself (it runs outside autocast), for its forward
             L.add("mixed_precision_copies", m.vocab * m.dim * elem)
         # one chunk's buffers (fp32 logits, their low-precision product and gradient) and
-        # W's gradient in low precision, added into the fp32 one a block at a time
-        L.transient(
-            "logits_and_loss", min(n, chunks.loss_chunk_rows(m.vocab)) * m.vocab * (4 + low) + m.vocab * m.dim * low
-        )
+        # W's gradient in low precision, added into the fp32 one (a CPU: a block at a time)
+        rows = min(n, chunks.loss_chunk_rows(m.vocab, s.device))
+        L.transient("logits_and_loss", rows * m.vocab * (4 + low) + m.vocab * m.dim * low)
         if self.autocast:
             L.sub("mixed_precision_copies", m.vocab * m.dim * elem)
         if s.sharded and not m.scalar_noise:  # the root's weights are not read in backward: given back
@@ -261,7 +260,7 @@ class UpdateWalk:
         states and, in fp32 (plus a low-precision product), for W."""
         m, L, elem, n = self.m, self.ledger, self.elem, self.s.tokens
         low = 0 if elem == 4 else elem
-        chunk = min(n, chunks.loss_chunk_rows(m.vocab)) * m.vocab * (4 + low)
+        chunk = min(n, chunks.loss_chunk_rows(m.vocab, self.s.device)) * m.vocab * (4 + low)
         cast_w = m.vocab * m.dim * elem if self.autocast else 0  # the loss casts W itself, and keeps the cast
         L.add("logits_and_loss", n * m.dim * elem)
         L.add("mixed_precision_copies", cast_w)
@@ -288,7 +287,7 @@ class UpdateWalk:
             layer += elem * max(m.dim * m.fc1_width, m.dim * m.qkv_width)
         L.transient("reference_forward", layer)
         low = 0 if elem == 4 else elem
-        chunk = min(n, chunks.loss_chunk_rows(m.vocab)) * m.vocab * (4 + low)
+        chunk = min(n, chunks.loss_chunk_rows(m.vocab, s.device)) * m.vocab * (4 + low)
         L.transient("reference_forward", n * m.dim * elem + chunk + (m.vocab * m.dim * elem if self.autocast else 0))
         L.sub("reference_forward", alive)
 
