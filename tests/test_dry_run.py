@@ -181,7 +181,7 @@ def test_train_dry_run_prints_each_rank_and_a_last_line():
     assert "--compile: not checked; the layers ran uncompiled" in lines[-2]
     assert lines[1].startswith("rank 0 (node 0, local rank 0 of 8, cuda:0)")
     assert lines[2].startswith("rank 15 (node 1, local rank 7 of 8, cuda:7)")
-    assert lines[-1].startswith("dry run: ok, 16 ranks on 2 node(s) x 8 GPUs") and "plan predicts" in lines[-1]
+    assert lines[-1].startswith("dry run: ok, 16 rank(s) on 2 node(s) x 8 GPUs") and "plan predicts" in lines[-1]
 
 
 @pytest.mark.parametrize(

@@ -176,7 +176,7 @@ def dry_run(cfg, out=sys.stdout):
     tensors, runtime = planned_bytes(cfg)
     peaks = ", ".join(f"rank {r['rank']} {gib(r['peak_bytes'])}" for r in reports)
     print(
-        f"dry run: ok, {world} ranks on {nodes} node(s) x {gpus} GPUs; peak per rank tracked: {peaks}; "
+        f"dry run: ok, {world} rank(s) on {nodes} node(s) x {gpus} GPUs; peak per rank tracked: {peaks}; "
         f"plan predicts {gib(tensors)} (+ {gib(runtime)} runtime: CUDA context, NCCL buffers)",
         file=out,
     )
