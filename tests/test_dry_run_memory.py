@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 from helpers import compose
+from models import chunks
 from trainer.dryrun.command import job_of, planned_bytes, rank_reports
 
 SAVED_BY_ATTENTION = """
@@ -90,3 +91,20 @@ def test_plan_counts_fsdp2s_reduction_as_the_tracker_does():
     held_tracked, held_planned = tracked[2] - tracked[1], planned[2] - planned[1]
     assert held_tracked > 0.05 * tracked[1]
     assert abs(held_planned / held_tracked - 1) < 0.05
+
+
+def test_plan_counts_a_gpus_loss_chunk_as_the_tracker_does(monkeypatch):
+    """4,096 tokens over a 131k-token vocabulary on one fake GPU: the loss takes two chunks of
+    the GPU's size (models/chunks.py LOSS_CHUNK_BYTES_GPU), whose fp32 logits and bf16 product
+    are most of the peak; plan reads the same size for a cuda setup. With a CPU's chunk
+    size the plan falls short of the tracker by most of a chunk."""
+    argv = ["--task", "dummy_lm", "--dict-size", "131072", "--arch", "llama3_2_1b", "--decoder-layers", "2"]
+    argv += ["--decoder-embed-dim", "512", "--decoder-attention-heads", "4", "--decoder-kv-heads", "2"]
+    argv += ["--decoder-ffn-embed-dim", "1024", "--tokens-per-sample", "4096", "--batch-size", "1", "--bf16"]
+    argv += ["--optimizer", "adam", "--lr", "0.0001", "--checkpoint-activations", "--dry-run"]
+    cfg = compose(argv + ["--ddp-backend", "fully_sharded", "--distributed-world-size", "1"])
+    (report,) = rank_reports([job_of(cfg, 0)])
+    assert "failure" not in report, report.get("traceback")
+    assert abs(planned_bytes(cfg)[0] / report["peak_bytes"] - 1) < 0.01
+    monkeypatch.setattr(chunks, "LOSS_CHUNK_BYTES_GPU", chunks.LOSS_CHUNK_BYTES)  # the planner only
+    assert planned_bytes(cfg)[0] < 0.7 * report["peak_bytes"]
