@@ -499,8 +499,12 @@ def test_a_checkpoint_of_the_previous_format_resumes_exactly(tmp_path):
     resumed = train_updates(FORMAT_1_ARGV + ["--max-update", "13", "--save-dir", str(save)], 2, tmp_path)
     whole = train_updates(FORMAT_1_ARGV + ["--max-update", "13", "--no-save"], 2, tmp_path)
     assert sorted(resumed) == [11, 12, 13]
+    # The fixture was cut from an fp16 run that divided the loss by the sample size before
+    # backward; since 09bcce2 the gradients are divided after it (fairseq's order), so the
+    # uninterrupted run now differs from the one it was cut from by fp16 rounding (1.5e-5).
+    # A wrong data position or lr schedule moves the loss by orders of magnitude more.
     for n in resumed:
-        assert resumed[n] == pytest.approx(whole[n], rel=1e-6, abs=1e-9), f"update {n}"
+        assert resumed[n] == pytest.approx(whole[n], rel=1e-4, abs=1e-9), f"update {n}"
     state = json.loads((save / "checkpoint_last" / "trainer_state.json").read_text())
     assert state["format"] == 2 and state["num_updates"] == 13
     assert (

@@ -24,7 +24,7 @@ from data.token_block import TokenBlockDataset
 from helpers import DUMMY, TINY, compose, fairseq_batch_by_size_vec, parse_records, run_ranks, update_losses
 
 T = 32
-ONE_RANK = SimpleNamespace(world_size=1, rank=0, is_master=True)
+ONE_RANK = SimpleNamespace(world_size=1, rank=0, is_master=True, device=SimpleNamespace(type="cpu"))  # a DistEnv
 
 
 def write_bin(path, splits, symbols=40, seed=0):
