@@ -21,6 +21,7 @@ from models import chunks  # the kernels' chunk sizes (torch-free): the model's 
 from trainer.plan.activations import (
     cpu_attention_backward_bytes,
     document_mask_bytes,
+    ffn_saved_width,
     layer_activation_bytes,
     rope_rows,
     rope_table_bytes,
@@ -323,6 +324,13 @@ class UpdateWalk:
         act_grads = n * (m.dim + m.fc1_width) * elem
         # Or later, a CPU's low-precision attention backward, if it holds more.
         attention_grads = cpu_attention_backward_bytes(m, s)
+        # FSDP: the layer's unsharded gradients appear as its backward goes. fc2's node makes
+        # fc2's (so the first node holds only those); fc1's node, fc1's, when the feed-forward's
+        # other saved tensors are freed and the gradients for fc1's output and input are alive
+        # with the one coming in; the attention's by the layer's end, its activations freed.
+        fc2_grads = elem * (m.dim * m.ffn + (m.dim if m.bias else 0))
+        fc1_grads = elem * (m.dim * m.fc1_width + (m.fc1_width if m.bias else 0))
+        at_fc1 = n * (2 * m.dim + m.fc1_width) * elem - n * elem * ffn_saved_width(m)
         for i in reversed(range(m.layers)):
             self.gather(i)
             if self.prefetch:
@@ -330,13 +338,18 @@ class UpdateWalk:
             if s.checkpoint_activations:  # recomputed; the input was kept (or comes back)
                 L.add("activations", self.act - (0 if self.offload_acts else self.layer_input))
                 L.add("document_mask", self.layer_mask)
-            if s.sharded:
-                if not mb.kept:
-                    L.add("unsharded_gradients", self.unit)
-            elif mb.first:
+            grads = s.sharded and not mb.kept  # this backward makes the layer's unsharded gradients
+            if grads:
+                L.add("unsharded_gradients", fc2_grads)
+            elif not s.sharded and mb.first:
                 L.add("gradients", 4 * m.layer_params)
             L.transient("activations", max(act_grads, attention_grads))
+            if grads:
+                L.add("unsharded_gradients", fc1_grads)
+                L.transient("activations", at_fc1)
             L.sub("activations", self.act)
+            if grads:
+                L.add("unsharded_gradients", self.unit - fc2_grads - fc1_grads)
             L.sub("document_mask", self.layer_mask)
             if self.autocast:
                 L.sub("mixed_precision_copies", self.low_copies)
