@@ -163,7 +163,7 @@ def generate_main(argv=None):
 
 
 def serve_main(argv=None):
-    """An OpenAI-compatible HTTP server over a model (trainer/inference/serve.py)."""
+    """An OpenAI-compatible HTTP server over a model (trainer/serve/app.py)."""
     from data.errors import DataError
 
     try:
@@ -182,11 +182,11 @@ def serve_main(argv=None):
         if infer_rendezvous(cfg).world_size > 1:  # --distributed-world-size N, torchrun or SLURM: shard
             import functools
 
-            from trainer.inference import sharded_serving
             from trainer.launch.launcher import launch
+            from trainer.serve import sharded as sharded_serving
 
             return launch(cfg, functools.partial(sharded_serving.run, args), prog="serve")
-        from trainer.inference.serve_command import serve
+        from trainer.serve.command import serve
 
         return serve(args)
     except UsageError as e:

@@ -45,7 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainer.checkpoint.files import TMP_PREFIX, UPDATE_CKPT, is_checkpoint
+from trainer.checkpoint.files import TMP_PREFIX, UPDATE_CKPT
+from trainer.formats.shardlm.checkpoint_dir import is_checkpoint
 
 BIN = Path(sys.executable).parent  # `train` of the same venv
 MODEL = [

@@ -346,7 +346,7 @@ def test_cutoffs_past_the_datas_vocabulary_are_refused_before_training():
 
 
 def test_hf_export_refuses_adaptive_models():
-    from trainer.inference.hf_gpt2 import check_hf_compatible
+    from trainer.formats.hf.gpt2 import check_hf_compatible
 
     with pytest.raises(UsageError, match="adaptive"):
         check_hf_compatible(compose(DUMMY + ["--batch-size", "4"] + ADAPTIVE).model)

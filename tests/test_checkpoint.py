@@ -267,7 +267,7 @@ def test_fairseq_checkpoint_names_and_restore_choices(tmp_path, monkeypatch):
 
     from trainer.checkpoint.files import restore_choice
     from trainer.errors import UsageError
-    from trainer.inference.load import _kind
+    from trainer.formats.registry import model_kind as _kind
 
     save = tmp_path / "ckpt"
     for name in ("checkpoint_last", "checkpoint_1_2"):

@@ -1,4 +1,4 @@
-"""The batched generation engine (trainer/inference/engine.py): requests decoded together,
+"""The batched generation engine (trainer/serve/engine.py): requests decoded together,
 joining and leaving between steps, get what one request decoded alone gets — `sample`'s
 greedy and seeded tokens, transformers' greedy tokens for a Hugging Face directory — and
 the log-probabilities the model's full forward (eval-lm's loss) gives."""
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from test_generate import VOCAB, tiny_model
 
 from models.generate import sample
-from trainer.inference.engine import Engine, GenerationRequest
+from trainer.serve.engine import Engine, GenerationRequest
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3], [20, 21, 22, 23, 24], [30, 31], [40, 41, 42, 43]]
 

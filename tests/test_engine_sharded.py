@@ -17,8 +17,8 @@ def _serve_sharded(index, port, out):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from trainer.inference.engine import Engine, GenerationRequest, follow_ops
     from trainer.parallel.serve_steps import broadcast_op, receive_op
+    from trainer.serve.engine import Engine, GenerationRequest, follow_ops
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=2)

@@ -9,8 +9,8 @@ import torch
 from models.config import TransformerLMConfig
 from models.transformer_lm import build_model
 from trainer.errors import UsageError
-from trainer.inference.hf_gpt2 import check_hf_compatible, hf_config, hf_tensor_specs, write_hf_gpt2
-from trainer.inference.safetensors_file import read_safetensors, safetensors_header, write_safetensors
+from trainer.formats.hf.gpt2 import check_hf_compatible, hf_config, hf_tensor_specs, write_hf_gpt2
+from trainer.formats.safetensors_file import read_safetensors, safetensors_header, write_safetensors
 
 
 def _sample_tensors():

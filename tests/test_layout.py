@@ -8,17 +8,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("trainer", "models", "data")
 # trainer/'s rooms, top first: a room may import itself and the rooms after it. dryrun runs
-# train (and plan, inference) on fake GPUs. train, inference and plan sit side by side (none
-# imports another); rendezvous, host and errors are torch-free modules every room may use
+# train (and plan, inference, serve) on fake GPUs; serve answers HTTP with inference's
+# models. train, inference and plan sit side by side (none imports another); formats reads
+# and writes every foreign format, below config, which composes a run from a model's files;
+# rendezvous, host and errors are torch-free modules every room may use
 # (rendezvous counts the GPUs host finds).
 ROOMS = [
     "launch",
     "dryrun",
+    "serve",
     {"train", "inference", "plan"},
     "checkpoint",
     "parallel",
     "cpu",
     "config",
+    "formats",
     "rendezvous",
     "host",
     "errors",
@@ -140,3 +144,21 @@ def test_every_function_level_import_of_our_modules_says_why():
             if not at_top and "#" not in line and not above.startswith("#"):
                 silent.append(f"{path.relative_to(ROOT)}:{lineno}")
     assert not silent, "function-level imports without a reason: " + ", ".join(silent)
+
+
+def test_each_format_keeps_to_its_room():
+    """trainer/formats/ holds a room per format (hf, fairseq, shardlm): one imports nothing of
+    another, only what every format shares (the reader protocol, the safetensors file);
+    registry.py alone knows them all."""
+    wrong = []
+    for module, targets in graph().items():
+        parts = module.split(".")
+        if parts[:2] != ["trainer", "formats"] or len(parts) < 4:
+            continue
+        for target in targets:
+            there = target.split(".")
+            if there[:2] == ["trainer", "formats"] and len(there) >= 4 and there[2] != parts[2]:
+                wrong.append(f"{module} -> {target}")
+            if target == "trainer.formats.registry":
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "a format importing another's room: " + ", ".join(wrong)

@@ -75,7 +75,7 @@ def poison(kind, trained, where, marker):
     """A copy of the checkpoint (or export) with one file replaced by a crafted one."""
     import torch
 
-    from trainer.checkpoint.files import read_metadata
+    from trainer.formats.shardlm.checkpoint_dir import read_metadata
 
     src = trained / ("export" if kind == "export" else "ck/checkpoint_last")
     shutil.copytree(src, where)

@@ -299,8 +299,8 @@ def test_a_completion_ended_by_eos_lists_it_for_lm_eval(model_dir):
 
     from data.hf_tokenizer import HFTokenizer
     from trainer.inference.load import load_model
-    from trainer.inference.serve import Served, build_app
-    from trainer.inference.serve_engine import BatchedEngine
+    from trainer.serve.app import Served, build_app
+    from trainer.serve.batching import BatchedEngine
 
     model, _, tok = load_model(str(model_dir))
     ids = HFTokenizer(model_dir).encode("the lazy dog sees a cat")

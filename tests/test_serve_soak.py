@@ -50,7 +50,7 @@ def references(model_dir):  # noqa: F811
     from data.hf_tokenizer import HFTokenizer
     from models.generate import sample
     from trainer.inference.load import load_model
-    from trainer.inference.serve_text import continuation_text
+    from trainer.serve.text import continuation_text
 
     tok = HFTokenizer(model_dir)
     model = load_model(str(model_dir))[0]

@@ -26,11 +26,8 @@ from omegaconf import OmegaConf
 
 from data.atomic_file import write_atomically
 from data.tokenizer import TOKENIZER_FILES
-from models.hf_llama import hf_model_type
 from trainer.checkpoint import files
-from trainer.checkpoint.fairseq_checkpoint import fairseq_pieces, load_fairseq_adam, load_fairseq_weights
-from trainer.checkpoint.generation_config import generation_config, write_generation_config
-from trainer.checkpoint.hf_dir import is_hf_dir, load_hf_weights
+from trainer.checkpoint.foreign_weights import load_moments, load_rows
 from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.tensors import (
     check_optimizer_name,
@@ -41,9 +38,11 @@ from trainer.checkpoint.tensors import (
     saved_layer_ids,
     tensor_state,
 )
-from trainer.config.fairseq_model import is_fairseq_checkpoint
-from trainer.config.hf_model import hf_finetune_dir
+from trainer.config.model_source import hf_finetune_dir
 from trainer.errors import RankStopped, UsageError
+from trainer.formats.hf.generation_config import generation_config, write_generation_config
+from trainer.formats.registry import open_model
+from trainer.formats.shardlm import checkpoint_dir
 from trainer.parallel.ranks import all_reduce_sum
 
 log = logging.getLogger("shardlm")
@@ -58,7 +57,7 @@ def write_json(path, obj):
 def read_trainer_state(path):
     """trainer_state.json of checkpoint `path`, with its pieces' states under "state"
     whatever the format it was written in."""
-    state = json.loads((Path(path) / files.STATE_FILE).read_text())
+    state = json.loads((Path(path) / checkpoint_dir.STATE_FILE).read_text())
     reader = STATE_READERS.get(state.get("format"))
     if reader is None:
         raise UsageError(
@@ -206,7 +205,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         if failed is None or not self.env.is_master:
             raise RankStopped(f"another rank could not write {name}; see rank 0's error")
-        last = files.resolve(self.save_dir / "checkpoint_last")
+        last = checkpoint_dir.resolve(self.save_dir / "checkpoint_last")
         kept = f"{last.name} still holds update {read_trainer_state(last)['num_updates']}" if last else "nothing saved"
         raise UsageError(
             f"could not save {name} in {self.save_dir}: {failed}; {kept}; free space or point --save-dir elsewhere"
@@ -219,7 +218,7 @@ class Checkpointer:
             if with_optim or name not in self.optimizer_pieces
         }
         write_json(
-            tmp / files.STATE_FILE,
+            tmp / checkpoint_dir.STATE_FILE,
             {
                 "format": FORMAT_VERSION,
                 "num_updates": num_updates,
@@ -285,16 +284,8 @@ class Checkpointer:
         path, finetune = self.restore_path()
         if path is None:
             return None
-        if finetune and is_hf_dir(path):
-            # Into the sharded, materialized model: each rank reads its own rows only.
-            n = load_hf_weights(self.model, self.cfg.model, path)
-            log.info(
-                f"fine-tuning from {path} (Hugging Face {hf_model_type(self.cfg.model)}, {n:,} parameters): "
-                "optimizer, lr schedule, data position and meters start fresh"
-            )
-            return path
-        if is_fairseq_checkpoint(path):
-            return self.restore_fairseq(path, finetune)
+        if checkpoint_dir.resolve(path) is None:
+            return self.restore_foreign(path, finetune)
         saved = read_trainer_state(path)
         with_optim = not (finetune or self.checkpoint_cfg.reset_optimizer) and saved.get("has_optimizer")
         if with_optim:
@@ -319,25 +310,29 @@ class Checkpointer:
         )
         return path
 
-    def restore_fairseq(self, path, finetune):
-        """A fairseq-train checkpoint: its weights, and to resume its run, its Adam state, update
-        count, lr schedule, data position and best metric (trainer/checkpoint/fairseq_checkpoint.py)."""
-        src, n = load_fairseq_weights(self.model, self.cfg.model, path)
-        if finetune:
-            log.info(
-                f"fine-tuning from {path} (fairseq {self.cfg.model._name}, {n:,} parameters): optimizer, "
-                "lr schedule, data position and meters start fresh"
-            )
-            return path
-        with_optim = not self.checkpoint_cfg.reset_optimizer
-        if with_optim:
-            load_fairseq_adam(self.model, self.optimizer, src)
-        pieces, num_updates, epoch = fairseq_pieces(src)
+    def restore_foreign(self, path, finetune):
+        """Another trainer's model (trainer/formats/: a Hugging Face dir, a fairseq-train .pt):
+        its weights, each rank its own rows; to resume a fairseq run, also its Adam state,
+        update count, lr schedule, data position and best metric."""
+        with open_model(path) as reader:
+            n = load_rows(self.model, reader)
+            if finetune:
+                log.info(
+                    f"fine-tuning from {path} ({reader.describe()}, {n:,} parameters): optimizer, "
+                    "lr schedule, data position and meters start fresh"
+                )
+                return path
+            run = reader.resume_state()
+            if run is None:
+                raise UsageError(f"{path} holds a model but no run to resume; pass it with --finetune-from-model")
+            with_optim = not self.checkpoint_cfg.reset_optimizer
+            if with_optim:
+                load_moments(self.model, self.optimizer, run)
         for name, piece in self.pieces.items():
-            if name in pieces and (with_optim or name not in self.optimizer_pieces):
-                piece.load_state_dict({**piece.state_dict(), **pieces[name]})
+            if name in run.pieces and (with_optim or name not in self.optimizer_pieces):
+                piece.load_state_dict({**piece.state_dict(), **run.pieces[name]})
         log.info(
-            f"loaded fairseq checkpoint {path} (epoch {epoch} @ {num_updates} updates"
+            f"loaded {reader.kind} checkpoint {path} (epoch {run.epoch} @ {run.num_updates} updates"
             + ("" if with_optim else ", optimizer reset")
             + ")"
         )
@@ -348,7 +343,7 @@ class Checkpointer:
         state = tensor_state(self.model, self.optimizer, with_optim)
         # Under the checkpoint's names: a pruned model (--decoder-layers-to-keep) loads the
         # layers it keeps from a checkpoint of all of them.
-        ids = saved_layer_ids(self.cfg.model, files.tensor_specs(path))
+        ids = saved_layer_ids(self.cfg.model, checkpoint_dir.tensor_specs(path))
         state = {part: renumber_layers(tensors, ids) for part, tensors in state.items()}
         check_shapes(path, state["model"], self.cfg, kept_layers=ids)
         never_stepped = check_optimizer_state(path, state["optim"]) if with_optim else set()

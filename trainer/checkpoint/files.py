@@ -15,51 +15,21 @@ links to the same files, so a save costs one write whatever the number of names.
 
 import ctypes
 import errno
-import io
 import os
-import pickle
 import re
 import shutil
 from pathlib import Path
 
-from trainer.config.fairseq_model import is_fairseq_checkpoint
-from trainer.config.hf_model import is_hf_dir, read_hf_config
 from trainer.errors import UsageError
+from trainer.formats.fairseq.checkpoint_file import is_fairseq_checkpoint
+from trainer.formats.hf.config import is_hf_dir, read_hf_config
+from trainer.formats.shardlm.checkpoint_dir import fairseq_path, is_checkpoint, resolve
 
 TMP_PREFIX = ".tmp-"
-STATE_FILE = "trainer_state.json"
 UPDATE_CKPT = re.compile(r"^checkpoint_(\d+)_(\d+)$")
 EPOCH_CKPT = re.compile(r"^checkpoint(\d+)$")
 BEST_CKPT = re.compile(r"^checkpoint\.best_(\w+)_(-?[\d.]+|inf|nan)$")
 LOW_SPACE = 64 << 20  # a write that failed with less than this free ran out of space
-
-
-def is_checkpoint(path):
-    path = Path(path)
-    return (path / STATE_FILE).is_file() and (path / ".metadata").is_file()
-
-
-def fairseq_path(path):
-    """`path` as a command line names a checkpoint (--restore-file, --finetune-from-model,
-    --path): fairseq spells them `checkpoint_last.pt`, `checkpoint_1_2.pt`, and scripts
-    written for it keep doing so; shardlm's are directories without the suffix. A `.pt`
-    name that does not exist means the same name without it, when that one does."""
-    path = Path(path)
-    if path.suffix == ".pt" and not path.exists():
-        bare = path.with_suffix("")
-        if bare.exists() or bare.with_name(bare.name + ".old").exists():
-            return bare
-    return path
-
-
-def resolve(path):
-    """The checkpoint directory at `path` (fairseq's `.pt` spelling tolerated), or None.
-    `<name>.old` stands in for a `<name>` that a save died replacing (publish())."""
-    path = fairseq_path(path)
-    for candidate in (path, path.with_name(path.name + ".old")):
-        if is_checkpoint(candidate):
-            return candidate
-    return None
 
 
 def checkpoints_in(save_dir):
@@ -260,75 +230,3 @@ def prune(save_dir, c):
     for name in doomed:
         shutil.rmtree(save_dir / name, ignore_errors=True)
     return doomed
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's `.metadata` is a pickle; only its own metadata classes, torch sizes and
-    dtypes may come out of it, so a checkpoint cannot run code when it is read."""
-
-    TORCH_NAMES = {
-        "Size",
-        "device",
-        "layout",
-        "memory_format",
-        "strided",
-        "sparse_coo",
-        "contiguous_format",
-        "preserve_format",
-        "channels_last",
-    }
-
-    def find_class(self, module, name):
-        import torch
-
-        if module.startswith("torch.distributed.checkpoint.") or (module, name) == ("collections", "OrderedDict"):
-            return super().find_class(module, name)
-        if module == "torch" and (name in self.TORCH_NAMES or isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        if (module, name) in (
-            ("torch.serialization", "_get_layout"),  # a layout by its name
-            ("pathlib", "PosixPath"),
-            ("pathlib", "PurePosixPath"),
-        ):  # the checkpoint's id
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
-
-
-def read_metadata(path):
-    """The DCP metadata of checkpoint `path`, read without running arbitrary code."""
-    with open(Path(path) / ".metadata", "rb") as f:
-        data = f.read()
-    try:
-        return _MetadataUnpickler(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-        raise UsageError(
-            f"{path}/.metadata is not a readable checkpoint index ({e}); pass another checkpoint"
-        ) from None
-
-
-def safe_reader(path):
-    """A DCP FileSystemReader whose metadata goes through the restricted unpickler."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            metadata = read_metadata(self.path)
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(os.fspath(path))
-
-
-def tensor_specs(path, prefix="model."):
-    """{name: (shape, dtype)} of the tensors under `prefix` in checkpoint `path`, from its metadata."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    meta = read_metadata(path)
-    return {
-        k[len(prefix) :]: (tuple(v.size), v.properties.dtype)
-        for k, v in meta.state_dict_metadata.items()
-        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
-    }

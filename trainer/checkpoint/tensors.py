@@ -8,28 +8,12 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from models.config import layers_to_keep
-from trainer.checkpoint import files
 from trainer.config.flags import flag_name, iter_fields
 from trainer.errors import UsageError
+from trainer.formats.shardlm import checkpoint_dir
 
 # One process without a process group is a normal way to save and load here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-class NoBytesLoadPlanner:
-    """Loads tensors only: a checkpoint whose DCP files hold pickled objects is refused."""
-
-    def __new__(cls):
-        from torch.distributed.checkpoint import DefaultLoadPlanner
-
-        class _Planner(DefaultLoadPlanner):
-            def load_bytes(self, read_item, value):
-                raise UsageError(
-                    f"checkpoint entry {read_item.dest_index.fqn} is a pickled object; "
-                    "shardlm only loads tensors and JSON"
-                )
-
-        return _Planner()
 
 
 def tensor_state(model, optimizer, with_optimizer=True):
@@ -126,7 +110,7 @@ def check_shapes(path, model_state, cfg=None, kept_layers=None):
     """Refuse a checkpoint of another model in one line naming the first difference.
     kept_layers: the checkpoint's layers a pruned model loads (`saved_layer_ids`); the
     others are not refused as extra."""
-    saved = files.tensor_specs(path)
+    saved = checkpoint_dir.tensor_specs(path)
     if kept_layers is not None:
         kept = {str(i) for i in kept_layers}
         saved = {n: spec for n, spec in saved.items() if not n.startswith("layers.") or n.split(".")[1] in kept}
@@ -169,7 +153,7 @@ def check_optimizer_state(path, optim_state):
     """Refuse optimizer state the checkpoint does not have (another --optimizer) in one line.
     Returns the parameters it has no state for at all while it has some for others: never
     stepped yet (LayerDrop skipped their layer in every update so far), they go on without."""
-    saved = set(files.read_metadata(path).state_dict_metadata)
+    saved = set(checkpoint_dir.read_metadata(path).state_dict_metadata)
     stepped = {fqn for fqn, entries in optim_state.items() if any(f"optim.{fqn}.{key}" in saved for key in entries)}
     never_stepped = set(optim_state) - stepped if stepped else set()
     for fqn, entries in optim_state.items():
@@ -190,7 +174,7 @@ def load_tensors(path, state):
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     try:
-        dcp.load(state, storage_reader=files.safe_reader(path), planner=NoBytesLoadPlanner())
+        dcp.load(state, storage_reader=checkpoint_dir.safe_reader(path), planner=checkpoint_dir.NoBytesLoadPlanner())
     except UsageError:
         raise
     except (Exception, CheckpointException) as e:  # a truncated or damaged shard: DCP's error is pages long

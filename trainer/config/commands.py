@@ -101,7 +101,7 @@ class GenerateConfig:
 
 @dataclass
 class ServeConfig:
-    """serve: an OpenAI-compatible HTTP server (trainer/inference/serve_command.py, serve.py)."""
+    """serve: an OpenAI-compatible HTTP server (trainer/serve/command.py, serve.py)."""
 
     path: Optional[str] = _f(None, MODEL_PATH_HELP, required=True)
     host: str = _f("127.0.0.1", "address to listen on (0.0.0.0: every interface; add --api-key then)")

@@ -23,11 +23,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config.flags import iter_fields, parse_float_list
-from trainer.config.hf_model import CONFIG as HF_CONFIG
-from trainer.config.hf_model import hf_model_settings, is_hf_dir
 from trainer.config.implied import resolve_implied
 from trainer.config.schema import GROUP_OPTIONS, GROUPS, register_configs
 from trainer.errors import UsageError
+from trainer.formats.hf.config import CONFIG as HF_CONFIG
+from trainer.formats.hf.config import hf_model_settings, is_hf_dir
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 FIELD_TYPES = {f"{g}.{f.name}": f.type for g, f in iter_fields()}

@@ -6,8 +6,7 @@ a file or a dotted override implies them as a flag does. The planner's flag sear
 candidate settings of its own: it applies `implies_activation_checkpointing` to them.
 """
 
-from trainer.config.fairseq_model import apply_fairseq_model
-from trainer.config.hf_model import apply_hf_model
+from trainer.config.model_source import apply_fairseq_model, apply_hf_model
 
 EMBEDDED_CORPUS_BATCH_SIZE = 8  # sequences per rank, as fairseq's FSDP examples use
 EMBEDDED_CORPUS_ADAM_LR = 5e-4  # the Adam lr of fairseq's language-model README

@@ -9,11 +9,11 @@ import io
 
 from trainer.config.commands import COMMAND_GROUPS
 from trainer.config.flags import build_command_parser, parse_command
-from trainer.inference.engine import Engine, GenerationRequest
 from trainer.inference.eval_lm import eval_lm
 from trainer.inference.generate import generate
 from trainer.inference.load import load_model, weights_dtype
-from trainer.inference.serve_command import check_cache_fits
+from trainer.serve.command import check_cache_fits
+from trainer.serve.engine import Engine, GenerationRequest
 
 
 def command_args(command, argv):

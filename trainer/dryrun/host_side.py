@@ -25,14 +25,17 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import trainer.inference.load as inference_load
 from data.iterator import EpochBatchIterator
-from trainer.checkpoint.hf_dir import HFWeights
-from trainer.inference.load import CheckpointTensors
+from trainer.formats.fairseq.reader import FairseqReader
+from trainer.formats.hf.weights import HFWeights
+from trainer.formats.shardlm.reader import CheckpointReader, ExportReader
 
 HOST_SIDE = (
     (device_mesh, "init_device_mesh"),
     (dtensor_utils, "compute_local_shape_and_global_offset"),
     (HFWeights, "rows"),
-    (CheckpointTensors, "get"),
+    (CheckpointReader, "get"),
+    (ExportReader, "get"),
+    (FairseqReader, "rows"),
     # a model the commands build on the meta device is shapes only already; made fake, its
     # parameters could not be swapped for the device's by to_empty
     (inference_load, "build_model"),

@@ -14,8 +14,8 @@ from pathlib import Path
 from data.chat_template import read_chat_template, render, template_variables
 from data.errors import DataError
 from data.hf_tokenizer import CHAT_TEMPLATE_FILE, HFTokenizer
-from trainer.checkpoint.generation_config import id_list, model_generation_config
 from trainer.errors import UsageError
+from trainer.formats.hf.generation_config import id_list, model_generation_config
 
 _SENTINEL = "\x00shardlm-reply\x00"  # a reply no template can mistake for its own text
 
@@ -49,7 +49,7 @@ def special_tokens(files_dir):
 
 def stop_ids(tokenizer, files_dir, cfg):
     """Every id generation stops at: the tokenizer's eos, and the eos ids the model's
-    config.json and generation_config.json name (trainer/checkpoint/generation_config.py)."""
+    config.json and generation_config.json name (trainer/formats/hf/generation_config.py)."""
     ids = [tokenizer.eos]
     if not isinstance(tokenizer, HFTokenizer):  # an HF config's ids mean nothing to another vocabulary
         return ids

@@ -30,8 +30,8 @@ from data.iterator import EpochBatchIterator, collate_pairs
 from data.targets import data_kind, load_targets
 from data.token_block import DocumentBlocks, TokenBlockDataset, collate_documents
 from data.tokenizer import load_tokenizer
-from trainer.config.fairseq_model import check_fairseq_dictionary, is_fairseq_checkpoint
 from trainer.errors import UsageError
+from trainer.formats.fairseq.checkpoint_file import check_fairseq_dictionary, is_fairseq_checkpoint
 from trainer.inference.load import load_model
 from trainer.parallel.ranks import all_reduce_sum, init_rank, teardown
 

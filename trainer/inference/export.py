@@ -12,15 +12,17 @@ from omegaconf import OmegaConf
 
 from data.hf_convert import write_hf_tokenizer
 from data.tokenizer import SPECIAL_IDS, has_tokenizer, load_tokenizer
-from models.hf_llama import llama_incompatibility
 from models.transformer_lm import build_model
-from trainer.checkpoint.generation_config import id_list, model_generation_config, write_generation_config
 from trainer.errors import UsageError
-from trainer.inference.hf_gpt2 import gpt2_incompatibility, write_hf_gpt2
-from trainer.inference.hf_llama_export import write_hf_llama
-from trainer.inference.hf_weights import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, parse_shard_size
-from trainer.inference.load import EXPORT_FILE, SIDE_FILES, CheckpointTensors
-from trainer.inference.safetensors_file import write_safetensors
+from trainer.formats.hf.generation_config import id_list, model_generation_config, write_generation_config
+from trainer.formats.hf.gpt2 import gpt2_incompatibility, write_hf_gpt2
+from trainer.formats.hf.llama import llama_incompatibility
+from trainer.formats.hf.llama_export import write_hf_llama
+from trainer.formats.hf.shards import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, parse_shard_size
+from trainer.formats.safetensors_file import write_safetensors
+from trainer.formats.registry import model_kind
+from trainer.formats.shardlm.export_dir import EXPORT_FILE
+from trainer.inference.load import SIDE_FILES, max_positions, open_run_model
 
 # Files whose presence in --out means it already holds a model: ours, or a Hugging Face one.
 _MODEL_FILES = (EXPORT_FILE, INDEX_FILE, "config.json")
@@ -37,7 +39,12 @@ def export_model(path, out, fmt="safetensors", dtype=None, max_shard_size=None):
     if max_shard_size is not None and fmt != "hf":
         raise UsageError("--max-shard-size splits a --format hf export; --format safetensors writes one file")
     max_bytes = parse_shard_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE)
-    src = CheckpointTensors(path)
+    if model_kind(path)[0] == "hf":  # already the format an export is for
+        raise UsageError(
+            f"{path} is a Hugging Face model directory; this command needs a checkpoint directory "
+            "(from --save-dir) or an export (from export-model)"
+        )
+    src = open_run_model(path)
     out = Path(out)
     _check_out(out)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=_nearest_existing(out)))
@@ -55,6 +62,7 @@ def export_model(path, out, fmt="safetensors", dtype=None, max_shard_size=None):
         for f in sorted(tmp.iterdir(), key=lambda f: (f.name in _MODEL_FILES, f.name == "config.json")):
             os.replace(f, out / f.name)
     finally:
+        src.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
@@ -80,11 +88,11 @@ def _write_export(src, out, dtype):
     write_safetensors(
         out / EXPORT_FILE, specs, lambda n: cast(src.get(n)), metadata={"format": "pt", "producer": "shardlm"}
     )
-    if src.kind == "fairseq":  # its config is inside the .pt; its dict.txt, if any, beside it
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(src.cfg))
-    else:
+    if src.kind in ("checkpoint", "export"):
         shutil.copyfile(src.path / "config.yaml", out / "config.yaml")
-    for name in SIDE_FILES[1:]:
+    else:  # another format's config, as ours; a fairseq .pt's dict.txt, if any, is beside it
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(src.cfg))
+    for name in SIDE_FILES:
         if (src.files_dir / name).is_file():
             shutil.copyfile(src.files_dir / name, out / name)
 
@@ -111,7 +119,7 @@ def _write_hf(src, out, dtype, max_bytes):
             our_specs,
             cfg,
             src.vocab_size(),
-            src.max_positions(),
+            max_positions(src),
             dtype or src.specs["embed_tokens.weight"][1],
             max_bytes,
             **ids,
@@ -122,7 +130,7 @@ def _write_hf(src, out, dtype, max_bytes):
             src.get,
             cfg,
             src.vocab_size(),
-            src.max_positions(),
+            max_positions(src),
             dtype=dtype or torch.float32,
             max_shard_size=max_bytes,
             **ids,
@@ -136,7 +144,7 @@ def _write_hf(src, out, dtype, max_bytes):
 def _model_specs(src):
     """[(name, shape)] of the model the checkpoint's config builds, in its order, each checked
     against the checkpoint's tensor of that name."""
-    model = build_model(src.cfg.model, src.vocab_size(), src.max_positions(), device="meta")
+    model = build_model(src.cfg.model, src.vocab_size(), max_positions(src), device="meta")
     specs = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     for name, shape in specs:
         if name not in src.specs:
@@ -148,7 +156,7 @@ def _model_specs(src):
 
 def _generation_config(src, ids):
     """generation_config.json of the export: the eos ids the model carries (a chat model's
-    end of turn among them; trainer/checkpoint/generation_config.py), the tokenizer's eos
+    end of turn among them; trainer/formats/hf/generation_config.py), the tokenizer's eos
     too, so transformers' generate stops where ours does; None when it carries none."""
     carried = model_generation_config(src.files_dir, src.cfg)
     if carried is None:

@@ -10,10 +10,11 @@ from data.data_dir import data_dirs
 from data.hf_tokenizer import HFTokenizer
 from data.tokenizer import load_tokenizer
 from models.generate import sample
-from trainer.config.fairseq_model import check_fairseq_dictionary, is_fairseq_checkpoint
 from trainer.errors import UsageError
+from trainer.formats.fairseq.checkpoint_file import check_fairseq_dictionary, is_fairseq_checkpoint
+from trainer.formats.registry import model_files_dir
 from trainer.inference import chat
-from trainer.inference.load import load_model, model_files_dir
+from trainer.inference.load import load_model
 
 
 def generate(args):

@@ -17,10 +17,10 @@ from data.iterator import EpochBatchIterator
 from data.token_block import TokenBlockDataset
 from data.tokenizer import has_tokenizer, tokenizer_identity
 from trainer.checkpoint.files import restore_choice
-from trainer.config.fairseq_model import check_fairseq_dictionary, fairseq_source
-from trainer.config.hf_model import hf_finetune_dir, hf_vocab_size
+from trainer.config.model_source import fairseq_source, hf_finetune_dir, hf_vocab_size
 from trainer.config.schema import uses_fsdp
 from trainer.errors import UsageError
+from trainer.formats.fairseq.checkpoint_file import check_fairseq_dictionary
 from trainer.host import host_memory_gb, runs_on_gpu
 from trainer.plan.search import model_shape, sequences_per_batch
 from trainer.rendezvous import infer_rendezvous

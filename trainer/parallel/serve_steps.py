@@ -3,7 +3,7 @@ sharded across ranks).
 
 Under FSDP every forward all-gathers each layer's shards, a collective that every rank
 must join with the same inputs' shapes. Rank 0 alone takes requests and decides each
-step's batch (trainer/inference/engine.py); it broadcasts each operation — a row added or
+step's batch (trainer/serve/engine.py); it broadcasts each operation — a row added or
 removed, a forward's token ids and rows — before running it, and the other ranks run the
 same one on their own KV cache (`follow_ops`), so their caches stay equal to rank 0's.
 """

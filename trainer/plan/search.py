@@ -17,11 +17,12 @@ from data.errors import DataError
 from data.tokenizer import load_tokenizer
 from models.config import PUBLISHED_VOCABS, adaptive_bands, head_dim, kv_heads, num_layers
 from trainer.config.checks import check_adaptive_vocab
-from trainer.config.fairseq_model import fairseq_settings, is_fairseq_checkpoint
-from trainer.config.hf_model import hf_vocab_size, read_hf_config
 from trainer.config.implied import implies_activation_checkpointing
+from trainer.config.model_source import hf_vocab_size
 from trainer.config.schema import ddp_backend, model_positions
 from trainer.errors import UsageError
+from trainer.formats.fairseq.checkpoint_file import is_fairseq_checkpoint
+from trainer.formats.registry import model_settings
 from trainer.plan.ledger import ModelShape, Setup, predict
 from trainer.plan.optimizer_memory import ELEMENTWISE_STATES
 from trainer.rendezvous import infer_rendezvous
@@ -58,22 +59,18 @@ def apply_hf_config(cfg, model_dir):
     fairseq-train checkpoint's model (its saved config), and return
     (its vocabulary, where it comes from). UsageError, one line, when config.json is missing,
     not JSON, or describes a model we cannot build."""
-    if is_fairseq_checkpoint(model_dir):
-        _, fixed, training, _, vocab = fairseq_settings(model_dir)
-        for key, value in {**fixed, **training}.items():
-            cfg.model[key] = value
-        return vocab, f"from {model_dir}"
-    if not Path(model_dir).is_dir():
-        raise UsageError(
-            f"--path {model_dir}: no such directory or file (give a Hugging Face model directory or a "
-            "fairseq-train checkpoint)"
-        )
-    if not (Path(model_dir) / "config.json").is_file():
-        raise UsageError(f"{model_dir} is not a Hugging Face model directory: it has no config.json")
-    _, fields, vocab, positions = read_hf_config(model_dir)
-    for key, value in {**fields, "max_target_positions": positions}.items():
+    if not is_fairseq_checkpoint(model_dir):
+        if not Path(model_dir).is_dir():
+            raise UsageError(
+                f"--path {model_dir}: no such directory or file (give a Hugging Face model directory or a "
+                "fairseq-train checkpoint)"
+            )
+        if not (Path(model_dir) / "config.json").is_file():
+            raise UsageError(f"{model_dir} is not a Hugging Face model directory: it has no config.json")
+    fields, vocab, where = model_settings(model_dir)
+    for key, value in fields.items():
         cfg.model[key] = value
-    return vocab, f"from {Path(model_dir) / 'config.json'}"
+    return vocab, where
 
 
 def model_shape(cfg, vocab):

@@ -1,6 +1,6 @@
 """`plan --serve`: one rank's memory while `serve` runs a model, and whether it fits.
 
-What `serve` holds (trainer/inference/engine.py, models/batch_cache.py,
+What `serve` holds (trainer/serve/engine.py, models/batch_cache.py,
 trainer/parallel/serve_steps.py): the weights in fp32 (2 bytes with --fp16/--bf16),
 sharded over every rank by FSDP (one unit a layer, the root another); during a forward the
 root and one layer gathered (two on a GPU, whose all-gather stream runs a layer ahead); the

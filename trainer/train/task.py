@@ -24,7 +24,7 @@ from data.indexed_dataset import IndexedDataset, exists
 from data.iterator import EpochBatchIterator, collate
 from data.token_block import ConcatDataset, DocumentBlocks, TokenBlockDataset, collate_documents
 from data.tokenizer import SPECIAL_IDS, load_tokenizer
-from trainer.config.hf_model import hf_vocab_size
+from trainer.config.model_source import hf_vocab_size
 from trainer.train.preemption import leave_stop_signals_to_the_rank
 
 log = logging.getLogger("shardlm")

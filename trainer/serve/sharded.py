@@ -15,11 +15,11 @@ import functools
 import signal
 
 from trainer.errors import UsageError
-from trainer.inference import serve_command
-from trainer.inference.engine import follow_ops
 from trainer.inference.load import load_model, weights_dtype
 from trainer.parallel.ranks import init_rank, teardown
 from trainer.parallel.serve_steps import broadcast_op, op_group, receive_op, shard_for_serving
+from trainer.serve import command as serve_command
+from trainer.serve.engine import follow_ops
 
 
 def run(args, cfg, rdv):

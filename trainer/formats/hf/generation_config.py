@@ -16,8 +16,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from trainer.config.hf_model import is_hf_dir
 from trainer.errors import UsageError
+from trainer.formats.hf.config import is_hf_dir
 
 GENERATION_CONFIG = "generation_config.json"
 _SOURCES = ("config.json", GENERATION_CONFIG)

@@ -1,76 +1,24 @@
-"""A Hugging Face model directory as the model of a run: `train DATA --finetune-from-model HF_DIR`.
+"""The model of a run that starts from another's: `--finetune-from-model HF_DIR` or a
+fairseq-train `.pt` (--finetune-from-model or --restore-file).
 
-Its config.json decides the model, as a preset would (models/hf_llama.py maps it to our
-fields), and more: a preset's keys may be changed by flags, config.json's may not, since
-the weights only fit the model it describes. A model key the user set (flag, YAML key or
-override) that contradicts it is refused in one line; the training-time keys it does not
-fix (dropout, activation checkpointing, FSDP wrapping, ...) stay the user's. Torch-free:
-composing the config and the checks before any rank starts read it.
+The source decides the model, as a preset would, and more: a preset's keys may be changed
+by flags, the source's may not, since its weights only fit the model it describes. A model
+key the user set (flag, YAML key or override) that contradicts it is refused in one line;
+the training-time keys it does not fix (dropout, activation checkpointing, FSDP wrapping,
+...) take its values as defaults and stay the user's. What each format holds is read by its
+room (trainer/formats/hf/config.py, trainer/formats/fairseq/checkpoint_file.py), torch-free
+for Hugging Face: composing the config and the checks before any rank starts read it.
 """
 
 import json
 from pathlib import Path
 
 from models.config import PRESETS
-from models.hf_llama import HFConfigError, llama_incompatibility, model_from_hf_config
 from trainer.config.flags import flag_name, iter_fields
 from trainer.errors import UsageError
-
-CONFIG = "config.json"
-
-# Our field → the config.json key it comes from, for the refusal's message; the fields
-# missing here follow from model_type (Llama's layout: RMSNorm, SwiGLU, RoPE, no biases).
-HF_KEYS = {
-    "decoder_layers": "num_hidden_layers",
-    "decoder_embed_dim": "hidden_size",
-    "decoder_ffn_embed_dim": "intermediate_size",
-    "decoder_attention_heads": "num_attention_heads",
-    "decoder_kv_heads": "num_key_value_heads",
-    "decoder_head_dim": "head_dim",
-    "norm_eps": "rms_norm_eps",
-    "activation_fn": "hidden_act",
-    "share_decoder_input_output_embed": "tie_word_embeddings",
-    "max_target_positions": "max_position_embeddings",
-    "rope_theta": "rope_theta",
-    "rope_scaling": "rope_scaling",
-    "rope_scaling_factor": "rope_scaling",
-    "rope_low_freq_factor": "rope_scaling",
-    "rope_high_freq_factor": "rope_scaling",
-    "rope_original_max_positions": "rope_scaling",
-}
-# Training-time choices config.json has values for (or that its model has none of): its
-# values are the defaults, and a flag may change them. Dropout is off in the published
-# models, as in our Llama presets, and fine-tuning keeps it so unless asked.
-TRAINING_DEFAULTS = {"dropout": 0.0, "activation_dropout": 0.0}
-
-
-def is_hf_dir(path):
-    """A Hugging Face model directory (its config.json), not one of our checkpoints or exports."""
-    path = Path(path)
-    return (
-        (path / CONFIG).is_file() and not (path / "trainer_state.json").exists() and not (path / "config.yaml").exists()
-    )
-
-
-def read_hf_config(path):
-    """(config.json as a dict, our model fields, vocab size, max positions) of an HF dir."""
-    path = Path(path)
-    try:
-        config = json.loads((path / CONFIG).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(
-            f"{path / CONFIG} is not valid JSON ({str(e).splitlines()[0]}); pass a Hugging Face "
-            "model directory as save_pretrained writes it"
-        ) from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{path / CONFIG} is not a JSON object; pass a Hugging Face model directory")
-    try:
-        fields, vocab_size, max_positions = model_from_hf_config(config)
-    except HFConfigError as e:
-        raise UsageError(f"{path / CONFIG}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise UsageError(f"{path / CONFIG}: missing or invalid key {e}; pass a complete Hugging Face config") from None
-    return config, fields, vocab_size, max_positions
+from trainer.formats.fairseq.checkpoint_file import fairseq_settings, is_fairseq_checkpoint
+from trainer.formats.hf.config import CONFIG, HF_KEYS, hf_model_settings, is_hf_dir, read_hf_config
+from trainer.formats.hf.llama import llama_incompatibility
 
 
 def hf_finetune_dir(cfg):
@@ -98,14 +46,6 @@ def hf_source(checkpoint):
     except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
         return None
     return Path(name) if isinstance(name, str) and is_hf_dir(name) else None
-
-
-def hf_model_settings(path):
-    """(the model keys config.json fixes, the training keys it gives defaults for) of an HF dir."""
-    _, fields, _, max_positions = read_hf_config(path)
-    fixed = {**fields, "max_target_positions": max_positions}
-    defaults = {**TRAINING_DEFAULTS, "attention_dropout": fixed.pop("attention_dropout")}
-    return fixed, defaults
 
 
 def hf_vocab_size(cfg):
@@ -176,3 +116,44 @@ def _same_path(a, b):
         return Path(a).resolve() == Path(b).resolve()
     except (OSError, RuntimeError):
         return False
+
+
+def fairseq_source(cfg):
+    """The fairseq checkpoint a run starts from (--finetune-from-model X.pt, --restore-file X.pt
+    as given or in --save-dir, or fairseq's checkpoint_last.pt in --save-dir), or None."""
+    checkpoint_cfg = cfg.checkpoint
+    finetune = checkpoint_cfg.get("finetune_from_model")
+    if finetune and is_fairseq_checkpoint(finetune):
+        return Path(finetune)
+    save_dir, restore = Path(checkpoint_cfg.save_dir), Path(checkpoint_cfg.restore_file)
+    if checkpoint_cfg.restore_file in ("checkpoint_last", "checkpoint_last.pt"):
+        # the default is --save-dir's own: fairseq's checkpoint_last.pt there resumes its run
+        candidates = [save_dir / "checkpoint_last.pt"]
+    else:
+        candidates = [restore, save_dir / restore]
+    return next((c for c in candidates if is_fairseq_checkpoint(c)), None)
+
+
+def apply_fairseq_model(cfg, given):
+    """Set the model of the fairseq checkpoint the run starts from on `cfg`, refusing the
+    model keys in `given` (set by the user) that contradict the checkpoint's config."""
+    path = fairseq_source(cfg)
+    if path is None:
+        return
+    arch, fixed, training, _, _ = fairseq_settings(path)
+    model_cfg = cfg.model
+    if "model._name" in given and model_cfg._name != arch:
+        raise UsageError(f"--arch {model_cfg._name} contradicts {path}, a fairseq {arch} model; drop --arch")
+    flags = {f.name: flag_name(f) for group, f in iter_fields() if group == "model"}
+    for key, value in fixed.items():
+        if f"model.{key}" in given and model_cfg[key] != value:
+            raise UsageError(
+                f"{flags[key]} {_shown(model_cfg[key])} contradicts {path} (its model has "
+                f"{key}={_shown(value)}); drop the flag"
+            )
+    for key, value in fixed.items():
+        model_cfg[key] = value
+    for key, value in training.items():
+        if f"model.{key}" not in given:
+            model_cfg[key] = value
+    model_cfg._name = arch if arch in PRESETS else "transformer_lm"

@@ -5,7 +5,7 @@ parameters. Torch-free: `train` reads a model directory's config before torch is
 Our layer fuses what they keep apart: qkv_proj is q_proj, k_proj and v_proj stacked by rows,
 fc1 is gate_proj and up_proj stacked by rows. Every other tensor is theirs under another
 name, in the same [out, in] orientation, so a slice of rows of ours is a slice of rows of
-one or more of theirs: a sharded rank reads only its rows (trainer/checkpoint/hf_dir.py).
+one or more of theirs: a sharded rank reads only its rows (trainer/formats/hf/weights.py).
 """
 
 from models.config import head_dim, kv_heads, num_layers

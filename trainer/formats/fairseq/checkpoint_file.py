@@ -5,9 +5,8 @@ model of a command: `eval-lm`, `generate`, `export-model` and `plan --path X.pt`
 The file is read by torch's weights_only unpickler with an allow-list of the types fairseq's
 checkpoints hold (dicts, tensors, and the argparse.Namespace of fairseq < 0.10), so a crafted
 file is refused unread instead of running its code. Its config decides the model, as a Hugging
-Face config.json does (trainer/config/hf_model.py): a model flag that contradicts it is
-refused, the training-time ones (dropout, LayerDrop, checkpointing, ...) take its values as
-defaults. models/fairseq_lm.py maps its options and tensors to ours.
+Face config.json does (trainer/config/model_source.py says what flags may change);
+trainer/formats/fairseq/model.py maps its options and tensors to ours.
 """
 
 import argparse
@@ -17,10 +16,8 @@ import re
 import zipfile
 from pathlib import Path
 
-from models.config import PRESETS
-from models.fairseq_lm import FairseqConfigError, fairseq_model_config, model_from_fairseq
-from trainer.config.flags import flag_name, iter_fields
 from trainer.errors import UsageError
+from trainer.formats.fairseq.model import FairseqConfigError, fairseq_model_config, model_from_fairseq
 
 # The legacy (non-zip) torch.save format starts with a pickle's protocol-2 opcode.
 _LEGACY_MAGIC = b"\x80\x02"
@@ -134,48 +131,3 @@ def check_fairseq_dictionary(path, data_dir, data_vocab):
             raise UsageError(
                 f"DATA {data_dir}'s dict.txt differs from {theirs}, the one {path} was trained with: {fix}"
             )
-
-
-def fairseq_source(cfg):
-    """The fairseq checkpoint a run starts from (--finetune-from-model X.pt, --restore-file X.pt
-    as given or in --save-dir, or fairseq's checkpoint_last.pt in --save-dir), or None."""
-    checkpoint_cfg = cfg.checkpoint
-    finetune = checkpoint_cfg.get("finetune_from_model")
-    if finetune and is_fairseq_checkpoint(finetune):
-        return Path(finetune)
-    save_dir, restore = Path(checkpoint_cfg.save_dir), Path(checkpoint_cfg.restore_file)
-    if checkpoint_cfg.restore_file in ("checkpoint_last", "checkpoint_last.pt"):
-        # the default is --save-dir's own: fairseq's checkpoint_last.pt there resumes its run
-        candidates = [save_dir / "checkpoint_last.pt"]
-    else:
-        candidates = [restore, save_dir / restore]
-    return next((c for c in candidates if is_fairseq_checkpoint(c)), None)
-
-
-def _shown(value):
-    return str(value).lower() if isinstance(value, bool) else value
-
-
-def apply_fairseq_model(cfg, given):
-    """Set the model of the fairseq checkpoint the run starts from on `cfg`, refusing the
-    model keys in `given` (set by the user) that contradict the checkpoint's config."""
-    path = fairseq_source(cfg)
-    if path is None:
-        return
-    arch, fixed, training, _, _ = fairseq_settings(path)
-    model_cfg = cfg.model
-    if "model._name" in given and model_cfg._name != arch:
-        raise UsageError(f"--arch {model_cfg._name} contradicts {path}, a fairseq {arch} model; drop --arch")
-    flags = {f.name: flag_name(f) for group, f in iter_fields() if group == "model"}
-    for key, value in fixed.items():
-        if f"model.{key}" in given and model_cfg[key] != value:
-            raise UsageError(
-                f"{flags[key]} {_shown(model_cfg[key])} contradicts {path} (its model has "
-                f"{key}={_shown(value)}); drop the flag"
-            )
-    for key, value in fixed.items():
-        model_cfg[key] = value
-    for key, value in training.items():
-        if f"model.{key}" not in given:
-            model_cfg[key] = value
-    model_cfg._name = arch if arch in PRESETS else "transformer_lm"

@@ -1,7 +1,7 @@
-"""What `serve` needs from an engine: the batched Engine (trainer/inference/engine.py) seen
+"""What `serve` needs from an engine: the batched Engine (trainer/serve/engine.py) seen
 from an asyncio event loop.
 
-The HTTP side (trainer/inference/serve.py) only ever calls:
+The HTTP side (trainer/serve/app.py) only ever calls:
 
     handle = engine.submit(GenerationRequest(...))   # from the event loop; raises QueueFull
     async for event in handle: ...                   # TokenEvent, prompt tokens first with echo
@@ -19,7 +19,7 @@ request once `max_queue` wait (429), so a burst cannot queue unbounded work.
 import asyncio
 from dataclasses import dataclass, field
 
-from trainer.inference.engine import Engine, GenerationRequest
+from trainer.serve.engine import Engine, GenerationRequest
 
 __all__ = ["BatchedEngine", "GenerationRequest", "Handle", "QueueFull", "TokenEvent"]
 
@@ -106,7 +106,7 @@ class BatchedEngine:
         self.max_queue = max_queue
         # serve passes each request's stop ids and checks prompts itself: no eos ids or bos here.
         # broadcast: a sharded serve's rank 0 sends each cache operation and forward to the
-        # ranks that follow it (trainer/inference/sharded_serving.py)
+        # ranks that follow it (trainer/serve/sharded.py)
         self._engine = Engine(
             model, tokenizer, max_batch=max_batch, max_len=max_len, banned=banned, broadcast=broadcast
         )

@@ -20,7 +20,7 @@ import torch
 from models.config import head_dim, kv_heads, num_layers
 from models.transformer_lm import sinusoidal_positions
 from trainer.errors import UsageError
-from trainer.inference.hf_weights import DEFAULT_MAX_SHARD_SIZE, write_hf_weights
+from trainer.formats.hf.shards import DEFAULT_MAX_SHARD_SIZE, write_hf_weights
 
 # F.gelu is the exact erf form: HF's "gelu", not its tanh approximation "gelu_new".
 HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu"}

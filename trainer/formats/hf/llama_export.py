@@ -9,9 +9,9 @@ of our tensors is read at a time, and held only while its parts are written.
 
 import json
 
-from models.hf_llama import hf_config, hf_parts
 from trainer.errors import UsageError
-from trainer.inference.hf_weights import DEFAULT_MAX_SHARD_SIZE, write_hf_weights
+from trainer.formats.hf.llama import hf_config, hf_parts
+from trainer.formats.hf.shards import DEFAULT_MAX_SHARD_SIZE, write_hf_weights
 
 HF_METADATA = {"format": "pt"}  # transformers checks it before loading a safetensors file
 

@@ -2,8 +2,8 @@
 state (update count, lr schedule, data position, best metric) that `train --restore-file X.pt`
 resumes fairseq's run from.
 
-The file is memory-mapped (trainer/config/fairseq_model.py reads it safely); each of our
-parameters is built from its fairseq tensors (models/fairseq_lm.py: q, k and v stacked by
+The file is memory-mapped (trainer/formats/fairseq/checkpoint_file.py reads it safely); each of our
+parameters is built from its fairseq tensors (trainer/formats/fairseq/model.py: q, k and v stacked by
 rows into our qkv_proj) and a rank copies only the rows of its own shard.
 
 fairseq's optimizer state is keyed by the position of a parameter in its model's
@@ -18,10 +18,9 @@ import math
 import torch
 
 from data.iterator import ORDER
-from models.fairseq_lm import fairseq_parts, is_buffer
-from trainer.config.fairseq_model import read_fairseq_checkpoint
 from trainer.errors import UsageError
-from trainer.parallel.parallelize import local_rows
+from trainer.formats.fairseq.checkpoint_file import read_fairseq_checkpoint
+from trainer.formats.fairseq.model import fairseq_parts, is_buffer
 
 log = logging.getLogger("shardlm")
 
@@ -71,6 +70,8 @@ def stacked_rows(tensors, first, last):
         if lo < hi:
             out.append(tensor[lo:hi])
         start += tensor.shape[0]
+    if not out:  # no rows: a rank whose shard of this parameter is empty
+        return tensors[0][:0]
     return torch.cat(out) if len(out) > 1 else out[0]
 
 
@@ -115,41 +116,6 @@ def fairseq_adam_state(src):
             f"{src.path}: {len(states)} optimizer states for {len(order)} parameters; resume with --reset-optimizer"
         )
     return dict(zip(order, states))
-
-
-def load_fairseq_weights(model, model_cfg, path):
-    """Copy a fairseq checkpoint's weights into `model` (plain, DDP-wrapped or sharded), each
-    rank its own rows. Returns the source (for the optimizer's state) and the parameter count."""
-    model = getattr(model, "module", model)
-    params = dict(model.named_parameters())
-    src = FairseqTensors(path, model_cfg)
-    src.check({name: tuple(p.shape) for name, p in params.items()})
-    with torch.no_grad():
-        for name, p in params.items():
-            local, first = local_rows(p)
-            if local.numel():
-                local.copy_(src.rows(name, first, first + local.shape[0], local.dtype))
-    return src, sum(p.numel() for p in params.values())
-
-
-def load_fairseq_adam(model, optimizer, src):
-    """Set the optimizer's state from fairseq's Adam: each parameter's exp_avg and exp_avg_sq
-    built from its fairseq parts like its weight, this rank's rows only, and the step count."""
-    adam = fairseq_adam_state(src)
-    model = getattr(model, "module", model)
-    for name, p in model.named_parameters():
-        parts = src.parts(name)
-        if any(part not in adam for part in parts):  # tied elsewhere: stepped as that one
-            continue
-        state = {"step": torch.tensor(float(adam[parts[0]]["step"]), dtype=torch.float32, device=p.device)}
-        local, first = local_rows(p)
-        for key in ("exp_avg", "exp_avg_sq"):
-            whole = torch.zeros_like(p)
-            mine, _ = local_rows(whole)
-            if mine.numel():
-                mine.copy_(stacked_rows([adam[part][key] for part in parts], first, first + local.shape[0]))
-            state[key] = whole
-        optimizer.state[p] = state
 
 
 def fairseq_pieces(src):

@@ -4,8 +4,8 @@
 Starlette + uvicorn: an ASGI app streams server-sent events from an async generator, and
 Starlette cancels that generator when the client hangs up, which cancels its request in the
 engine; uvicorn drains the requests in flight on SIGTERM/Ctrl-C up to a deadline. Requests
-are checked by trainer/inference/openai_api.py; tokens come from an engine
-(trainer/inference/serve_engine.py describes the interface).
+are checked by trainer/serve/openai_api.py; tokens come from an engine
+(trainer/serve/batching.py describes the interface).
 """
 
 import json
@@ -19,10 +19,10 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from trainer.errors import UsageError
-from trainer.inference import openai_api as api
 from trainer.inference.chat import render_chat
-from trainer.inference.serve_engine import GenerationRequest, QueueFull
-from trainer.inference.serve_text import StopText, continuation_text, text_offsets
+from trainer.serve import openai_api as api
+from trainer.serve.batching import GenerationRequest, QueueFull
+from trainer.serve.text import StopText, continuation_text, text_offsets
 
 
 class Served:

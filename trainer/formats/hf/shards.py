@@ -13,7 +13,7 @@ import re
 import torch
 
 from trainer.errors import UsageError
-from trainer.inference.safetensors_file import write_safetensors
+from trainer.formats.safetensors_file import write_safetensors
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 INDEX_FILE = "model.safetensors.index.json"

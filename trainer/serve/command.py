@@ -11,16 +11,17 @@ import uvicorn
 from data.hf_tokenizer import HFTokenizer
 from models.batch_cache import BatchKVCache
 from trainer.errors import UsageError
+from trainer.formats.registry import model_files_dir
 from trainer.host import host_available_gb
 from trainer.inference import chat
-from trainer.inference.load import load_model, model_files_dir, weights_dtype
-from trainer.inference.serve import Served, build_app
-from trainer.inference.serve_engine import BatchedEngine
+from trainer.inference.load import load_model, weights_dtype
+from trainer.serve.app import Served, build_app
+from trainer.serve.batching import BatchedEngine
 
 
 def serve(args, loaded=None, broadcast=None):
     """loaded: (model, cfg, tokenizer) already loaded, and broadcast: how each engine step
-    reaches the other ranks (rank 0 of a sharded serve: trainer/inference/sharded_serving.py)."""
+    reaches the other ranks (rank 0 of a sharded serve: trainer/serve/sharded.py)."""
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     if loaded is None:
         loaded = load_model(args.path, device, dtype=weights_dtype(args))

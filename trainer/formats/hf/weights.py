@@ -15,15 +15,8 @@ from pathlib import Path
 
 import torch
 
-from models.hf_llama import hf_parts, row_slices
-
-# Torch-free, in the config room, which composes the model from config.json; here too for
-# the commands that read weights.
-from trainer.config.hf_model import is_hf_dir, read_hf_config
 from trainer.errors import UsageError
-from trainer.parallel.parallelize import local_rows
-
-__all__ = ["HFWeights", "is_hf_dir", "load_hf_weights", "read_hf_config"]
+from trainer.formats.hf.llama import hf_parts, row_slices
 
 SINGLE_FILE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -134,6 +127,10 @@ class HFWeights:
                         "quantized weights are not supported: pass the unquantized model"
                     )
 
+    def dtype_of(self, name, model_cfg):
+        """The dtype our parameter `name` is saved in (its first part's)."""
+        return FLOAT_DTYPES[self.specs[hf_parts(name, model_cfg)[0][0]][1]]
+
     def rows(self, name, model_cfg, start, stop, dtype):
         """Rows start…stop-1 of our parameter `name`, read from the files (only those rows)."""
         pieces = []
@@ -159,19 +156,3 @@ def _cut_tensor(path):
     except (OSError, struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
         return None
     return next(((name, end, size) for end, name in ends if end > size), None)
-
-
-@torch.no_grad()
-def load_hf_weights(model, model_cfg, path):
-    """Copy an HF directory's weights into `model` (plain, DDP-wrapped or sharded): each rank
-    reads the rows of its own shards only. Checks everything first; returns the number of
-    parameters loaded."""
-    model = getattr(model, "module", model)  # DDP
-    params = dict(model.named_parameters())
-    with HFWeights(path) as weights:
-        weights.check({name: tuple(p.shape) for name, p in params.items()}, model_cfg)
-        for name, p in params.items():
-            local, first = local_rows(p)
-            if local.numel():
-                local.copy_(weights.rows(name, model_cfg, first, first + local.shape[0], local.dtype))
-    return sum(p.numel() for p in params.values())

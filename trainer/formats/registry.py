@@ -1,0 +1,89 @@
+"""Which format a path holds, and its reader: the one place a format is registered.
+
+Each entry of FORMATS is (name, test, reader class): the first whose test accepts the path
+opens it. The tests are torch-free and read no tensor; a reader module is imported only
+when its format is opened (its torch import is what a torch-free command defers). Adding a
+format is one module in its room and one line here.
+"""
+
+from pathlib import Path
+
+from trainer.errors import UsageError
+from trainer.formats.fairseq.checkpoint_file import fairseq_settings, is_fairseq_checkpoint
+from trainer.formats.hf.config import is_hf_dir, read_hf_config
+from trainer.formats.shardlm import checkpoint_dir
+from trainer.formats.shardlm.export_dir import is_export
+
+
+def _checkpoint(path):
+    return checkpoint_dir.resolve(path)
+
+
+def _hf(path):
+    return path if is_hf_dir(path) else None
+
+
+def _fairseq(path):
+    return path if is_fairseq_checkpoint(path) else None
+
+
+# (kind, the path it opens or None, "module:class" of its reader), tried in this order.
+FORMATS = [
+    ("export", lambda p: p if is_export(p) else None, "trainer.formats.shardlm.reader:ExportReader"),
+    ("checkpoint", _checkpoint, "trainer.formats.shardlm.reader:CheckpointReader"),
+    ("hf", _hf, "trainer.formats.hf.reader:HFReader"),
+    ("fairseq", _fairseq, "trainer.formats.fairseq.reader:FairseqReader"),
+]
+
+
+def model_kind(path):
+    """(kind, the path its reader opens) of the model at `path`; UsageError naming what
+    would do when it is none of them."""
+    path = checkpoint_dir.fairseq_path(path)  # `--path DIR/checkpoint_best.pt`, as fairseq's commands are given
+    for kind, found, _ in FORMATS:
+        opened = found(path)
+        if opened is not None:
+            return kind, Path(opened)
+    if (path / "checkpoint_last").is_dir():
+        raise UsageError(
+            f"{path} is a --save-dir, not one checkpoint; pass one of its checkpoints, "
+            f"e.g. --path {path / 'checkpoint_last'}"
+        )
+    raise UsageError(
+        f"{path} is neither a checkpoint directory (from --save-dir), an export (from export-model), "
+        "a Hugging Face model directory (config.json and safetensors) nor a fairseq-train checkpoint "
+        "(.pt); pass one with --path"
+    )
+
+
+def open_model(path):
+    """The reader of the model at `path` (trainer/formats/reader.py)."""
+    import importlib
+
+    kind, opened = model_kind(path)
+    module, name = next(reader for k, _, reader in FORMATS if k == kind).split(":")
+    return getattr(importlib.import_module(module), name)(opened)
+
+
+def model_files_dir(path):
+    """Where the tokenizer and side files of the model at `path` are (a fairseq checkpoint's
+    are beside it), found without reading a tensor."""
+    kind, opened = model_kind(path)
+    return opened.parent if kind == "fairseq" else opened
+
+
+def model_settings(path):
+    """(our model fields, vocabulary size, where they come from) of the model at `path`, read
+    without its tensors (torch-free for a Hugging Face directory; a fairseq .pt is a torch
+    pickle). `plan --path` sizes a model by them."""
+    kind, opened = model_kind(path)
+    if kind == "hf":
+        _, fields, vocab, positions = read_hf_config(opened)
+        return {**fields, "max_target_positions": positions}, vocab, f"from {opened / 'config.json'}"
+    if kind == "fairseq":
+        _, fixed, training, _, vocab = fairseq_settings(opened)
+        return {**fixed, **training}, vocab, f"from {opened}"
+    raise UsageError(
+        f"--path {path} is a shardlm {kind}: plan sizes a model by its flags (or --path HF_DIR or a "
+        "fairseq-train .pt); pass the flags it was trained with"
+    )
