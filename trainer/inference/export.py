@@ -19,8 +19,8 @@ from trainer.formats.hf.gpt2 import gpt2_incompatibility, write_hf_gpt2
 from trainer.formats.hf.llama import llama_incompatibility
 from trainer.formats.hf.llama_export import write_hf_llama
 from trainer.formats.hf.shards import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, parse_shard_size
-from trainer.formats.safetensors_file import write_safetensors
 from trainer.formats.registry import model_kind
+from trainer.formats.safetensors_file import write_safetensors
 from trainer.formats.shardlm.export_dir import EXPORT_FILE
 from trainer.inference.load import SIDE_FILES, max_positions, open_run_model
 
