@@ -6,9 +6,9 @@ import json
 from dataclasses import replace
 
 import pytest
+from plan_helpers import SETUP, SHAPE
 
 import cli
-from tests.test_plan import SETUP, SHAPE
 from trainer.plan import optimizer_memory
 from trainer.plan.ledger import comm_bytes, simulate
 from trainer.plan.search import choose
