@@ -87,13 +87,19 @@ def _first_of_sweep(override):
 
 
 def preprocess_main(argv=None):
+    """fairseq-preprocess: local files -> sentencepiece (or an HF tokenizer) -> token files."""
     from data.errors import DataError
-    from data.preprocess import build_parser, preprocess
-    from trainer.config.flags import _Parser
 
-    argv = _argv(argv)
     try:
-        args = build_parser(_Parser).parse_args(argv)
+        args = _parse_command(
+            "preprocess",
+            "Tokenize local text, jsonl, parquet or csv files (or a saved HF dataset) into memory-mapped\n"
+            "token files for train, with a sentencepiece model trained on --trainpref (default), reused\n"
+            "(--spm-model), or a Hugging Face model's own tokenizer (--tokenizer).",
+            argv,
+        )
+        from data.preprocess import preprocess
+
         preprocess(args)
     except UsageError as e:
         return _fail("preprocess", e, 2)

@@ -21,12 +21,13 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
 from data.atomic_file import write_atomically
 from data.errors import DataError
-from data.preprocess import build_parser, preprocess
+from data.preprocess import preprocess
 
 VERSION_DIR = "embedded-v1"
 _SEED = 20240611
@@ -137,23 +138,7 @@ def _build(workdir: Path) -> None:
                 "valid_bits_per_char": entropy_bits(language, lines) / len(text),
                 "valid_chars": len(text),
             }
-    args = build_parser().parse_args(
-        [
-            "--trainpref",
-            os.fspath(text_dir / "train.txt"),
-            "--validpref",
-            os.fspath(text_dir / "valid.txt"),
-            "--testpref",
-            os.fspath(text_dir / "test.txt"),
-            "--destdir",
-            os.fspath(workdir),
-            "--vocab-size",
-            str(_VOCAB_SIZE),
-            "--spm-model-type",
-            "bpe",
-        ]
-    )
-    preprocess(args)
+    preprocess(preprocess_options(text_dir, workdir))
     metadata_path = workdir / "metadata.json"
     metadata = json.loads(metadata_path.read_text(encoding="utf-8"))
     # Relative: the absolute temp paths preprocess saw are gone after the rename.
@@ -169,6 +154,28 @@ def _build(workdir: Path) -> None:
         ),
     }
     write_atomically(metadata_path, json.dumps(metadata, indent=2) + "\n")
+
+
+def preprocess_options(text_dir: Path, workdir: Path) -> SimpleNamespace:
+    """The embedded corpus's preprocess options, every one spelled out (tests/test_preprocess_flags.py
+    checks that none is missing): its files are cached by VERSION_DIR, so a new default of
+    preprocess must not change them unnoticed."""
+    return SimpleNamespace(
+        trainpref=os.fspath(text_dir / "train.txt"),
+        validpref=os.fspath(text_dir / "valid.txt"),
+        testpref=os.fspath(text_dir / "test.txt"),
+        destdir=os.fspath(workdir),
+        text_column="text",
+        input_format="auto",
+        vocab_size=_VOCAB_SIZE,
+        spm_model_type="bpe",
+        spm_model=None,
+        tokenizer=None,
+        chat_template=None,
+        max_length=None,
+        workers=1,
+        seed=None,
+    )
 
 
 def prepare_embedded_corpus(cache_dir: Path | None = None) -> Path:

@@ -22,12 +22,12 @@ Everything is built in a temp dir inside destdir and moved into place at the end
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 from data.chat_rows import load_chat_rows
 from data.chat_template import (
@@ -42,99 +42,24 @@ from data.encode import ChatSpec, EncodePool, encode_splits
 from data.errors import DataError
 from data.hf_tokenizer import HF_TOKENIZER_FILE, HFTokenizer, chat_template_path, hf_tokenizer_paths
 from data.indexed_dataset import best_fitting_dtype
-from data.sources import INPUT_FORMATS, ChatRowsFound, Source, load_rows, resolve_sources, split_specs
-from data.tokenizer import SPECIAL_IDS, SentencePieceTokenizer, file_sha256, train_sentencepiece
+from data.sources import ChatRowsFound, Source, load_rows, resolve_sources, split_specs
+from data.tokenizer import (
+    DEFAULT_SPM_MODEL_TYPE,
+    DEFAULT_SPM_SEED,
+    DEFAULT_SPM_VOCAB_SIZE,
+    SPECIAL_IDS,
+    SentencePieceTokenizer,
+    file_sha256,
+    train_sentencepiece,
+)
 
 METADATA_FORMAT = "shardlm-mmidx-1"
 TOKENIZER_FILE = "tokenizer.model"
 METADATA_FILE = "metadata.json"
-DEFAULT_VOCAB_SIZE = 8000
-DEFAULT_SPM_MODEL_TYPE = "bpe"
-
-
-def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``parser_class``: cli.py passes one whose errors are a single line, not usage text."""
-    parser = parser_class(
-        prog="preprocess",
-        allow_abbrev=False,
-        description="Tokenize local text, jsonl, parquet or csv files (or a saved HF dataset) "
-        "into memory-mapped token files for train, with a sentencepiece model trained on "
-        "--trainpref (default), reused (--spm-model), or a Hugging Face model's own tokenizer (--tokenizer).",
-    )
-    inputs = "a path, a glob, or a comma-separated list of them"
-    parser.add_argument("--trainpref", metavar="FP", help=f"train input: {inputs}")
-    parser.add_argument(
-        "--validpref",
-        metavar="FP",
-        help=f"valid input: {inputs}; comma-separated parts become splits valid, valid1, ...",
-    )
-    parser.add_argument(
-        "--testpref",
-        metavar="FP",
-        help=f"test input: {inputs}; comma-separated parts become splits test, test1, ...",
-    )
-    parser.add_argument("--destdir", metavar="DIR", default="data-bin", help="output dir (default: data-bin)")
-    parser.add_argument(
-        "--text-column",
-        default="text",
-        help="column holding the text in json/parquet/csv/saved inputs (default: text)",
-    )
-    parser.add_argument(
-        "--input-format",
-        choices=INPUT_FORMATS,
-        default="auto",
-        help="input file format; auto picks by extension: .txt/.tokens/.raw/none -> text, "
-        ".json/.jsonl -> json, .parquet, .csv, .arrow; a save_to_disk dir is always read as saved",
-    )
-    # These default to None so that passing them with --spm-model or --tokenizer (which
-    # they cannot affect) is refused rather than ignored; _check_args fills in the real defaults.
-    parser.add_argument(
-        "--vocab-size", type=int, default=None, help=f"sentencepiece vocabulary size (default: {DEFAULT_VOCAB_SIZE})"
-    )
-    parser.add_argument(
-        "--spm-model-type",
-        choices=("bpe", "unigram"),
-        default=None,
-        help=f"sentencepiece model type (default: {DEFAULT_SPM_MODEL_TYPE})",
-    )
-    parser.add_argument(
-        "--spm-model",
-        metavar="PATH",
-        help="reuse this sentencepiece .model instead of training one (needs ids bos=0 pad=1 eos=2 unk=3)",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        metavar="HF_DIR",
-        help="encode with this Hugging Face model's own tokenizer instead of sentencepiece: a model or tokenizer "
-        "directory (tokenizer.json, tokenizer_config.json) or a tokenizer.json file. Its template adds BOS where "
-        "the model has one, its eos_token ends every sequence, pad comes from its config (docs/data.md)",
-    )
-    parser.add_argument(
-        "--chat-template",
-        metavar="FILE",
-        help="with --tokenizer, for conversation (messages) and preference-pair (prompt, chosen, rejected) rows: "
-        "render them with this Jinja chat template instead of the model's own (chat_template.jinja or "
-        "tokenizer_config.json's chat_template)",
-    )
-    parser.add_argument(
-        "--max-length",
-        type=int,
-        metavar="N",
-        help="drop a conversation with more than N tokens, or a preference pair whose longer side has more "
-        "(counted per split in the summary and metadata.json). Default: keep all (train skips what exceeds "
-        "--tokens-per-sample)",
-    )
-    parser.add_argument("--workers", type=int, default=1, help="encoding processes (default: 1)")
-    parser.add_argument(
-        "--seed", type=int, default=None, help="seed for sentencepiece's sentence sampling (default: 1)"
-    )
-    parser.add_argument(
-        "--debug", action="store_true", help="on an error, also print its traceback (or set SHARDLM_DEBUG=1)"
-    )
-    return parser
 
 
 def _check_args(args) -> None:
+    """Refuse options that contradict each other; fill in the sentencepiece defaults (``args`` is preprocess's copy)."""
     paths = (("--spm-model", args.spm_model), ("--tokenizer", args.tokenizer), ("--chat-template", args.chat_template))
     for flag, value in paths:
         if value is not None and not value.strip():
@@ -154,11 +79,11 @@ def _check_args(args) -> None:
             "--spm-model-type and --seed"
         )
     if args.seed is None:
-        args.seed = 1
+        args.seed = DEFAULT_SPM_SEED
     if args.spm_model and (args.vocab_size is not None or args.spm_model_type is not None):
         raise DataError("--vocab-size and --spm-model-type shape a new tokenizer; leave them out with --spm-model")
     if args.vocab_size is None:
-        args.vocab_size = DEFAULT_VOCAB_SIZE
+        args.vocab_size = DEFAULT_SPM_VOCAB_SIZE
     if args.spm_model_type is None:
         args.spm_model_type = DEFAULT_SPM_MODEL_TYPE
     if not (args.spm_model or tokenizer) and args.vocab_size <= len(SPECIAL_IDS):
@@ -363,8 +288,12 @@ def _encode(rows, sources, model_path: Path, tokenizer, work: Path, out: Path, p
     return splits
 
 
-def preprocess(args: argparse.Namespace) -> Path:
-    """Run preprocess as parsed by ``build_parser()``; returns the data dir it wrote."""
+def preprocess(options) -> Path:
+    """Run preprocess; returns the data dir it wrote. ``options`` holds the value of each of its
+    flags as an attribute: a PreprocessConfig (trainer/config/commands.py, where the flags are
+    generated) from cli.py, or any object with those attributes, as data/ imports nothing
+    from trainer/."""
+    args = SimpleNamespace(**vars(options))  # _check_args fills in defaults: not in the caller's object
     _check_args(args)
     destdir = Path(args.destdir)
     # Every input is checked before anything is written.

@@ -25,19 +25,25 @@ from data.hf_tokenizer import (
 )
 
 SPECIAL_IDS = dict(bos=0, pad=1, eos=2, unk=3)
+# The sentencepiece model preprocess trains unless told otherwise (its --vocab-size,
+# --spm-model-type and --seed: trainer/config/commands.py shows these in their help).
+SPM_MODEL_TYPES = ("bpe", "unigram")
+DEFAULT_SPM_VOCAB_SIZE = 8000
+DEFAULT_SPM_MODEL_TYPE = "bpe"
+DEFAULT_SPM_SEED = 1
 
 
 def train_sentencepiece(
     input_text_file: str | os.PathLike,
     model_prefix: str | os.PathLike,
     vocab_size: int,
-    model_type: str = "bpe",
-    seed: int = 1,
+    model_type: str = DEFAULT_SPM_MODEL_TYPE,
+    seed: int = DEFAULT_SPM_SEED,
 ) -> Path:
     """Train a sentencepiece model on a one-sentence-per-line file; returns ``<prefix>.model``."""
     import sentencepiece as spm
 
-    if model_type not in ("bpe", "unigram"):
+    if model_type not in SPM_MODEL_TYPES:
         raise DataError(f"unknown sentencepiece model type {model_type!r}; use bpe or unigram")
     # The seed drives sentencepiece's sentence sampling; with one thread the result is
     # the same bytes run after run.

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from trainer.config.checks import check_config
+from trainer.config.commands import COMMAND_GROUPS
 from trainer.config.compose import compose_config
-from trainer.config.flags import build_parser, parse_flags
+from trainer.config.flags import build_command_parser, build_parser, parse_command, parse_flags
 
 TINY = [
     "--arch",
@@ -42,6 +43,13 @@ def compose(argv):
     cfg = compose_config(settings, overrides, ns.config_dir, ns.config_name)
     check_config(cfg)
     return cfg
+
+
+def preprocess_options(argv):
+    """preprocess's options (a PreprocessConfig) from its command line, parsed as cli.py does;
+    data.preprocess.preprocess takes them."""
+    group, cls = COMMAND_GROUPS["preprocess"]
+    return parse_command(build_command_parser("preprocess", group, cls, ""), group, cls, [str(a) for a in argv])
 
 
 def update_losses(argv, n_updates, rdv=None, with_gnorm=False, merge=1):

@@ -209,7 +209,7 @@ CASES = [
         "preprocess",
         ["--trainpref", "corpus.txt", "--destdir", "out", "--vocab"],
         None,
-        r"unrecognized arguments: --vocab",
+        r"unrecognized flag --vocab \(did you mean --vocab-size\?\)",
     ),
     ("preprocess", ["--trainpref", "Salesforce/wikitext", "--destdir", "out"], None, r"reads local files only"),
     ("preprocess", ["--trainpref", "corpus.txt", "--destdir", "corpus.txt/out"], None, r"corpus\.txt is a file"),

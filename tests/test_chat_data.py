@@ -15,9 +15,9 @@ from data.chat_encode import ChatEncoder
 from data.chat_template import model_eos_ids, read_chat_template, template_sha256, template_variables
 from data.errors import DataError
 from data.indexed_dataset import IndexedDataset
-from data.preprocess import build_parser, preprocess
+from data.preprocess import preprocess
 from data.targets import data_kind, load_targets
-from helpers import byte_level_tokenizer
+from helpers import byte_level_tokenizer, preprocess_options
 
 TEMPLATES = Path(pytest.importorskip("trl").__file__).parent / "chat_templates"
 LINES = [
@@ -65,7 +65,7 @@ TEXT_PAIRS = [
 
 
 def run_preprocess(*argv) -> Path:
-    return preprocess(build_parser().parse_args([str(a) for a in argv]))
+    return preprocess(preprocess_options([str(a) for a in argv]))
 
 
 def rows(prefix: Path) -> list[list[int]]:

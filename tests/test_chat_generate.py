@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import byte_level_tokenizer, train_updates
+from helpers import byte_level_tokenizer, preprocess_options, train_updates
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -210,15 +210,13 @@ def test_export_keeps_template_and_eos_ids(hf, capsys, tmp_path):
     export-model --format hf: transformers renders the template and stops where we do,
     with the HF directory gone (the checkpoint carries what generate needs)."""
     import cli
-    from data.preprocess import build_parser, preprocess
+    from data.preprocess import preprocess
 
     source = tmp_path / "source"
     shutil.copytree(hf / "jinja", source)
     data = tmp_path / "data"
     preprocess(
-        build_parser().parse_args(
-            ["--trainpref", str(hf / "train.txt"), "--destdir", str(data), "--tokenizer", str(source)]
-        )
+        preprocess_options(["--trainpref", str(hf / "train.txt"), "--destdir", str(data), "--tokenizer", str(source)])
     )
     assert (data / "chat_template.jinja").read_text() == TEMPLATE
     save = tmp_path / "ck"

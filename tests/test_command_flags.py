@@ -1,4 +1,4 @@
-"""The flags of the commands beside train (eval-lm, generate, export-model, plan's own):
+"""The flags of the commands beside train (eval-lm, generate, export-model, preprocess, plan's own):
 each is generated from a field of its dataclass (trainer/config/commands.py) as train's
 are from schema.py, reaches that field as a flag and as a key=value override, and a bad
 value gets one line. And no command's --help says a default twice. No torch needed."""
@@ -31,6 +31,7 @@ REQUIRED = {
     "serve": ["--path", "ckpt"],
     "export-model": ["--path", "ckpt", "--out", "out"],
     "plan": [],
+    "preprocess": [],
 }
 
 

@@ -129,18 +129,32 @@ def test_our_model_of_a_fairseq_checkpoint_gives_fairseqs_logits(name):
     assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5), (ours - theirs).abs().max()
 
 
-@pytest.mark.parametrize("name", ["lm", "gpt"])
-def test_eval_lm_gives_fairseq_eval_lms_loss(name, capsys):
+def _normformer_flags(tmp_path):
+    """lm's checkpoint as fairseq 0.12.2 writes a `transformer_lm --scale-attn --scale-fc
+    --scale-heads` run: the flags in its config, no NormFormer tensors (its layers never see
+    the flags), so fairseq-eval-lm scores it as lm's eval.log does."""
+    state = _state("lm")
+    state["cfg"]["model"].update(scale_attn=True, scale_fc=True, scale_heads=True)
+    torch.save(state, tmp_path / "checkpoint_last.pt")
+    return tmp_path / "checkpoint_last.pt"
+
+
+@pytest.mark.parametrize("name", ["lm", "gpt", "lm-normformer-flags"])
+def test_eval_lm_gives_fairseq_eval_lms_loss(name, capsys, caplog, tmp_path):
     """fairseq-eval-lm --tokens-per-sample 64 --batch-size 8 on the same split (its eval.log)."""
-    logged = (FIXTURES / name / "eval.log").read_text()
+    fixture, *flags = name.split("-", 1)
+    logged = (FIXTURES / fixture / "eval.log").read_text()
     theirs = float(re.search(r"Loss \(base 2\): ([\d.]+)", logged)[1])
     count = int(re.search(r"Evaluated ([\d,]+) tokens", logged)[1].replace(",", ""))
-    code, out, err = _in_process(
-        capsys, "eval-lm", DATA, "--path", _checkpoint(name), "--tokens-per-sample", 64, "--batch-size", 8
-    )
+    path = _normformer_flags(tmp_path) if flags else _checkpoint(fixture)
+    code, out, err = _in_process(capsys, "eval-lm", DATA, "--path", path, "--tokens-per-sample", 64, "--batch-size", 8)
     assert code == 0, err
     assert f"Evaluated {count:,} tokens" in out
     assert f"Loss (base 2): {theirs:.4f}," in out, out
+    warned = [r.getMessage() for r in caplog.records if "NormFormer" in r.getMessage()]
+    assert len(warned) == (1 if flags else 0) and all("\n" not in w for w in warned), warned
+    if flags:
+        assert "--scale-attn --scale-fc --scale-heads (NormFormer)" in warned[0] and "did not apply" in warned[0]
 
 
 def test_greedy_generate_gives_fairseqs_tokens(tmp_path, capsys):

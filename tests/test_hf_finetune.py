@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from helpers import byte_level_tokenizer, compose, train_updates
+from helpers import byte_level_tokenizer, compose, preprocess_options, train_updates
 
 TOKENS_PER_SAMPLE = 32
 BLOCKS = 8  # one process: --batch-size 8; 2 ranks: 4 each. Every update sees every block.
@@ -53,7 +53,7 @@ def save_hf_model(path, tok, kind, vocab_size, max_shard_size):
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
     """Two HF model dirs sharing one tokenizer, and DATA made by it (`preprocess --tokenizer`)."""
-    from data.preprocess import build_parser, preprocess
+    from data.preprocess import preprocess
 
     root = tmp_path_factory.mktemp("hf-finetune")
     rng = random.Random(0)
@@ -73,7 +73,7 @@ def hf(tmp_path_factory):
     save_hf_model(root / "qwen3", tok, "qwen3", tok.get_vocab_size() + 12, "5GB")
     assert len(list((root / "llama").glob("model-*.safetensors"))) > 4
     preprocess(
-        build_parser().parse_args(
+        preprocess_options(
             [
                 "--trainpref",
                 str(root / "train.txt"),
@@ -250,13 +250,11 @@ def test_training_keys_stay_settable(hf):
 
 def test_data_of_another_tokenizer_refused(hf, capsys, tmp_path):
     """Data of sentencepiece, of another tokenizer.json, or with more ids than the model has."""
-    from data.preprocess import build_parser, preprocess
+    from data.preprocess import preprocess
 
     save = ["--save-dir", str(tmp_path / "ck")]
     spm = tmp_path / "spm"
-    preprocess(
-        build_parser().parse_args(["--trainpref", str(hf / "train.txt"), "--destdir", str(spm), "--vocab-size", "60"])
-    )
+    preprocess(preprocess_options(["--trainpref", str(hf / "train.txt"), "--destdir", str(spm), "--vocab-size", "60"]))
     code, err = refused(capsys, [str(spm)] + argv(hf, "llama", *save)[1:])
     assert code == 2 and err == (
         f"train: error: DATA {spm} was made by sentencepiece (vocabulary 60); the model's "

@@ -18,8 +18,8 @@ import torch
 import cli
 from data.hf_tokenizer import HFTokenizer
 from data.indexed_dataset import IndexedDataset
-from data.preprocess import build_parser, preprocess
-from helpers import byte_level_tokenizer
+from data.preprocess import preprocess
+from helpers import byte_level_tokenizer, preprocess_options
 from models.generate import sample
 from trainer.errors import UsageError
 from trainer.inference.generate import generate
@@ -108,7 +108,7 @@ def hf(tmp_path_factory):
     (root / "valid.txt").write_text("\n".join(TEXT * 4) + "\n")
     data = {
         name: preprocess(
-            build_parser().parse_args(
+            preprocess_options(
                 [
                     "--tokenizer",
                     str(root / name),

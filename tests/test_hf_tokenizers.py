@@ -17,9 +17,9 @@ from data.errors import DataError
 from data.hf_convert import write_hf_tokenizer
 from data.hf_tokenizer import HFTokenizer
 from data.indexed_dataset import IndexedDataset
-from data.preprocess import build_parser, preprocess
+from data.preprocess import preprocess
 from data.tokenizer import SentencePieceTokenizer, file_sha256, load_tokenizer, tokenizer_identity
-from helpers import byte_level_tokenizer
+from helpers import byte_level_tokenizer, preprocess_options
 
 BIN = Path(sys.executable).parent
 LINES = [
@@ -34,7 +34,7 @@ LINES = [
 
 
 def run_preprocess(*argv: str) -> Path:
-    return preprocess(build_parser().parse_args([str(a) for a in argv]))
+    return preprocess(preprocess_options([str(a) for a in argv]))
 
 
 def rows(prefix: Path) -> list[list[int]]:

@@ -153,7 +153,7 @@ SAVE = [a for a in UNEVEN if a != "--no-save"] + ["--disable-validation", "--max
 
 
 # adagrad's and adadelta's state is parameter-shaped and sharded like adamax's (and Adam's,
-# whose resharded resume tests/test_checkpoint.py checks): adamax stands for the three.
+# whose resharded resume tests/test_checkpoint_resume.py checks): adamax stands for the three.
 @pytest.mark.parametrize("name", ["adafactor", "lamb", "adamax"])
 def test_state_resumes_on_one_and_on_four_ranks(tmp_path, capfd, name):
     """State saved on 2 FSDP ranks (Adafactor's rows sharded like the parameter's, its columns

@@ -6,9 +6,9 @@ import json
 from dataclasses import replace
 
 import pytest
+from plan_helpers import SETUP, SHAPE
 
 import cli
-from tests.test_plan import SETUP, SHAPE
 from trainer.plan import optimizer_memory
 from trainer.plan.ledger import comm_bytes, simulate
 from trainer.plan.search import choose
@@ -16,7 +16,9 @@ from trainer.plan.search import choose
 P = SHAPE.params
 # SHAPE's 2-D weights: per layer qkv (768 × 256), out (256 × 256), fc1 (1024 × 256),
 # fc2 (256 × 1024); the root's tied embedding (5000 × 256) and learned positions (128 × 256).
-LAYER_ROWS, LAYER_COLS = 768 + 256 + 1024 + 256, 256 + 256 + 256 + 1024
+LAYER_ROWS = 768 + 256 + 1024 + 256
+# Adafactor's columns per logical matrix: qkv_proj is q, k and v (256 × 256 each)
+LAYER_COLS = 3 * 256 + 256 + 256 + 1024
 WEIGHTS = 4 * (768 * 256 + 256 * 256 + 1024 * 256 + 256 * 1024) + (5000 + 128) * 256
 
 

@@ -1,11 +1,11 @@
 """`plan` for --task dpo (the frozen reference, two rows a pair) and for packed documents
-(--task sft, --per-document-attention: the block-causal mask). tests/test_plan.py holds
-the planner's other tests; SHAPE and SETUP are its small model and 4-rank FSDP setup."""
+(--task sft, --per-document-attention: the block-causal mask). tests/test_plan_*.py hold
+the planner's other tests; SHAPE and SETUP (tests/plan_helpers.py) are their small model and 4-rank FSDP setup."""
 
 from dataclasses import replace
 
 import pytest
-from test_plan import SETUP, SHAPE, plan_json
+from plan_helpers import SETUP, SHAPE, plan_json
 
 import cli
 from trainer.plan.activations import document_mask_bytes

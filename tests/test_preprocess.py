@@ -12,8 +12,9 @@ import pytest
 from data.dictionary import Dictionary
 from data.errors import DataError
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_fitting_dtype, exists
-from data.preprocess import build_parser, preprocess
+from data.preprocess import preprocess
 from data.tokenizer import DictionaryTokenizer, SentencePieceTokenizer, load_tokenizer
+from helpers import preprocess_options
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,7 @@ def make_lines(n: int, seed: int) -> list[str]:
 
 
 def run_preprocess(*argv: str) -> Path:
-    return preprocess(build_parser().parse_args(list(argv)))
+    return preprocess(preprocess_options(list(argv)))
 
 
 def sequences(prefix: Path) -> list[list[int]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_hf_finetune import save_hf_model
 
-from helpers import byte_level_tokenizer, train_update_stats, train_updates
+from helpers import byte_level_tokenizer, preprocess_options, train_update_stats, train_updates
 
 WORDS = "the a fox dog runs jumps over under lazy quick brown red cat sees big small tree house why how".split()
 SPECIALS = [
@@ -77,7 +77,7 @@ def chat(tmp_path_factory):
     and data dirs of conversations and of preference pairs made by `preprocess`."""
     import torch
 
-    from data.preprocess import build_parser, preprocess
+    from data.preprocess import preprocess
 
     root = tmp_path_factory.mktemp("chat")
     rng = random.Random(0)
@@ -105,7 +105,7 @@ def chat(tmp_path_factory):
                 )
         for kind in ("sft", "dpo"):
             args = ["--trainpref", str(root / f"{kind}.jsonl"), "--destdir", str(root / f"{model}-{kind}")]
-            preprocess(build_parser().parse_args(args + ["--tokenizer", str(root / model)]))
+            preprocess(preprocess_options(args + ["--tokenizer", str(root / model)]))
     return root, rows
 
 
@@ -297,14 +297,14 @@ def test_language_modeling_per_document_attention(chat, tmp_path, capsys):
     each on a row of its own (eos), the first update's loss and gradient norm alike; without
     the flag the packed sequences read each other and the loss differs."""
     import cli
-    from data.preprocess import build_parser, preprocess
+    from data.preprocess import preprocess
 
     root, _ = chat
     rng = random.Random(1)
     (tmp_path / "text.txt").write_text("".join(_sentence(rng) + "\n" for _ in range(24)))
     data = tmp_path / "text-data"
     preprocess(
-        build_parser().parse_args(
+        preprocess_options(
             ["--trainpref", str(tmp_path / "text.txt"), "--destdir", str(data), "--tokenizer", str(root / "llama")]
         )
     )

@@ -6,12 +6,15 @@ command's name (`eval_lm.context_window=512`, as fairseq names eval-lm's group).
 metadata as schema.py's (`help`, `choices`, `flag`, `alias`), plus `type` (a checked type
 of trainer/config/command_checks.py, or a parser), `required`, `repeatable` (the flag may
 be given several times) and `metavar`. plan's own options are PlanConfig; its other flags
-are train's. Torch-free: `eval-lm --help` must answer before torch is imported.
+are train's. Torch-free: `eval-lm --help` must answer before torch is imported (the data/
+modules imported here, for preprocess's choices and defaults, import neither torch nor numpy).
 """
 
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from data.sources import INPUT_FORMATS
+from data.tokenizer import DEFAULT_SPM_MODEL_TYPE, DEFAULT_SPM_SEED, DEFAULT_SPM_VOCAB_SIZE, SPM_MODEL_TYPES
 from trainer.config.checks import parse_model_overrides
 from trainer.config.command_checks import non_negative_int, positive_float, positive_int
 from trainer.config.schema import BREAK_MODES
@@ -189,6 +192,68 @@ class PlanConfig:
     )
 
 
+INPUTS = "a path, a glob, or a comma-separated list of them"
+
+
+@dataclass
+class PreprocessConfig:
+    """preprocess (fairseq-preprocess): data/preprocess.py reads every field (data/ imports
+    nothing from trainer/: cli.py hands it this object). --trainpref, --validpref, --testpref,
+    --destdir and --workers are fairseq-preprocess's own, with its defaults."""
+
+    trainpref: Optional[str] = _f(None, f"train input: {INPUTS}", metavar="FP")
+    validpref: Optional[str] = _f(
+        None, f"valid input: {INPUTS}; comma-separated parts become splits valid, valid1, ...", metavar="FP"
+    )
+    testpref: Optional[str] = _f(
+        None, f"test input: {INPUTS}; comma-separated parts become splits test, test1, ...", metavar="FP"
+    )
+    destdir: str = _f("data-bin", "output dir", metavar="DIR")
+    text_column: str = _f("text", "column holding the text in json/parquet/csv/saved inputs")
+    input_format: str = _f(
+        "auto",
+        "input file format; auto picks by extension: .txt/.tokens/.raw/none -> text, .json/.jsonl -> json, "
+        ".parquet, .csv, .arrow; a save_to_disk dir is always read as saved",
+        choices=INPUT_FORMATS,
+    )
+    # None is "not given", so that one of these three passed with --spm-model or --tokenizer
+    # (which they cannot shape) is refused rather than ignored; data/preprocess.py fills in
+    # the defaults their help states.
+    vocab_size: Optional[int] = _f(None, f"sentencepiece vocabulary size (default: {DEFAULT_SPM_VOCAB_SIZE})")
+    spm_model_type: Optional[str] = _f(
+        None, f"sentencepiece model type (default: {DEFAULT_SPM_MODEL_TYPE})", choices=SPM_MODEL_TYPES
+    )
+    spm_model: Optional[str] = _f(
+        None,
+        "reuse this sentencepiece .model instead of training one (needs ids bos=0 pad=1 eos=2 unk=3)",
+        metavar="PATH",
+    )
+    tokenizer: Optional[str] = _f(
+        None,
+        "encode with this Hugging Face model's own tokenizer instead of sentencepiece: a model or tokenizer "
+        "directory (tokenizer.json, tokenizer_config.json) or a tokenizer.json file. Its template adds BOS where "
+        "the model has one, its eos_token ends every sequence, pad comes from its config (docs/data.md)",
+        metavar="HF_DIR",
+    )
+    chat_template: Optional[str] = _f(
+        None,
+        "with --tokenizer, for conversation (messages) and preference-pair (prompt, chosen, rejected) rows: "
+        "render them with this Jinja chat template instead of the model's own (chat_template.jinja or "
+        "tokenizer_config.json's chat_template)",
+        metavar="FILE",
+    )
+    max_length: Optional[int] = _f(
+        None,
+        "drop a conversation with more than N tokens, or a preference pair whose longer side has more "
+        "(counted per split in the summary and metadata.json) (default: keep all; train skips what exceeds "
+        "--tokens-per-sample)",
+        metavar="N",
+        type=positive_int,
+    )
+    workers: int = _f(1, "encoding processes", type=positive_int)
+    seed: Optional[int] = _f(None, f"seed for sentencepiece's sentence sampling (default: {DEFAULT_SPM_SEED})")
+
+
 # Each command's options and the group of their key=value overrides.
 COMMAND_GROUPS = {
     "eval-lm": ("eval_lm", EvalLMConfig),
@@ -196,4 +261,5 @@ COMMAND_GROUPS = {
     "serve": ("serve", ServeConfig),
     "export-model": ("export_model", ExportModelConfig),
     "plan": ("plan", PlanConfig),
+    "preprocess": ("preprocess", PreprocessConfig),
 }

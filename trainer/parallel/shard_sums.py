@@ -4,10 +4,19 @@ from the other shards of a parameter.
 
 Every sum an optimizer step needs is packed into one flat tensor and reduced in one
 collective: a step of a model with hundreds of parameters then waits for one all-reduce,
-not hundreds of tiny ones."""
+not hundreds of tiny ones.
+
+A parameter may stack several logical tensors by rows (qkv_proj's q, k and v; a gated
+fc1's gate and up: DecoderLayer.weight_blocks), each a parameter of its own in Hugging
+Face's and fairseq's models. Per-tensor statistics are then per logical tensor: a rank's
+rows of each (row_pieces) are summed apart (block_sums), and a value per logical tensor
+is spread back over its rows (per_row).
+"""
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from trainer.parallel.parallelize import local_rows
 
 
 def shard_layout(params):
@@ -64,3 +73,40 @@ def local_shards(tensors):
     under no_grad `to_local` is the attribute read."""
     with torch.no_grad():
         return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def row_pieces(p, rows):
+    """[(first row of this rank's shard, row count)] of each logical tensor that parameter p
+    stacks, in order (`rows`: their row counts; None: p is one tensor). FSDP2 gives a rank
+    contiguous rows, so each logical tensor's are one piece, (0, 0) where it has none;
+    the pieces tile the shard in order."""
+    if p.ndim == 0:
+        return [(0, 1)]
+    _, offset = local_rows(p)
+    end = offset + local_shards([p])[0].shape[0]
+    pieces, start = [], 0
+    for count in rows or (p.shape[0],):
+        a, b = max(start, offset), min(start + count, end)
+        pieces.append((a - offset, b - a) if b > a else (0, 0))
+        start += count
+    return pieces
+
+
+def block_sums(x, pieces):
+    """Per logical tensor, the sum of the rows of x (a local shard, or anything with its
+    rows) in its piece: a tensor of shape (len(pieces), *x.shape[1:])."""
+    x = x.reshape(-1, *x.shape[1:])  # a 0-d tensor as one row
+    return torch.stack([x[a : a + n].sum(0) for a, n in pieces])
+
+
+def square_sums(x, pieces):
+    """Per logical tensor, the sum of the squares of its elements in x's rows (fp32)."""
+    rows = x.reshape(-1, *x.shape[1:]).float()
+    return block_sums(rows.square().reshape(rows.shape[0], -1).sum(1), pieces)
+
+
+def per_row(values, pieces, like):
+    """`values` (one per logical tensor) repeated over each one's rows of the shard `like`,
+    shaped to broadcast against it."""
+    spread = torch.cat([v.expand(n) for v, (_, n) in zip(values, pieces)])  # no host-to-device copy
+    return spread.reshape(like.shape[:1] + (1,) * max(like.ndim - 1, 0))

@@ -1,7 +1,7 @@
 """What one decoder layer saves for backward, and what its backward holds, in bytes.
 
 The saved-activation counts follow models/layer.py, as autograd's saved-tensor
-hooks see them (tests/test_plan.py counts them on the real layer): a pre-LN layer saves
+hooks see them (tests/test_plan_models.py counts them on the real layer): a pre-LN layer saves
 its input x, the attention input, q/k/v (one tensor), the attention output (the fused
 kernels write it token-major, so out_proj's input is a view of it, not a copy), the
 residual x1, the FFN input, fc1's output and (gelu) the activation's output — relu's

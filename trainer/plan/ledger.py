@@ -11,8 +11,9 @@ peak is the breakdown. Torch-free: `plan` answers in a fraction of a second.
 
 The walk is one phase a function: the states (parameters, gradients, optimizer state),
 a micro-batch's forward, its loss, its backward (the layers, then the root's reduction),
-and the optimizer step. What the model's layer saves for backward is
-trainer/plan/activations.py's; the shapes it reads are trainer/plan/shapes.py's.
+and the optimizer step (trainer/plan/optimizer_step.py). --task dpo's frozen reference and
+per-row loss are trainer/plan/dpo_reference.py's. What the model's layer saves for backward
+is trainer/plan/activations.py's; the shapes it reads are trainer/plan/shapes.py's.
 """
 
 from dataclasses import dataclass, field
@@ -23,11 +24,12 @@ from trainer.plan.activations import (
     document_mask_bytes,
     ffn_saved_width,
     layer_activation_bytes,
-    rope_rows,
     rope_table_bytes,
 )
 from trainer.plan.comm import comm_bytes
-from trainer.plan.optimizer_memory import EARLY_GATHER, alive_at_early_gather, state_bytes, step_moments
+from trainer.plan.dpo_reference import per_row_loss, reference_forward, reference_model
+from trainer.plan.optimizer_memory import state_bytes
+from trainer.plan.optimizer_step import optimizer_step
 from trainer.plan.shapes import ModelShape, Setup
 
 # The planner's names, importable from here as before the split into shapes, activations and comm.
@@ -194,11 +196,8 @@ class UpdateWalk:
                 L.add(name, nbytes)
         if self.offload:
             self.host += 4 * P / S  # the sharded gradients
-        if s.dpo:  # the frozen reference: fp32 parameters only, sharded as the policy's (whole under DDP)
-            if self.offload:
-                self.host += 4 * P / S
-            else:
-                L.add("reference_model", 4 * P / S)
+        if s.dpo:
+            reference_model(self)
         if s.ddp_buckets:
             L.add("gradients", 4 * P)  # DDP's buckets: a flat copy of every gradient
 
@@ -234,7 +233,7 @@ class UpdateWalk:
         scaled in place in backward and handed on."""
         m, s, L, elem, n = self.m, self.s, self.ledger, self.elem, self.s.tokens
         if s.dpo:
-            return self.per_row_loss()
+            return per_row_loss(self)
         if m.scalar_noise and not m.tied:
             return self.int8_logits_loss()
         low = 0 if elem == 4 else elem  # a low-precision copy, where there is one
@@ -252,45 +251,6 @@ class UpdateWalk:
         # backward: the kept gradients are scaled in place and handed on
         L.transient("logits_and_loss", m.vocab * m.dim * low)
         L.sub("logits_and_loss", n * m.dim * elem + m.vocab * m.dim * 4)
-
-    def per_row_loss(self):
-        """--task dpo's policy loss, a summed cross-entropy per row (models/linear_cross_entropy.py
-        LinearCrossEntropyPerRow): forward scores a chunk of fp32 logits at a time and keeps
-        the hidden states (and W: the root stays gathered, backward_root gives it back);
-        backward recomputes each chunk's logits and makes the gradients for the hidden
-        states and, in fp32 (plus a low-precision product), for W."""
-        m, L, elem, n = self.m, self.ledger, self.elem, self.s.tokens
-        low = 0 if elem == 4 else elem
-        chunk = min(n, chunks.loss_chunk_rows(m.vocab, self.s.device)) * m.vocab * (4 + low)
-        cast_w = m.vocab * m.dim * elem if self.autocast else 0  # the loss casts W itself, and keeps the cast
-        L.add("logits_and_loss", n * m.dim * elem)
-        L.add("mixed_precision_copies", cast_w)
-        L.transient("logits_and_loss", chunk)
-        L.transient("logits_and_loss", n * m.dim * elem + m.vocab * m.dim * (4 + low) + chunk)
-        L.sub("logits_and_loss", n * m.dim * elem)
-        L.sub("mixed_precision_copies", cast_w)
-
-    def reference_forward(self):
-        """--task dpo: the frozen reference scores the micro-batch's rows first, without
-        gradients, so nothing is kept from one layer to the next. Under FSDP its root is
-        gathered for the whole forward and its layers one at a time (resharded after each;
-        no prefetch is set, but a GPU's all-gather stream runs one layer ahead); each layer's
-        temporaries come and go, as a checkpointed layer's do; then its per-row loss scores
-        a chunk of fp32 logits at a time."""
-        m, s, L, elem, n = self.m, self.s, self.ledger, self.elem, self.s.tokens
-        layers_gathered = min(m.layers, 2 if s.device == "cuda" else 1)
-        gathered = m.root_params * elem + self.unit * layers_gathered if s.sharded else 0
-        rope = 2 * rope_rows(s) * s.seq_len * m.hd * self.resid if m.rope else 0
-        alive = gathered + n * m.dim * self.resid + rope + self.shared_mask  # with the residual stream
-        L.add("reference_forward", alive)
-        layer = max(n * elem * 2 * (m.fc1_width + m.dim), cpu_attention_backward_bytes(m, s)) + self.layer_mask
-        if self.autocast:  # its weights need no gradient, so autocast casts them anew for each matmul
-            layer += elem * max(m.dim * m.fc1_width, m.dim * m.qkv_width)
-        L.transient("reference_forward", layer)
-        low = 0 if elem == 4 else elem
-        chunk = min(n, chunks.loss_chunk_rows(m.vocab, s.device)) * m.vocab * (4 + low)
-        L.transient("reference_forward", n * m.dim * elem + chunk + (m.vocab * m.dim * elem if self.autocast else 0))
-        L.sub("reference_forward", alive)
 
     def int8_logits_loss(self):
         """--quant-noise-scalar's output projection (untied): whole logits, clamped to their
@@ -409,33 +369,6 @@ class UpdateWalk:
         L.sub("gradients", output + cast - (fp32 if kept else 0) - held)
         self.all_reduced += held
 
-    def optimizer_step(self):
-        """The step reads the gradients in place and allocates what its optimizer needs for a
-        moment (trainer/plan/optimizer_memory.py: fused adam nothing; adafactor and lamb
-        every update; muon its exchange and owner buffers); then the gradients are freed.
-        Where the trainer steps with EarlyGather (parallelize.EarlyGather, several ranks),
-        the root and the first layer are gathered for the next forward during the step."""
-        m, s, L = self.m, self.s, self.ledger
-        for moment in step_moments(m, s):
-            self.moment(moment, on_host=self.offload and s.optimizer != "muon")
-        if s.sharded and s.world > 1 and s.optimizer in EARLY_GATHER:
-            alive = alive_at_early_gather(m, s)
-            for k, v in alive.items():
-                L.add(k, v)
-            L.transient("gathered_parameters", m.root_params * self.elem + (self.unit if m.layers else 0))
-            for k, v in alive.items():
-                L.sub(k, v)
-
-    def moment(self, nbytes, on_host):
-        """{component: bytes} alive together for a moment; under --cpu-offload an
-        optimizer's temporaries are the host's, beside its state."""
-        if on_host:
-            return
-        for k, v in nbytes.items():
-            self.ledger.add(k, v)
-        for k, v in nbytes.items():
-            self.ledger.sub(k, v)
-
 
 def simulate(m: ModelShape, s: Setup):
     """Walk one update (the second: the optimizer state exists) and return the Ledger of
@@ -446,12 +379,12 @@ def simulate(m: ModelShape, s: Setup):
     for micro in range(s.update_freq):
         mb = micro_batch(s, micro)
         if s.dpo:
-            walk.reference_forward()
+            reference_forward(walk)
         walk.forward()
         walk.loss()
         walk.backward_layers(mb)
         walk.backward_root(mb)
-    walk.optimizer_step()
+    optimizer_step(walk)
     return walk.ledger, walk.host
 
 

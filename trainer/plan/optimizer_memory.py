@@ -101,7 +101,8 @@ def state_bytes(m: ModelShape, s: Setup):
         weights = layer_weights(m) * m.layers + root_matrices(m)
         vectors = P - sum(r * c for r, c in weights)
         rows = sum(r for r, _ in weights)
-        columns = sum(c for _, c in weights)  # every rank keeps them whole
+        # every rank keeps them whole, per logical matrix (qkv_proj's q, k, v; a gated fc1's two)
+        columns = sum(c for _, c in muon_matrices(m) + root_matrices(m))
         first_moment = P if s.first_moment else 0
         return FP32 * (rows + vectors + first_moment) / S, float(FP32 * columns)
     return FP32 * s.optimizer_states * P / S, 0.0
@@ -181,11 +182,14 @@ def optimizer_comm(m: ModelShape, s: Setup):
     if S == 1:
         return {}
     share = (S - 1) / S
+    # Adafactor's and LAMB's sums are per logical tensor: qkv_proj counts 3 (q, k, v), a gated
+    # fc1 2 (gate, up), and their biases as many again
+    stacked = m.layers * (2 + (1 if m.gated else 0)) * (2 if m.bias else 1)  # beyond one a parameter
     if s.optimizer == "adafactor":  # per matrix its rows' sum and column sums, then every update's square sum
-        floats = sum(1 + c for _, c in layer_weights(m) * m.layers + root_matrices(m)) + parameter_tensors(m)
+        floats = sum(1 + c for _, c in muon_matrices(m) + root_matrices(m)) + parameter_tensors(m) + stacked
         return {"all_reduce": 2 * FP32 * floats * share}
-    if s.optimizer == "lamb":  # the gradients' norm and each decayed weight's, then each update's
-        return {"all_reduce": 2 * FP32 * (1 + 2 * 4 * m.layers) * share}
+    if s.optimizer == "lamb":  # the gradients' norm and each decayed matrix's, then each update's
+        return {"all_reduce": 2 * FP32 * (1 + 2 * len(muon_matrices(m))) * share}
     if s.optimizer == "muon":  # bf16 rows to their owners and back: per direction ~ the rank's share
         elements = sum(r * c for r, c in muon_matrices(m))
         return {"all_to_all": 2 * BF16 * elements / S * share}

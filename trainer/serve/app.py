@@ -18,11 +18,12 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from data.incremental_decode import IncrementalText
 from trainer.errors import UsageError
 from trainer.inference.chat import render_chat
 from trainer.serve import openai_api as api
 from trainer.serve.batching import GenerationRequest, QueueFull
-from trainer.serve.text import StopText, continuation_text, text_offsets
+from trainer.serve.text import ContinuationText, StopText, text_offsets
 
 
 class Served:
@@ -105,13 +106,13 @@ async def completions(request, served):
     decode = served.tokenizer.decode
 
     def new_text(ids, start):
-        return lambda new: continuation_text(decode, ids[start:], new)
+        return StopText(ContinuationText(decode, ids[start:]), common["stop"])
 
     if common["stream"]:
 
         async def chunks():
             for index, (ids, start), handle in choices:
-                text = StopText(new_text(ids, start), common["stop"])
+                text = new_text(ids, start)
                 if opts["echo"]:
                     yield _completion_chunk(cid, created, served, index, decode(ids[start:]))
                 async for event in _new_tokens(handle, text):
@@ -123,7 +124,7 @@ async def completions(request, served):
     out, usage = [], [0, 0]
     try:
         for index, (ids, start), handle in choices:
-            text = StopText(new_text(ids, start), common["stop"])
+            text = new_text(ids, start)
             events = []
             async for e in _new_tokens(handle, text, keep_prompt=True):
                 events.append(e)
@@ -191,7 +192,7 @@ async def chat_completions(request, served):
 
         async def chunks():
             for index, handle in enumerate(handles):
-                text = StopText(decode, common["stop"])
+                text = StopText(IncrementalText(decode), common["stop"])
                 yield _chat_chunk(cid, created, served, index, {"role": "assistant", "content": ""})
                 async for event in _new_tokens(handle, text):
                     delta = text.push(event.token_id)
@@ -205,7 +206,7 @@ async def chat_completions(request, served):
     out, completion_tokens = [], 0
     try:
         for index, handle in enumerate(handles):
-            text = StopText(decode, common["stop"])
+            text = StopText(IncrementalText(decode), common["stop"])
             events = []
             async for e in _new_tokens(handle, text):
                 events.append(e)

@@ -1,5 +1,5 @@
 """fairseq's Adafactor (fairseq/optim/adafactor.py, the same code as transformers'), exact
-under FSDP2's row shards.
+under FSDP2's row shards, on the tensors users have.
 
 A matrix's second moment is kept factored: one value per row (the mean of its squared
 gradients over the columns) and one per column (the mean over the rows). A rank holds
@@ -11,6 +11,13 @@ before the update (the parameters' squares, the row statistics, the column sums)
 the updates' squares. One process and DDP reduce nothing (sum_over_shards' identity), and
 run the same arithmetic.
 
+Every statistic is per logical tensor: shardlm stacks q_proj, k_proj and v_proj in
+qkv_proj and a gated feed-forward's gate_proj and up_proj in fc1, which fairseq's and
+Hugging Face's models keep apart, so each of them gets its own column statistics, row
+mean, update RMS and parameter RMS (the `blocks` given, models/layer.py's
+weight_blocks), as Adafactor stepping the separate parameters would; their rows may
+straddle two ranks' shards (shard_sums.row_pieces).
+
 FSDP2's last shard may be shorter, or empty, than the others (torch.chunk's split); the
 sums are of the rows a rank truly holds and the means divide by the parameter's whole row
 count, so its padding never counts.
@@ -20,15 +27,33 @@ import math
 
 import torch
 
-from trainer.parallel.shard_sums import local_shards, replicated_like, rows_like, shard_layout, sum_over_shards
+from trainer.parallel.shard_sums import (
+    block_sums,
+    local_shards,
+    per_row,
+    replicated_like,
+    row_pieces,
+    rows_like,
+    shard_layout,
+    square_sums,
+    sum_over_shards,
+)
+
+BLOCK_COLUMNS = "exp_avg_sq_col_blocks"  # a stacked weight's column statistics, one row per matrix
 
 
 class Adafactor(torch.optim.Optimizer):
     """fairseq's Adafactor. The per-parameter state holds `step` as a 0-d tensor (fairseq's
     int would be a pickled object in a checkpoint), `exp_avg_sq_row` sharded like the rows,
     `exp_avg_sq_col` replicated (a DTensor on the mesh: DCP saves it once and loads it on any
-    number of ranks), `exp_avg_sq` for vectors and `exp_avg` with --beta1. fairseq's `RMS`
-    entry is recomputed every step and not kept."""
+    number of ranks), `exp_avg_sq` for vectors and `exp_avg` with --beta1. A weight that
+    stacks several matrices keeps their columns as `exp_avg_sq_col_blocks` (matrices ×
+    columns), a name of its own: a checkpoint saved when qkv_proj's columns were one vector
+    is then refused in one line (--reset-optimizer) instead of misread. fairseq's `RMS`
+    entry is recomputed every step and not kept.
+
+    `blocks`: {id(parameter): row counts of the logical tensors it stacks, in order}
+    (trainer/train/optim.py: logical_blocks); any other parameter is one tensor."""
 
     def __init__(
         self,
@@ -42,6 +67,7 @@ class Adafactor(torch.optim.Optimizer):
         scale_parameter=False,
         relative_step=False,
         warmup_init=False,
+        blocks=None,
     ):
         defaults = dict(
             lr=lr,
@@ -55,9 +81,11 @@ class Adafactor(torch.optim.Optimizer):
             warmup_init=warmup_init,
         )
         super().__init__(params, defaults)
+        self.blocks = dict(blocks or {})
+        self.layouts = {}  # id(parameter): its LogicalRows, fixed by the sharding
 
     @classmethod
-    def from_config(cls, groups, lr, cfg):
+    def from_config(cls, groups, lr, cfg, blocks=None):
         return cls(
             groups,
             lr=lr,
@@ -69,6 +97,7 @@ class Adafactor(torch.optim.Optimizer):
             scale_parameter=cfg.scale_parameter,
             relative_step=cfg.relative_step,
             warmup_init=cfg.warmup_init,
+            blocks=blocks,
         )
 
     @staticmethod
@@ -84,6 +113,12 @@ class Adafactor(torch.optim.Optimizer):
             return torch.clamp(rms, min=group["eps"][1]) * rel_step
         return rel_step
 
+    def layout(self, p, local):
+        """p's LogicalRows, computed once."""
+        if id(p) not in self.layouts:
+            self.layouts[id(p)] = LogicalRows(p, self.blocks.get(id(p)), local.device)
+        return self.layouts[id(p)]
+
     def init_state(self, p, local, group):
         state = self.state[p]
         state["step"] = torch.tensor(0.0)
@@ -94,10 +129,20 @@ class Adafactor(torch.optim.Optimizer):
             return
         zeros = dict(dtype=torch.float32, device=local.device)
         state["exp_avg_sq_row"] = rows_like(p, torch.zeros(local.shape[:-1], **zeros))
-        if p.ndim == 2:  # the columns span every rank's rows: each rank keeps them whole
+        matrices = len(self.blocks.get(id(p), ()))
+        if p.ndim == 2 and matrices > 1:  # one column vector per matrix, whole on each rank
+            state[BLOCK_COLUMNS] = replicated_like(p, torch.zeros((matrices, p.shape[-1]), **zeros))
+        elif p.ndim == 2:  # the columns span every rank's rows: each rank keeps them whole
             state["exp_avg_sq_col"] = replicated_like(p, torch.zeros(p.shape[-1:], **zeros))
         else:  # a stack of matrices, split between them: its columns are a rank's own
             state["exp_avg_sq_col"] = rows_like(p, torch.zeros(local.shape[:-2] + local.shape[-1:], **zeros))
+
+    def factors(self, p):
+        """The local row statistics and the column statistics, a 2-D weight's as
+        (matrices, columns)."""
+        state = self.state[p]
+        row, col = local_shards([state["exp_avg_sq_row"], state.get(BLOCK_COLUMNS, state.get("exp_avg_sq_col"))])
+        return row, (col.view(-1, p.shape[-1]) if p.ndim == 2 else col)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -112,10 +157,10 @@ class Adafactor(torch.optim.Optimizer):
         work, partial = [], []
 
         def slot(t):
-            """Queue partial sums `t` for the first all-reduce; their offset in it."""
+            """Queue partial sums `t` for the first all-reduce; where they will be in it."""
             offset = sum(x.numel() for x in partial)
             partial.append(t.reshape(-1))
-            return offset
+            return slice(offset, offset + t.numel())
 
         for group, p in items:
             (local,) = local_shards([p])
@@ -127,56 +172,61 @@ class Adafactor(torch.optim.Optimizer):
             step = state["step"].item()  # a host tensor, as torch's Adam keeps it
             beta2t = 1.0 - math.pow(step, group["decay_rate"])
             squared = grad * grad + group["eps"][0]
-            w = dict(group=group, p=p, local=local, grad=grad, step=step, beta2t=beta2t)
+            rows = self.layout(p, local)
+            w = dict(group=group, p=p, local=local, grad=grad, step=step, beta2t=beta2t, rows=rows)
             if group["scale_parameter"]:
-                w["param_sq"] = slot(local.float().square().sum())
-            if p.ndim >= 2:
-                row, col = local_shards([state["exp_avg_sq_row"], state["exp_avg_sq_col"]])
+                w["param_sq"] = slot(square_sums(local, rows.pieces))
+            if p.ndim == 2:  # each matrix's means over its rows: over every rank's rows
+                row, _ = self.factors(p)
                 row.mul_(beta2t).add_(squared.mean(dim=-1), alpha=1.0 - beta2t)
-                if p.ndim == 2:  # means over the rows: over every rank's rows
-                    w["row_sum"] = slot(row.sum())
-                    w["col_sum"] = slot(squared.sum(dim=0))
-                else:
-                    col.mul_(beta2t).add_(squared.mean(dim=-2), alpha=1.0 - beta2t)
+                w["row_sum"] = slot(block_sums(row, rows.pieces))
+                w["col_sum"] = slot(block_sums(squared, rows.pieces))
+            elif p.ndim > 2:
+                row, col = self.factors(p)
+                row.mul_(beta2t).add_(squared.mean(dim=-1), alpha=1.0 - beta2t)
+                col.mul_(beta2t).add_(squared.mean(dim=-2), alpha=1.0 - beta2t)
             else:
                 (exp_avg_sq,) = local_shards([state["exp_avg_sq"]])
                 exp_avg_sq.mul_(beta2t).add_(squared, alpha=1.0 - beta2t)
             work.append(w)
         sums = sum_over_shards(torch.cat(partial), layout) if partial else None
         update_sq = [self.direction(w, sums) for w in work]
-        update_sums = sum_over_shards(torch.stack(update_sq), layout)
+        update_sums = sum_over_shards(torch.cat(update_sq), layout).split([len(u) for u in update_sq])
         for w, update_sum in zip(work, update_sums):
             self.apply(w, update_sum)
         return loss
 
     def direction(self, w, sums):
-        """The parameter's update before clipping and lr (w["update"]), and the local sum of
-        its squares."""
-        p, group, grad, beta2t = w["p"], w["group"], w["grad"], w["beta2t"]
-        state = self.state[p]
-        if p.ndim >= 2:
-            row, col = local_shards([state["exp_avg_sq_row"], state["exp_avg_sq_col"]])
-            if p.ndim == 2:
-                rows = p.shape[0]
-                col.mul_(beta2t).add_(sums[w["col_sum"] : w["col_sum"] + col.numel()] / rows, alpha=1.0 - beta2t)
-                row_mean = sums[w["row_sum"]] / rows
-            else:
-                row_mean = row.mean(dim=-1, keepdim=True)
-            r_factor = (row / row_mean).rsqrt_().unsqueeze(-1)
+        """The parameter's update before clipping and lr (w["update"]), and the local sums of
+        its squares, one per logical tensor."""
+        p, group, grad, beta2t, rows = w["p"], w["group"], w["grad"], w["beta2t"], w["rows"]
+        if p.ndim == 2:
+            row, col = self.factors(p)
+            col.mul_(beta2t).add_(sums[w["col_sum"]].view(col.shape) / rows.counts[:, None], alpha=1.0 - beta2t)
+            row_mean = sums[w["row_sum"]] / rows.counts
+            r_factor = (row / per_row(row_mean, rows.pieces, row)).rsqrt_().unsqueeze(-1)
+            update = torch.empty_like(grad)
+            for c, (a, n) in zip(col, rows.pieces):  # each matrix's rows by its own columns
+                torch.mul(r_factor[a : a + n] * c.rsqrt(), grad[a : a + n], out=update[a : a + n])
+        elif p.ndim > 2:
+            row, col = self.factors(p)
+            r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
             update = r_factor * col.unsqueeze(-2).rsqrt() * grad
         else:
-            (exp_avg_sq,) = local_shards([state["exp_avg_sq"]])
+            (exp_avg_sq,) = local_shards([self.state[p]["exp_avg_sq"]])
             update = exp_avg_sq.rsqrt() * grad
-        rms = (sums[w["param_sq"]] / p.numel()).sqrt() if "param_sq" in w else None
+        rms = (sums[w["param_sq"]] / rows.numel).sqrt() if "param_sq" in w else None
         w["lr"] = self.step_size(group, w["step"], rms)
         w["update"] = update
-        return update.square().sum()
+        return square_sums(update, rows.pieces)
 
     def apply(self, w, update_sum):
-        """Clip the update by its RMS over the whole parameter, scale it by the lr, and step."""
-        p, group, update, lr, local = w["p"], w["group"], w["update"], w["lr"], w["local"]
-        rms = (update_sum / p.numel()).sqrt()
-        update.div_((rms / group["clip_threshold"]).clamp_(min=1.0))
+        """Clip the update by its RMS over each logical tensor, scale it by the lr, and step."""
+        p, group, update, lr, local, pieces = w["p"], w["group"], w["update"], w["lr"], w["local"], w["rows"].pieces
+        rms = (update_sum / w["rows"].numel).sqrt()
+        update.div_(per_row((rms / group["clip_threshold"]).clamp_(min=1.0), pieces, update))
+        if isinstance(lr, torch.Tensor):  # --scale-parameter: each logical tensor's RMS
+            lr = per_row(lr, pieces, update)
         update.mul_(lr)
         if group["beta1"] is not None:
             (exp_avg,) = local_shards([self.state[p]["exp_avg"]])
@@ -188,3 +238,15 @@ class Adafactor(torch.optim.Optimizer):
         weights.add_(-update)
         if weights is not local:
             local.copy_(weights)
+
+
+class LogicalRows:
+    """The logical tensors a parameter stacks by rows (one, unless `blocks` gives their row
+    counts): this rank's piece of each (shard_sums.row_pieces), and each one's rows and
+    elements in the whole parameter, the divisors of its means."""
+
+    def __init__(self, p, blocks, device):
+        self.pieces = row_pieces(p, blocks)
+        rows = blocks or (p.shape[0] if p.ndim else 1,)
+        self.counts = torch.tensor(rows, dtype=torch.float32, device=device)
+        self.numel = self.counts * (p.numel() // sum(rows))

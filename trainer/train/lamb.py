@@ -16,25 +16,45 @@ rank sums its rows' squares, and a step sums them over the shard group in two
 all-reduces, one before the update (the gradients' and the parameters' squares) and one
 of the updates' squares.
 
+The trust ratio is per logical tensor: shardlm stacks q_proj, k_proj and v_proj in
+qkv_proj and a gated feed-forward's gate_proj and up_proj in fc1, which fairseq's and
+Hugging Face's models keep apart, so each gets ||w|| / ||u|| of its own rows (the `blocks`
+given, models/layer.py's weight_blocks), as FusedLAMB stepping the separate parameters
+would; their rows may straddle two ranks' shards (shard_sums.row_pieces).
+
 apex keeps t in the parameter group, which shardlm's checkpoints leave out
 (hyper-parameters come from the config); here it is per-parameter state, a 0-d tensor.
 """
 
 import torch
 
-from trainer.parallel.shard_sums import local_shards, shard_layout, sum_over_shards
+from trainer.parallel.shard_sums import local_shards, per_row, row_pieces, shard_layout, square_sums, sum_over_shards
 
 MAX_GRAD_NORM = 1.0  # apex FusedLAMB's default, which fairseq does not change
 
 
 class LAMB(torch.optim.Optimizer):
-    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM):
+    """`blocks`: {id(parameter): row counts of the logical tensors it stacks, in order}
+    (trainer/train/optim.py: logical_blocks); any other parameter is one tensor."""
+
+    def __init__(
+        self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, blocks=None
+    ):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
         super().__init__(params, defaults)
+        self.blocks = dict(blocks or {})
+        self.pieces = {}  # id(parameter): its row_pieces, fixed by the sharding
 
     @classmethod
-    def from_config(cls, groups, lr, cfg):
-        return cls(groups, lr=lr, betas=tuple(cfg.lamb_betas), eps=cfg.lamb_eps, weight_decay=cfg.weight_decay)
+    def from_config(cls, groups, lr, cfg, blocks=None):
+        return cls(
+            groups, lr=lr, betas=tuple(cfg.lamb_betas), eps=cfg.lamb_eps, weight_decay=cfg.weight_decay, blocks=blocks
+        )
+
+    def row_pieces(self, p):
+        if id(p) not in self.pieces:
+            self.pieces[id(p)] = row_pieces(p, self.blocks.get(id(p)))
+        return self.pieces[id(p)]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -49,11 +69,13 @@ class LAMB(torch.optim.Optimizer):
         params = local_shards([p for _, p in items])
         grads = [g.float() for g in local_shards([p.grad for _, p in items])]
         decayed = [i for i, (group, _) in enumerate(items) if group["weight_decay"] != 0]
-        # one all-reduce: the gradients' squares (all together), then each decayed parameter's
+        pieces = {i: self.row_pieces(items[i][1]) for i in decayed}
+        # one all-reduce: the gradients' squares (all together), then each decayed logical tensor's
         grad_sq = torch.stack(torch._foreach_norm(grads)).square().sum().reshape(1)
-        param_sq = [params[i].float().square().sum() for i in decayed]
-        sums = sum_over_shards(torch.cat([grad_sq, *[s.reshape(1) for s in param_sq]]), layout)
+        param_sq = [square_sums(params[i], pieces[i]) for i in decayed]
+        sums = sum_over_shards(torch.cat([grad_sq, *param_sq]), layout)
         norm = sums[0].sqrt()
+        param_norms = sums[1:].sqrt().split([len(pieces[i]) for i in decayed])
         max_norm = self.defaults["max_grad_norm"]
         clip = torch.where(norm > max_norm, norm / max_norm, torch.ones_like(norm))
         updates = []
@@ -75,15 +97,16 @@ class LAMB(torch.optim.Optimizer):
             if group["weight_decay"] != 0:
                 update.add_(local.float(), alpha=group["weight_decay"])
             updates.append(update)
-        update_sq = [updates[i].square().sum() for i in decayed]
-        update_sums = sum_over_shards(torch.stack(update_sq), layout) if decayed else None
-        ratios = {}
-        for k, i in enumerate(decayed):
-            param_norm, update_norm = sums[1 + k].sqrt(), update_sums[k].sqrt()
+        update_sq = [square_sums(updates[i], pieces[i]) for i in decayed]
+        update_norms = (
+            sum_over_shards(torch.cat(update_sq), layout).sqrt().split([len(u) for u in update_sq]) if decayed else ()
+        )
+        ratios = {}  # per decayed parameter, one ratio per logical tensor it stacks
+        for i, param_norm, update_norm in zip(decayed, param_norms, update_norms):
             trusted = (param_norm != 0) & (update_norm != 0)
             ratios[i] = torch.where(trusted, param_norm / update_norm.clamp(min=1e-38), torch.ones_like(param_norm))
         for i, ((group, _), local, update) in enumerate(zip(items, params, updates)):
-            step_size = group["lr"] * ratios[i] if i in ratios else group["lr"]
+            step_size = group["lr"] * per_row(ratios[i], pieces[i], update) if i in ratios else group["lr"]
             if local.dtype == torch.float32:
                 local.sub_(update * step_size)
             else:

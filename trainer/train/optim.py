@@ -11,14 +11,25 @@ from trainer.train.adafactor import Adafactor
 from trainer.train.lamb import LAMB
 from trainer.train.pointwise_optim import Adamax, ShardLocalAdadelta, ShardLocalAdagrad
 
-# Each built from its config by its class (from_config).
-OTHER_OPTIMIZERS = {
-    "adafactor": Adafactor,
-    "lamb": LAMB,
-    "adagrad": ShardLocalAdagrad,
-    "adadelta": ShardLocalAdadelta,
-    "adamax": Adamax,
-}
+# Each built from its config by its class (from_config). Adafactor's and LAMB's statistics
+# are per tensor: they are told which parameters stack several (logical_blocks).
+PER_TENSOR_OPTIMIZERS = {"adafactor": Adafactor, "lamb": LAMB}
+ELEMENTWISE_OPTIMIZERS = {"adagrad": ShardLocalAdagrad, "adadelta": ShardLocalAdadelta, "adamax": Adamax}
+
+
+def logical_blocks(model):
+    """{id(parameter): row counts of the tensors it stacks} for each decoder layer's stacked
+    weights (DecoderLayer.weight_blocks: qkv_proj's q, k, v; a gated fc1's gate, up) and
+    their biases, which stack the same rows: the tensors users have, in Hugging Face's and
+    fairseq's models, and the ones a per-tensor statistic must be taken over."""
+    blocks = {}
+    for layer in getattr(getattr(model, "module", model), "layers", ()):
+        params = dict(layer.named_parameters())
+        for name, rows in layer.weight_blocks().items():
+            for stacked in (name, name.removesuffix("weight") + "bias"):
+                if stacked in params:
+                    blocks[id(params[stacked])] = tuple(rows)
+    return blocks
 
 
 def param_groups(model, weight_decay):
@@ -59,8 +70,10 @@ def build_optimizer(model, cfg):
         return ShardLocalAdamW(
             groups, lr=lr, betas=tuple(optimizer_cfg.adam_betas), eps=optimizer_cfg.adam_eps, fused=True
         )
-    if optimizer_cfg._name in OTHER_OPTIMIZERS:
-        return OTHER_OPTIMIZERS[optimizer_cfg._name].from_config(groups, lr, optimizer_cfg)
+    if optimizer_cfg._name in PER_TENSOR_OPTIMIZERS:
+        return PER_TENSOR_OPTIMIZERS[optimizer_cfg._name].from_config(groups, lr, optimizer_cfg, logical_blocks(model))
+    if optimizer_cfg._name in ELEMENTWISE_OPTIMIZERS:
+        return ELEMENTWISE_OPTIMIZERS[optimizer_cfg._name].from_config(groups, lr, optimizer_cfg)
     if optimizer_cfg._name == "nag":
         return NAG(groups, lr=lr, momentum=optimizer_cfg.momentum)
     return torch.optim.SGD(groups, lr=lr, momentum=optimizer_cfg.momentum)

@@ -11,14 +11,21 @@ trainer/formats/fairseq/model.py maps its options and tensors to ours.
 
 import argparse
 import functools
+import logging
 import pickle
 import re
 import zipfile
 from pathlib import Path
 
 from trainer.errors import UsageError
-from trainer.formats.fairseq.model import FairseqConfigError, fairseq_model_config, model_from_fairseq
+from trainer.formats.fairseq.model import (
+    FairseqConfigError,
+    fairseq_model_config,
+    model_from_fairseq,
+    normformer_not_built,
+)
 
+log = logging.getLogger("shardlm")
 # The legacy (non-zip) torch.save format starts with a pickle's protocol-2 opcode.
 _LEGACY_MAGIC = b"\x80\x02"
 
@@ -89,6 +96,12 @@ def read_fairseq_checkpoint(path):
     return state
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_once(message):
+    """Each command reads a checkpoint's config several times; the user reads a warning once."""
+    log.warning(message)
+
+
 def vocab_size_of(model_state):
     """The embedding's rows: the dictionary the model was trained with (its bands' when adaptive)."""
     if "decoder.embed_tokens.weight" in model_state:
@@ -103,6 +116,15 @@ def fairseq_settings(path):
     state = read_fairseq_checkpoint(path)
     try:
         arch, model, task = fairseq_model_config(state)
+        unbuilt = normformer_not_built(model, state["model"])
+        if unbuilt:  # as fairseq built and scored it
+            model = {**model, **dict.fromkeys(unbuilt, False)}
+            flags = " ".join("--" + k.replace("_", "-") for k in unbuilt)
+            _warn_once(
+                f"{path}: its config sets {flags} (NormFormer), but the fairseq that wrote it did not apply "
+                "them (its transformer_lm drops these flags) and it holds no tensors of theirs: the model is "
+                "built without them, as fairseq built and scored it"
+            )
         fixed, training = model_from_fairseq(arch, model)
     except FairseqConfigError as e:
         raise UsageError(f"{path}: {e}") from None

@@ -74,6 +74,27 @@ _UNSUPPORTED = {
 }
 
 
+# NormFormer's flags and the tensor each makes in every layer. fairseq's transformer_lm
+# config holds them, but its TransformerDecoderLayerBase reads them from a TransformerConfig,
+# which has no such fields: TransformerConfig.from_namespace copies unknown keys from
+# vars(cfg), and of the DictConfig that fairseq-train and fairseq-eval-lm pass that is
+# omegaconf's internals, not its keys. So fairseq 0.12.2 (and its main branch) trains and
+# scores a transformer_lm without them; the tensors say what the writer built.
+NORMFORMER_TENSORS = {
+    "scale_attn": "attn_ln.weight",
+    "scale_fc": "ffn_layernorm.weight",
+    "scale_heads": "c_attn",
+    "scale_resids": "w_resid",
+}
+
+
+def normformer_not_built(model, names):
+    """The NormFormer flags `model` (a checkpoint's config) sets whose tensors no layer of the
+    checkpoint holds (`names`: its tensor names): the fairseq that wrote it did not apply them."""
+    suffixes = {name.split(".", 3)[-1] for name in names if name.startswith("decoder.layers.")}
+    return [flag for flag, tensor in NORMFORMER_TENSORS.items() if model.get(flag) and tensor not in suffixes]
+
+
 def fairseq_model_config(state):
     """(arch, model options dict, task options dict) of a loaded fairseq checkpoint: its
     `cfg` (fairseq >= 0.10's dataclass config, saved as plain dicts) or its older `args`

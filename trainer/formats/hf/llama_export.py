@@ -1,7 +1,7 @@
 """Our Llama-family TransformerLM as a Hugging Face LlamaForCausalLM (Qwen3ForCausalLM with
 --qk-norm) directory: config.json and the weights, sharded as save_pretrained shards them.
 
-Our fused tensors are split back by rows (models/hf_llama.hf_parts): qkv_proj into
+Our fused tensors are split back by rows (trainer/formats/hf/llama.py hf_parts): qkv_proj into
 q_proj, k_proj and v_proj, fc1 into gate_proj and up_proj. Each HF tensor is a row range
 of one of ours, and the HF tensors of one of ours are written one after the other, so one
 of our tensors is read at a time, and held only while its parts are written.
