@@ -74,7 +74,10 @@ class TransformerLM(nn.Module):
                 getattr(cfg, "quant_noise_pq_block_size", 8),
             )
         else:
-            self.embed_tokens = embedding(cfg, vocab_size, cfg.decoder_input_dim or dim, padding_idx)
+            # A pad id past the table (data made with a tokenizer that has none, as GPT-2's,
+            # gets one after its last id) is the loss's ignore index only: no row to keep zero.
+            row = padding_idx if padding_idx is not None and padding_idx < vocab_size else None
+            self.embed_tokens = embedding(cfg, vocab_size, cfg.decoder_input_dim or dim, row)
         # fairseq's project_in_dim / project_out_dim: embeddings (--decoder-input-dim) and the
         # output projection's input (--decoder-output-dim) of another width than the layers.
         width_in = self.embed_tokens.embedding_dim

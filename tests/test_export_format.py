@@ -11,6 +11,7 @@ from models.transformer_lm import build_model
 from trainer.errors import UsageError
 from trainer.formats.hf.gpt2 import check_hf_compatible, hf_config, hf_tensor_specs, write_hf_gpt2
 from trainer.formats.safetensors_file import read_safetensors, safetensors_header, write_safetensors
+from trainer.inference.load import load_model
 
 
 def _sample_tensors():
@@ -156,9 +157,11 @@ def test_hf_gpt2_gives_our_logits(tmp_path, variant):
     model = _export(tmp_path, cfg)
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     tokens = torch.randint(0, VOCAB, (2, POSITIONS), generator=torch.Generator().manual_seed(0))
+    read_back, _, _ = load_model(tmp_path)  # every format shardlm writes, it reads
     with torch.no_grad():
         ours, theirs = model(tokens), hf(tokens).logits
-    assert (ours - theirs).abs().max().item() < 1e-4
+        assert (ours - theirs).abs().max().item() < 1e-4
+        assert (read_back(tokens) - theirs).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize(

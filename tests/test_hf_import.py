@@ -1,5 +1,5 @@
 """eval-lm and generate --path HF_DIR: a Hugging Face model directory (LlamaForCausalLM,
-Qwen3ForCausalLM) loads with transformers' logits, eval-lm reports the loss transformers
+Qwen3ForCausalLM, GPT2LMHeadModel) loads with transformers' logits, eval-lm reports the loss transformers
 computes on the same blocks, greedy generate gives transformers' tokens, and a bad
 directory gets one line naming the file and the tensor."""
 
@@ -81,6 +81,30 @@ def _save(path, model_type, tokenizer, tie, kv_heads, extra_vocab=0):
     return model.eval()
 
 
+def _save_gpt2(path, tokenizer):
+    """A random GPT2LMHeadModel as transformers writes it (its own gelu_new, tied output)."""
+    tokenizer.save_pretrained(path)
+    config = transformers.GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=64,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(5)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    return model.eval()
+
+
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
     """Four models, tied and untied output, grouped-query and multi-head attention between
@@ -104,6 +128,7 @@ def hf(tmp_path_factory):
         "llama_tied": _save(root / "llama_tied", "llama", llama_tok, True, 4),
         "qwen3": _save(root / "qwen3", "qwen3", qwen_tok, False, 4, extra_vocab=9),
         "qwen3_tied": _save(root / "qwen3_tied", "qwen3", qwen_tok, True, 2),
+        "gpt2": _save_gpt2(root / "gpt2", qwen_tok),
     }
     (root / "valid.txt").write_text("\n".join(TEXT * 4) + "\n")
     data = {
@@ -124,13 +149,13 @@ def hf(tmp_path_factory):
     return SimpleNamespace(root=root, models=models, data=data)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen3", "qwen3_tied"])
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen3", "qwen3_tied", "gpt2"])
 def test_logits_equal_transformers(hf, name):
     ours, cfg, tok = load_model(hf.root / name)
     theirs = hf.models[name]
     assert ours.max_positions == 64 and cfg.task.tokens_per_sample == 64
     assert isinstance(tok, HFTokenizer)
-    assert cfg.model.share_decoder_input_output_embed == name.endswith("_tied")
+    assert cfg.model.share_decoder_input_output_embed == (name.endswith("_tied") or name == "gpt2")
     # 48 positions (past rope's 16 original ones), every id, the pad ids among them.
     tokens = torch.arange(ours.vocab_size).roll(7)[:96].view(2, 48)
     with torch.no_grad():
@@ -174,15 +199,16 @@ def test_eval_lm_reports_transformers_loss(hf):
 
     env = _eval_env()
     try:
-        for name in ("llama", "qwen3"):
+        # gpt2 has qwen3's tokenizer, and so its data
+        for name, data in (("llama", "llama"), ("qwen3", "qwen3"), ("gpt2", "qwen3")):
             tok = HFTokenizer(hf.root / name)
-            indexed = IndexedDataset(hf.data[name] / "valid")
+            indexed = IndexedDataset(hf.data[data] / "valid")
             stream = indexed.tokens.astype(np.int64)
             seq_starts = set((np.cumsum(indexed.sizes) - indexed.sizes).tolist())
             assert tok.pad not in stream and tok.eos in stream
             args = SimpleNamespace(
                 path=hf.root / name,
-                data=str(hf.data[name]),
+                data=str(hf.data[data]),
                 gen_subset="valid",
                 tokens_per_sample=24,
                 context_window=0,
@@ -203,16 +229,17 @@ def test_eval_lm_reports_transformers_loss(hf):
 
 
 def test_greedy_generate_is_transformers(hf):
-    """The KV-cached greedy decode of a Qwen3 model, and `generate --temperature 0` of a
-    Llama one (its tokenizer starts the prompt with <|begin_of_text|>)."""
-    ours, _, tok = load_model(hf.root / "qwen3")
-    ids = tok.encode("the lazy dog")
-    expected = (
-        hf.models["qwen3"]
-        .generate(torch.tensor([ids]), do_sample=False, max_new_tokens=30, eos_token_id=tok.eos)[0, len(ids) :]
-        .tolist()
-    )
-    assert sample(ours, ids, 30, temperature=0, eos=tok.eos) == [t for t in expected if t != tok.eos]
+    """The KV-cached greedy decode of a Qwen3 and a GPT-2 model, and `generate --temperature 0`
+    of a Llama one (its tokenizer starts the prompt with <|begin_of_text|>)."""
+    for name in ("qwen3", "gpt2"):
+        ours, _, tok = load_model(hf.root / name)
+        ids = tok.encode("the lazy dog")
+        expected = (
+            hf.models[name]
+            .generate(torch.tensor([ids]), do_sample=False, max_new_tokens=30, eos_token_id=tok.eos)[0, len(ids) :]
+            .tolist()
+        )
+        assert sample(ours, ids, 30, temperature=0, eos=tok.eos) == [t for t in expected if t != tok.eos]
     # An empty prompt: Qwen's template adds no <s>, and it has none; its eos starts the text.
     assert (
         generate(
@@ -336,8 +363,8 @@ def test_bad_directories_get_one_line(hf, tmp_path, capsys):
             ["has no tensor model.layers.1.self_attn.q_proj.weight"],
         ),
         (
-            _config(hf, tmp_path, "gpt2", json.dumps({**config, "model_type": "gpt2"})),
-            ["config.json: model_type 'gpt2' is not supported"],
+            _config(hf, tmp_path, "gpt_neox", json.dumps({**config, "model_type": "gpt_neox"})),
+            ["config.json: model_type 'gpt_neox' is not supported"],
         ),
         (_config(hf, tmp_path, "json", json.dumps(config)[:-20]), ["config.json is not valid JSON"]),
     ]

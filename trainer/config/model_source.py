@@ -17,8 +17,7 @@ from models.config import PRESETS
 from trainer.config.flags import flag_name, iter_fields
 from trainer.errors import UsageError
 from trainer.formats.fairseq.checkpoint_file import fairseq_settings, is_fairseq_checkpoint
-from trainer.formats.hf.config import CONFIG, HF_KEYS, hf_model_settings, is_hf_dir, read_hf_config
-from trainer.formats.hf.llama import llama_incompatibility
+from trainer.formats.hf.config import CONFIG, HF_KEYS, family_of, hf_model_settings, is_hf_dir, read_hf_config
 
 
 def hf_finetune_dir(cfg):
@@ -98,7 +97,7 @@ def apply_hf_model(cfg, given):
         if f"model.{key}" not in given:
             model_cfg[key] = value
     model_cfg._name = str(path)  # where the model came from; composes again from a saved config.yaml
-    why = llama_incompatibility(model_cfg)
+    why = family_of(config["model_type"]).incompatibility(model_cfg)
     if why:
         raise UsageError(
             f"--finetune-from-model {path}: with these flags the model is not the one config.json "

@@ -9,9 +9,23 @@ import json
 from pathlib import Path
 
 from trainer.errors import UsageError
-from trainer.formats.hf.llama import HFConfigError, model_from_hf_config
+from trainer.formats.hf import gpt2, llama
+from trainer.formats.hf.llama import HFConfigError
 
 CONFIG = "config.json"
+
+# config.json's model_type → the module of its family: its keys both ways and its tensors'
+# names (model_from_hf_config, incompatibility, hf_parts, transposed). A new family is one module
+# and one line here.
+FAMILIES = {"llama": llama, "qwen3": llama, "gpt2": gpt2}
+
+
+def family_of(model_type):
+    """The family module of config.json's model_type; HFConfigError when none builds it."""
+    if model_type not in FAMILIES:
+        raise HFConfigError(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+    return FAMILIES[model_type]
+
 
 # Our field → the config.json key it comes from, for the refusal's message; the fields
 # missing here follow from model_type (Llama's layout: RMSNorm, SwiGLU, RoPE, no biases).
@@ -60,7 +74,7 @@ def read_hf_config(path):
     if not isinstance(config, dict):
         raise UsageError(f"{path / CONFIG} is not a JSON object; pass a Hugging Face model directory")
     try:
-        fields, vocab_size, max_positions = model_from_hf_config(config)
+        fields, vocab_size, max_positions = family_of(config.get("model_type")).model_from_hf_config(config)
     except HFConfigError as e:
         raise UsageError(f"{path / CONFIG}: {e}") from None
     except (KeyError, TypeError, ValueError) as e:

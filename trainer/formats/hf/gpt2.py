@@ -1,4 +1,6 @@
-"""Our TransformerLM as a HuggingFace GPT-2 (GPT2LMHeadModel): config and tensors.
+"""Hugging Face's GPT-2 (GPT2LMHeadModel) in our terms, both ways: config.json as our model
+fields and back, and which of its tensors make each of our parameters. Torch-free but for
+writing tensors: `train` reads a model directory's config before torch is imported.
 
 A pre-LN TransformerLM with a final norm is GPT-2 up to renaming, with three twists:
 - HF's Conv1D stores weights as [in, out], the transpose of our nn.Linear's [out, in];
@@ -7,6 +9,9 @@ A pre-LN TransformerLM with a final norm is GPT-2 up to renaming, with three twi
 - sinusoidal positions are not parameters here; HF gets them as a fixed wpe table
   (and zeros when the model has no positions at all, which adds nothing either).
 Every tensor is built alone from our full parameters, so an export streams one at a time.
+Read back, a GPT-2 directory is a pre-LN model with learned positions counted from 0 and
+unscaled embeddings (what wte holds is what the layers get), so a directory written here
+and one written by transformers load alike.
 """
 
 import json
@@ -15,15 +20,16 @@ import os
 import re
 from pathlib import Path
 
-import torch
-
 from models.config import head_dim, kv_heads, num_layers
-from models.transformer_lm import sinusoidal_positions
 from trainer.errors import UsageError
-from trainer.formats.hf.shards import DEFAULT_MAX_SHARD_SIZE, write_hf_weights
+from trainer.formats.hf.llama import HFConfigError
 
-# F.gelu is the exact erf form: HF's "gelu", not its tanh approximation "gelu_new".
-HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu"}
+# F.gelu is the exact erf form: HF's "gelu"; its tanh approximation (fairseq's
+# gelu_accurate, once gelu_fast) is HF's "gelu_new", GPT-2's own.
+HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_accurate": "gelu_new", "gelu_fast": "gelu_new"}
+# transformers' activation_function → ours, read back: GPT-2's own gelu_new is the tanh
+# form, fairseq's gelu_accurate.
+_READ_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_accurate", "gelu_pytorch_tanh": "gelu_accurate", "relu": "relu"}
 
 # transformers checks the "format" metadata of model.safetensors before loading it.
 HF_METADATA = {"format": "pt"}
@@ -93,6 +99,9 @@ def gpt2_incompatibility(model_cfg):
     ):
         why = "embeddings or output of another width than the layers (decoder_input_dim/decoder_output_dim)"
     return why
+
+
+incompatibility = gpt2_incompatibility  # the name every family module answers to
 
 
 def _embed_scale(model_cfg):
@@ -171,6 +180,10 @@ def hf_tensor_specs(model_cfg, vocab_size, max_positions, dtype):
 def hf_tensor(hf_name, get_ours, model_cfg, max_positions, dtype=None):
     """HF tensor `hf_name` built from our parameters; `get_ours(name)` returns one of
     ours (full, on the CPU) by its TransformerLM name. Cast to `dtype` when given."""
+    import torch  # writing only: reading config.json stays torch-free
+
+    from models.transformer_lm import sinusoidal_positions
+
     dim = model_cfg.decoder_embed_dim
     if hf_name == "transformer.wte.weight":
         table, scale = get_ours("embed_tokens.weight"), _embed_scale(model_cfg)
@@ -207,23 +220,98 @@ def write_hf_gpt2(
     model_cfg,
     vocab_size,
     max_positions,
-    dtype=torch.float32,
-    max_shard_size=DEFAULT_MAX_SHARD_SIZE,
+    dtype=None,
+    max_shard_size=None,
     **token_ids,
 ):
     """A directory GPT2LMHeadModel.from_pretrained loads: config.json + model.safetensors (or
     shards and their index), streamed one tensor at a time. token_ids: bos_token_id,
-    eos_token_id, pad_token_id."""
+    eos_token_id, pad_token_id. dtype: fp32 unless given."""
+    import torch  # writing only: reading config.json stays torch-free
+
+    # Our shards module imports torch too.
+    from trainer.formats.hf.shards import DEFAULT_MAX_SHARD_SIZE, write_hf_weights
+
+    dtype = dtype or torch.float32
     os.makedirs(out_dir, exist_ok=True)
     specs = hf_tensor_specs(model_cfg, vocab_size, max_positions, dtype)
     write_hf_weights(
         Path(out_dir),
         specs,
         lambda name: hf_tensor(name, get_ours, model_cfg, max_positions, dtype),
-        max_shard_size,
+        max_shard_size or DEFAULT_MAX_SHARD_SIZE,
         HF_METADATA,
     )
     config = hf_config(model_cfg, vocab_size, max_positions, dtype=dtype, **token_ids)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
+
+
+def model_from_hf_config(config):
+    """config.json of GPT2LMHeadModel → (our model fields, vocab_size, max_positions);
+    HFConfigError naming the key when the model is not one we build exactly."""
+    act = config.get("activation_function", "gelu_new")
+    if act not in _READ_ACTIVATIONS:
+        raise HFConfigError(f"activation_function {act!r} is not supported ({', '.join(_READ_ACTIVATIONS)} are)")
+    if config.get("scale_attn_by_inverse_layer_idx"):
+        raise HFConfigError("scale_attn_by_inverse_layer_idx true: attention scaled per layer is not supported")
+    if not config.get("scale_attn_weights", True):
+        raise HFConfigError("scale_attn_weights false: unscaled attention is not supported")
+    dim = config["n_embd"]
+    fields = dict(
+        decoder_layers=config["n_layer"],
+        decoder_embed_dim=dim,
+        decoder_ffn_embed_dim=config.get("n_inner") or 4 * dim,
+        decoder_attention_heads=config["n_head"],
+        decoder_kv_heads=None,
+        decoder_head_dim=None,
+        norm_type="layernorm",
+        norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+        gated_ffn=False,
+        activation_fn=_READ_ACTIVATIONS[act],
+        no_bias=False,
+        qk_norm=False,
+        rope=False,
+        rope_scaling=None,
+        no_scale_embedding=True,
+        share_decoder_input_output_embed=bool(config.get("tie_word_embeddings", True)),
+        decoder_learned_pos=True,
+        no_token_positional_embeddings=False,
+        positions_offset=0,
+        decoder_normalize_before=True,
+        no_decoder_final_norm=False,
+        layernorm_embedding=False,
+        decoder_input_dim=dim,
+        decoder_output_dim=dim,
+        attention_dropout=float(config.get("attn_pdrop", 0.0)),
+    )
+    return fields, config["vocab_size"], config.get("n_positions", 1024)
+
+
+# our name inside layers.{i} → (HF name inside transformer.h.{i}, stored transposed)
+_OUR_LAYER_TENSORS = {ours: (theirs, transposed) for theirs, (ours, transposed) in _LAYER_TENSORS.items()}
+_OUTSIDE_LAYERS = {
+    "embed_tokens.weight": "transformer.wte.weight",
+    "embed_positions.weight": "transformer.wpe.weight",
+    "layer_norm.weight": "transformer.ln_f.weight",
+    "layer_norm.bias": "transformer.ln_f.bias",
+    "output_projection.weight": "lm_head.weight",
+}
+
+
+def hf_parts(name, model_cfg):
+    """Our parameter `name` as HF tensors stacked by rows: [(hf name, rows)]; GPT-2 keeps each
+    of ours whole in one tensor (c_attn is q, k and v side by side, as our qkv_proj)."""
+    if name in _OUTSIDE_LAYERS:
+        return [(_OUTSIDE_LAYERS[name], None)]
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if not match or match[2] not in _OUR_LAYER_TENSORS:
+        raise KeyError(name)
+    return [(f"transformer.h.{match[1]}.{_OUR_LAYER_TENSORS[match[2]][0]}", None)]
+
+
+def transposed(hf_name):
+    """Whether `hf_name` is a Conv1D weight, stored [in, out]: our rows are its columns."""
+    match = re.fullmatch(r"transformer\.h\.\d+\.(.+)", hf_name)
+    return bool(match) and _LAYER_TENSORS.get(match[1], (None, False))[1]

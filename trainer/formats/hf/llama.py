@@ -46,8 +46,6 @@ def model_from_hf_config(config):
     """config.json (a dict) → (our model fields, vocab_size, max_positions). HFConfigError
     naming the key when the model is not one we can build exactly."""
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise HFConfigError(f"model_type {model_type!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
     act = config.get("hidden_act", "silu")
     if act not in _ACTIVATIONS:
         raise HFConfigError(f"hidden_act {act!r} is not supported ({', '.join(_ACTIVATIONS)} are)")
@@ -115,6 +113,9 @@ def llama_incompatibility(model_cfg):
     ):
         return "its embeddings or output are of another width than the layers"
     return None
+
+
+incompatibility = llama_incompatibility  # the name every family module answers to
 
 
 def hf_model_type(model_cfg):
@@ -206,6 +207,11 @@ def hf_parts(name, model_cfg):
     if local not in parts:
         raise KeyError(name)
     return parts[local]
+
+
+def transposed(hf_name):
+    """Llama's tensors are all [out, in], as ours: none is stored transposed."""
+    return False
 
 
 def row_slices(parts, start, stop):

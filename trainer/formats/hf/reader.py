@@ -1,7 +1,7 @@
 """A Hugging Face model directory as a reader (trainer/formats/reader.py): config.json as
 our run config, its safetensors as our parameters, every tensor checked (present, of the
 shape config.json implies, a float type) before any is read, so a bad directory costs one
-line. Each family (trainer/formats/hf/families.py) names and lays out its tensors."""
+line. Each family (FAMILIES in trainer/formats/hf/config.py) names and lays out its tensors."""
 
 import copy
 
@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from models.config import TransformerLMConfig
 from models.transformer_lm import build_model
-from trainer.formats.hf.config import read_hf_config
+from trainer.formats.hf.config import family_of, read_hf_config
 from trainer.formats.hf.weights import FLOAT_DTYPES, HFWeights
 from trainer.formats.reader import ModelReader
 
@@ -44,7 +44,7 @@ class HFReader(ModelReader):
             name: tuple(p.shape)
             for name, p in build_model(self.model_cfg, vocab_size, max_positions, device="meta").named_parameters()
         }
-        self.weights = HFWeights(self.path)
+        self.weights = HFWeights(self.path, family_of(self.model_type))
         self.weights.check(shapes, self.model_cfg)
         self.specs = {name: (shape, self.weights.dtype_of(name, self.model_cfg)) for name, shape in shapes.items()}
 

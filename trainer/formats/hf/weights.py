@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from trainer.errors import UsageError
-from trainer.formats.hf.llama import hf_parts, row_slices
+from trainer.formats.hf.llama import row_slices
 
 SINGLE_FILE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -27,8 +27,9 @@ class HFWeights:
     """The tensors of an HF directory by name: their files, shapes and dtypes, and row slices
     of our parameters read from them. Use as a context manager (it keeps the files open)."""
 
-    def __init__(self, path):
+    def __init__(self, path, family):
         self.path = Path(path)
+        self.family = family  # trainer/formats/hf/config.py FAMILIES: its tensors' names and layout
         self.specs, self._open = {}, {}  # before _tensor_files: a single model.safetensors is opened there
         self.files = self._tensor_files()  # HF tensor name → file
         for file in sorted(set(self.files.values())):
@@ -107,8 +108,10 @@ class HFWeights:
         """Raise UsageError naming the file and tensor when the directory does not give every
         one of `params` ({our name: shape}) whole, with the shape our config implies."""
         for name, shape in params.items():
-            for hf_name, rows in hf_parts(name, model_cfg):
+            for hf_name, rows in self.family.hf_parts(name, model_cfg):
                 expected = (rows if rows is not None else shape[0], *shape[1:])
+                if self.family.transposed(hf_name):
+                    expected = expected[::-1]
                 if hf_name not in self.specs:
                     raise UsageError(
                         f"{self.path} has no tensor {hf_name} (for {name}); the weights do not cover "
@@ -129,13 +132,15 @@ class HFWeights:
 
     def dtype_of(self, name, model_cfg):
         """The dtype our parameter `name` is saved in (its first part's)."""
-        return FLOAT_DTYPES[self.specs[hf_parts(name, model_cfg)[0][0]][1]]
+        return FLOAT_DTYPES[self.specs[self.family.hf_parts(name, model_cfg)[0][0]][1]]
 
     def rows(self, name, model_cfg, start, stop, dtype):
         """Rows start…stop-1 of our parameter `name`, read from the files (only those rows)."""
         pieces = []
-        for hf_name, lo, hi in row_slices(hf_parts(name, model_cfg), start, stop):
-            piece = self._handle(self.files[hf_name]).get_slice(hf_name)[lo:hi]
+        for hf_name, lo, hi in row_slices(self.family.hf_parts(name, model_cfg), start, stop):
+            whole = self._handle(self.files[hf_name]).get_slice(hf_name)
+            # a Conv1D weight is [in, out]: our rows are its columns
+            piece = whole[:, lo:hi].t() if self.family.transposed(hf_name) else whole[lo:hi]
             pieces.append(piece.to(dtype))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
