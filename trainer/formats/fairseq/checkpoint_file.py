@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 
 from trainer.errors import UsageError
+from trainer.formats.fairseq.fsdp_shards import consolidate, is_shard, missing_shards, shard_files, world_size
 from trainer.formats.fairseq.model import (
     FairseqConfigError,
     fairseq_model_config,
@@ -32,10 +33,12 @@ _LEGACY_MAGIC = b"\x80\x02"
 
 def is_fairseq_checkpoint(path):
     """A file torch.save wrote (zip or legacy format): the only kind of checkpoint that is a
-    file; ours are directories."""
+    file; ours are directories. Or fairseq's sharded FSDP checkpoint, named as fairseq's
+    commands name it (`checkpoint_last.pt`, its files `checkpoint_last-shard{i}.pt` beside it)."""
     path = Path(path)
     if not path.is_file():
-        return False
+        shards = shard_files(path)
+        return shards is not None and is_fairseq_checkpoint(next(iter(shards.values())))
     if zipfile.is_zipfile(path):
         return True
     with open(path, "rb") as f:
@@ -88,12 +91,35 @@ def _load(path, mtime):
 
 
 def read_fairseq_checkpoint(path):
-    """The checkpoint's dict (tensors memory-mapped); UsageError in one line when it is not one."""
+    """The checkpoint's dict (tensors memory-mapped); UsageError in one line when it is not one.
+    The shards of an FSDP checkpoint are read as one (trainer/formats/fairseq/fsdp_shards.py)."""
+    named = Path(path)
+    shards = shard_files(named)
+    state = _read_file(named) if named.is_file() else None
+    if shards is None or (state is not None and not is_shard(state)):
+        return state if state is not None else _read_file(named)
+    world = world_size(state if state is not None else _read_file(min(shards.items())[1]))
+    missing_shards(named, shards, world)
+    return _read_shards(tuple(_file_key(shards[rank]) for rank in range(world)))
+
+
+def _file_key(path):
     path = Path(path).resolve()
-    state = _load(str(path), path.stat().st_mtime_ns)
+    return str(path), path.stat().st_mtime_ns
+
+
+def _read_file(path):
+    state = _load(*_file_key(path))
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-        raise UsageError(f"{path} is a torch file but not a fairseq-train checkpoint (no `model` state dict)")
+        raise UsageError(
+            f"{Path(path).resolve()} is a torch file but not a fairseq-train checkpoint (no `model` state dict)"
+        )
     return state
+
+
+@functools.lru_cache(maxsize=2)
+def _read_shards(keys):
+    return consolidate([(Path(path), _load(path, mtime)) for path, mtime in keys])
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,6 +10,7 @@ fairseq's optimizer state is keyed by the position of a parameter in its model's
 `parameters()`: the state dict's order, less buffers and tied duplicates. Its fp16 optimizer
 keeps one flat fp32 copy of them all, whose state is cut back into parameters by their sizes.
 fairseq's adam is AdamW (decoupled weight decay); its exp_avg and exp_avg_sq are torch's.
+An FSDP checkpoint's (trainer/formats/fairseq/fsdp_shards.py) is keyed in its fsdp_metadata's order.
 """
 
 import logging
@@ -20,6 +21,7 @@ import torch
 from data.iterator import ORDER
 from trainer.errors import UsageError
 from trainer.formats.fairseq.checkpoint_file import read_fairseq_checkpoint
+from trainer.formats.fairseq.fsdp_shards import fsdp_parameter_order
 from trainer.formats.fairseq.model import fairseq_parts, is_buffer
 
 log = logging.getLogger("shardlm")
@@ -100,6 +102,13 @@ def fairseq_adam_state(src):
             f"{src.path} holds no Adam state (its optimizer: {name or 'none saved'}); resume it with "
             "--reset-optimizer, or fine-tune with --finetune-from-model"
         )
+    fsdp_order = fsdp_parameter_order(src.state)
+    if fsdp_order is not None:  # fairscale's gathered state (or the shards' un-flattened)
+        if any(not 0 <= i < len(fsdp_order) for i in optimizer_state["state"]):
+            raise UsageError(
+                f"{src.path}: optimizer states beyond its {len(fsdp_order)} parameters; resume with --reset-optimizer"
+            )
+        return {fsdp_order[i]: state for i, state in optimizer_state["state"].items()}
     order = _parameter_order(src.tensors)
     states = [optimizer_state["state"][i] for i in sorted(optimizer_state["state"])]
     numels = [src.tensors[n].numel() for n in order]
