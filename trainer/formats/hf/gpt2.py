@@ -182,6 +182,7 @@ def hf_tensor(hf_name, get_ours, model_cfg, max_positions, dtype=None):
     ours (full, on the CPU) by its TransformerLM name. Cast to `dtype` when given."""
     import torch  # writing only: reading config.json stays torch-free
 
+    # torch too, for the same reason
     from models.transformer_lm import sinusoidal_positions
 
     dim = model_cfg.decoder_embed_dim
