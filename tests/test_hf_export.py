@@ -14,7 +14,7 @@ from data.embedded_corpus import prepare_embedded_corpus
 from data.indexed_dataset import IndexedDataset
 from helpers import compose, train_updates
 from models.transformer_lm import build_model
-from trainer.formats.hf.llama_export import write_hf_llama
+from trainer.formats.hf.llama import write_hf_llama
 from trainer.formats.safetensors_file import safetensors_header, write_safetensors
 from trainer.inference.load import load_model
 

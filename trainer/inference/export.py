@@ -14,10 +14,8 @@ from data.hf_convert import write_hf_tokenizer
 from data.tokenizer import SPECIAL_IDS, has_tokenizer, load_tokenizer
 from models.transformer_lm import build_model
 from trainer.errors import UsageError
+from trainer.formats.hf.config import family_for
 from trainer.formats.hf.generation_config import id_list, model_generation_config, write_generation_config
-from trainer.formats.hf.gpt2 import gpt2_incompatibility, write_hf_gpt2
-from trainer.formats.hf.llama import llama_incompatibility
-from trainer.formats.hf.llama_export import write_hf_llama
 from trainer.formats.hf.shards import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, parse_shard_size
 from trainer.formats.registry import model_kind
 from trainer.formats.safetensors_file import write_safetensors
@@ -98,43 +96,33 @@ def _write_export(src, out, dtype):
 
 
 def _write_hf(src, out, dtype, max_bytes):
-    """A Llama-family model as LlamaForCausalLM/Qwen3ForCausalLM, a GPT-style one as GPT-2,
-    and the tokenizer as tokenizer.json, so transformers needs nothing of ours."""
+    """The model as the first Hugging Face family that expresses it (trainer/formats/hf/config.py
+    FAMILIES: a Llama-family model as LlamaForCausalLM/Qwen3ForCausalLM, a GPT-style one as
+    GPT-2), and the tokenizer as tokenizer.json, so transformers needs nothing of ours."""
     cfg = src.cfg.model
-    llama_why, gpt2_why = llama_incompatibility(cfg), gpt2_incompatibility(cfg)
-    if llama_why and gpt2_why:
+    family, whys = family_for(cfg)
+    if family is None:
         raise UsageError(
-            f"cannot export as a Hugging Face model: not a Llama-family model ({llama_why}) "
-            f"nor a GPT-2 one ({gpt2_why})"
+            "cannot export as a Hugging Face model: not "
+            + " nor ".join(f"{what} ({why})" for what, why in whys.items())
         )
     our_specs = _model_specs(src)
     ids = _special_token_ids(src.files_dir)
     generation = _generation_config(src, ids)
     if generation is not None:
         ids["eos_token_id"] = generation["eos_token_id"]
-    if llama_why is None:
-        write_hf_llama(
-            out,
-            src.get,
-            our_specs,
-            cfg,
-            src.vocab_size(),
-            max_positions(src),
-            dtype or src.specs["embed_tokens.weight"][1],
-            max_bytes,
-            **ids,
-        )
-    else:
-        write_hf_gpt2(
-            out,
-            src.get,
-            cfg,
-            src.vocab_size(),
-            max_positions(src),
-            dtype=dtype or torch.float32,
-            max_shard_size=max_bytes,
-            **ids,
-        )
+    family.write_hf(
+        out,
+        src.get,
+        our_specs,
+        cfg,
+        src.vocab_size(),
+        max_positions(src),
+        dtype,
+        src.specs["embed_tokens.weight"][1] if "embed_tokens.weight" in src.specs else None,
+        max_shard_size=max_bytes,
+        **ids,
+    )
     if has_tokenizer(src.files_dir):
         write_hf_tokenizer(src.files_dir, out)
     if generation is not None:

@@ -15,9 +15,22 @@ from trainer.formats.hf.llama import HFConfigError
 CONFIG = "config.json"
 
 # config.json's model_type → the module of its family: its keys both ways and its tensors'
-# names (model_from_hf_config, incompatibility, hf_parts, transposed). A new family is one module
-# and one line here.
+# names (model_from_hf_config, incompatibility, hf_parts, transposed, write_hf, DESCRIBED).
+# A new family is one module and one line here; export-model writes a model as the first
+# family in this order that can express it.
 FAMILIES = {"llama": llama, "qwen3": llama, "gpt2": gpt2}
+
+
+def family_for(model_cfg):
+    """(the family module export-model writes `model_cfg` as, or None, and why each family
+    cannot when none can)."""
+    whys = {}
+    for family in dict.fromkeys(FAMILIES.values()):
+        why = family.incompatibility(model_cfg)
+        if why is None:
+            return family, {}
+        whys[family.DESCRIBED] = why
+    return None, whys
 
 
 def family_of(model_type):

@@ -33,6 +33,7 @@ _READ_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_accurate", "gelu_pytorch_
 
 # transformers checks the "format" metadata of model.safetensors before loading it.
 HF_METADATA = {"format": "pt"}
+DESCRIBED = "a GPT-2 one"  # for export-model's refusal, after the Llama family's
 
 # HF name inside transformer.h.{i} → (our name inside layers.{i}, stored transposed).
 _LAYER_TENSORS = {
@@ -316,3 +317,9 @@ def transposed(hf_name):
     """Whether `hf_name` is a Conv1D weight, stored [in, out]: our rows are its columns."""
     match = re.fullmatch(r"transformer\.h\.\d+\.(.+)", hf_name)
     return bool(match) and _LAYER_TENSORS.get(match[1], (None, False))[1]
+
+
+def write_hf(out_dir, get_ours, our_specs, model_cfg, vocab_size, max_positions, dtype, saved_dtype, **kw):
+    """export-model's face of every family: fp32 unless --dtype says otherwise (wte is our
+    table times sqrt(d), computed in fp32)."""
+    write_hf_gpt2(out_dir, get_ours, model_cfg, vocab_size, max_positions, dtype=dtype, **kw)

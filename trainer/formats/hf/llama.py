@@ -5,10 +5,16 @@ parameters. Torch-free: `train` reads a model directory's config before torch is
 Our layer fuses what they keep apart: qkv_proj is q_proj, k_proj and v_proj stacked by rows,
 fc1 is gate_proj and up_proj stacked by rows. Every other tensor is theirs under another
 name, in the same [out, in] orientation, so a slice of rows of ours is a slice of rows of
-one or more of theirs: a sharded rank reads only its rows (trainer/formats/hf/weights.py).
+one or more of theirs: a sharded rank reads only its rows (trainer/formats/hf/weights.py),
+and an export writes each HF tensor as a row range of one of ours, one of ours held at a time.
 """
 
+import json
+
 from models.config import head_dim, kv_heads, num_layers
+from trainer.errors import UsageError
+
+DESCRIBED = "a Llama-family model"  # for export-model's refusal
 
 # model_type → the class transformers builds from it.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -226,3 +232,75 @@ def row_slices(parts, start, stop):
             out.append((hf_name, lo - offset, hi - offset))
         offset += rows
     return out
+
+
+HF_METADATA = {"format": "pt"}  # transformers checks it before loading a safetensors file
+
+
+def hf_tensor_sources(our_specs, model_cfg):
+    """our_specs [(our name, shape)] → [(hf name, hf shape, our name, first row, end row)],
+    in our order. A tied output has no tensor of its own, so no lm_head is written for it."""
+    sources = []
+    for name, shape in our_specs:
+        try:
+            parts = hf_parts(name, model_cfg)
+        except KeyError:
+            raise UsageError(
+                f"cannot export as a Hugging Face Llama model: it has a tensor {name} "
+                "that Llama's layers have no place for"
+            ) from None
+        shape, start = tuple(shape), 0
+        for hf_name, rows in parts:
+            rows = shape[0] if rows is None else rows
+            sources.append((hf_name, (rows, *shape[1:]), name, start, start + rows))
+            start += rows
+        if start != shape[0]:  # a config that does not describe the checkpoint's tensors
+            raise UsageError(
+                f"{name} has {shape[0]} rows, its config.yaml implies {start}; the checkpoint and its config disagree"
+            )
+    return sources
+
+
+def write_hf_llama(
+    out_dir,
+    get_ours,
+    our_specs,
+    model_cfg,
+    vocab_size,
+    max_positions,
+    dtype,
+    max_shard_size=None,
+    **token_ids,
+):
+    """A directory AutoModelForCausalLM loads: config.json + model.safetensors or shards and
+    their index. `get_ours(name)` returns one of our parameters, whole, on the CPU;
+    token_ids: bos_token_id, eos_token_id, pad_token_id."""
+    # torch, which reading config.json does without
+    from trainer.formats.hf.shards import DEFAULT_MAX_SHARD_SIZE, write_hf_weights
+
+    sources = hf_tensor_sources(our_specs, model_cfg)
+    config = hf_config(model_cfg, vocab_size, max_positions, dtype=str(dtype).removeprefix("torch."), **token_ids)
+    by_name = {hf_name: (ours, lo, hi) for hf_name, _, ours, lo, hi in sources}
+    held = {}  # the one tensor of ours whose parts are being written
+
+    def get_tensor(hf_name):
+        ours, lo, hi = by_name[hf_name]
+        if ours not in held:
+            held.clear()
+            held[ours] = get_ours(ours)
+        return held[ours][lo:hi].to(dtype).contiguous()
+
+    write_hf_weights(
+        out_dir,
+        [(hf_name, shape, dtype) for hf_name, shape, *_ in sources],
+        get_tensor,
+        max_shard_size or DEFAULT_MAX_SHARD_SIZE,
+        HF_METADATA,
+    )
+    held.clear()
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_hf(out_dir, get_ours, our_specs, model_cfg, vocab_size, max_positions, dtype, saved_dtype, **kw):
+    """export-model's face of every family: the saved dtype unless --dtype says otherwise."""
+    write_hf_llama(out_dir, get_ours, our_specs, model_cfg, vocab_size, max_positions, dtype or saved_dtype, **kw)
