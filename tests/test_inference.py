@@ -169,7 +169,7 @@ def test_export_logits_equal_the_sharded_model(trained, tmp_path):
     assert model.vocab_size == 1024
 
 
-def test_export_hf_loads_in_transformers_with_the_same_logits(trained, tmp_path):
+def test_export_hf_loads_in_transformers_with_the_same_logits(trained, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -179,9 +179,22 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(trained, tmp_path)
     _run("export-model", "--path", ckpt, "--out", tmp_path / "hf", "--format", "hf")
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     ours, _, _ = load_model(ckpt)
+    read_back, _, tokenizer = load_model(tmp_path / "hf")  # every format shardlm writes, it reads
     tokens = torch.arange(3, 40).view(1, -1)
     with torch.no_grad():
         assert torch.allclose(hf(tokens).logits, ours(tokens), atol=1e-4)
+        assert torch.allclose(read_back(tokens), hf(tokens).logits, atol=1e-5)
+    # eval-lm scores the GPT-2 directory as the checkpoint it came from
+    base = ("--gen-subset", "valid", "--batch-size", "8", "--no-progress-bar")
+    code, out, err = _in_process(capsys, "eval-lm", "--path", ckpt, *base)
+    code_hf, out_hf, err_hf = _in_process(capsys, "eval-lm", "--path", tmp_path / "hf", *base)
+    assert code == code_hf == 0, err + err_hf
+    assert _loss(out_hf)[0] == pytest.approx(_loss(out)[0], abs=1e-4) and _tokens(out_hf) == _tokens(out)
+    # greedy decoding (generate's, serve's engine's) gives the checkpoint's tokens
+    from models.generate import sample
+
+    prompt = tokenizer.encode("ravulili zazu")
+    assert sample(read_back, prompt, 12, temperature=0) == sample(ours, prompt, 12, temperature=0)
 
 
 def test_generate_is_seeded_and_the_kv_cache_changes_nothing(trained, capsys, monkeypatch):
