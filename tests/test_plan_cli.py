@@ -216,12 +216,12 @@ def test_plan_path_plans_for_a_hugging_face_model_directory(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")
-    (tmp_path / "gpt2").mkdir()
-    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "gpt_neox").mkdir()
+    (tmp_path / "gpt_neox" / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
     for name, message in (
         ("empty", "has no config.json"),
         ("bad", "config.json is not valid JSON"),
-        ("gpt2", "model_type 'gpt2' is not supported"),
+        ("gpt_neox", "model_type 'gpt_neox' is not supported"),
         ("missing", "no such directory"),
     ):
         assert cli.plan_main(["--path", str(tmp_path / name), "--cpu"]) == 2
