@@ -62,7 +62,7 @@ def test_preprocess_then_train(tmp_path):
     assert records["valid"][-1]["valid_loss"] < 6
 
 
-def test_fairseq_preprocessed_directory_trains(tmp_path):
+def test_fairseq_preprocessed_directory_trains(tmp_path, capfd):
     """dict.txt + MMIDIDX train/valid as fairseq-preprocess writes them, read as they are."""
     from data.indexed_dataset import IndexedDatasetBuilder
 
@@ -74,10 +74,11 @@ def test_fairseq_preprocessed_directory_trains(tmp_path):
         for _ in range(n):  # a sentence of symbol ids (4 + i) ending in </s> = 2
             builder.add_item(np.append(4 + rng.integers(0, 40, size=rng.integers(3, 15)), 2))
         builder.finalize()
-    records, r = run_train(
+    records, r = train_here(
         [str(tmp_path)]
         + TINY
-        + ["--batch-size", "4", "--max-update", "20", "--log-format", "json", "--log-interval", "10"]
+        + ["--batch-size", "4", "--max-update", "20", "--log-format", "json", "--log-interval", "10"],
+        capfd,
     )
     assert "vocabulary 44" in r.stdout
     assert records["valid"][-1]["valid_num_updates"] == 20

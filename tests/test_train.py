@@ -3,7 +3,7 @@ batch, fp16 scales and skips, logs and TensorBoard carry fairseq's fields."""
 
 import pytest
 
-from helpers import DUMMY, run_train, update_losses
+from helpers import DUMMY, run_train, train_here, update_losses
 
 
 def test_update_freq_equals_larger_batch():
@@ -49,10 +49,10 @@ def test_bf16_trains_close_to_fp32():
     assert bf16 == pytest.approx(fp32, rel=2e-2)
 
 
-def test_fp16_logs_loss_scale_and_overflow_skips_updates(tmp_path):
+def test_fp16_logs_loss_scale_and_overflow_skips_updates(tmp_path, capfd):
     # 2**40 overflows fp16 gradients: those updates are skipped (not counted) and the
     # scale halves until it fits.
-    records, r = run_train(
+    records, r = train_here(
         DUMMY
         + [
             "--batch-size",
@@ -66,7 +66,8 @@ def test_fp16_logs_loss_scale_and_overflow_skips_updates(tmp_path):
             "json",
             "--log-interval",
             "1",
-        ]
+        ],
+        capfd,
     )
     inner = records["train_inner"]
     assert [rec["num_updates"] for rec in inner] == [1, 2, 3]
@@ -75,9 +76,9 @@ def test_fp16_logs_loss_scale_and_overflow_skips_updates(tmp_path):
     assert records["train"][0]["train_num_updates"] == 3
 
 
-def test_json_log_fields_and_tensorboard(tmp_path):
+def test_json_log_fields_and_tensorboard(tmp_path, capfd):
     tb = tmp_path / "tb"
-    records, _ = run_train(
+    records, _ = train_here(
         DUMMY
         + [
             "--batch-size",
@@ -92,7 +93,8 @@ def test_json_log_fields_and_tensorboard(tmp_path):
             "0.5",
             "--tensorboard-logdir",
             str(tb),
-        ]
+        ],
+        capfd,
     )
     rec = records["train_inner"][0]
     for key in (
@@ -152,9 +154,9 @@ def test_peak_tflops_adds_mfu_over_all_ranks():
     assert "train_mfu" in records["train"][0]
 
 
-def test_simple_format_and_log_file(tmp_path):
+def test_simple_format_and_log_file(tmp_path, capfd):
     log_file = tmp_path / "train.log"
-    _, r = run_train(
+    _, r = train_here(
         DUMMY
         + [
             "--batch-size",
@@ -167,7 +169,8 @@ def test_simple_format_and_log_file(tmp_path):
             "1",
             "--log-file",
             str(log_file),
-        ]
+        ],
+        capfd,
     )
     assert "| train_inner | epoch 001:" in r.stdout and "loss=" in r.stdout and "num_updates=2" in r.stdout
     assert "num. model params:" in r.stdout
