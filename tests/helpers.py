@@ -297,3 +297,18 @@ def fairseq_batch_by_size_vec(indices, num_tokens_vec, max_tokens, max_sentences
     if ends[count] != len(indices):
         count += 1
     return [b.tolist() for b in np.split(indices, ends[:count])]
+
+
+def run_preprocess(*argv) -> Path:
+    """preprocess in this process, its flags as strings; the data dir it wrote."""
+    from data.preprocess import preprocess
+
+    return preprocess(preprocess_options([str(a) for a in argv]))
+
+
+def rows(prefix) -> list[list[int]]:
+    """The token rows of a binarized split."""
+    from data.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    return [ds[i].tolist() for i in range(len(ds))]
