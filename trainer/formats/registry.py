@@ -1,7 +1,7 @@
 """Which format a path holds, and its reader: the one place a format is registered.
 
-Each entry of FORMATS is (name, test, reader class): the first whose test accepts the path
-opens it. The tests are torch-free and read no tensor; a reader module is imported only
+Each entry of FORMATS is (kind, test, reader): the first whose test accepts the path opens
+it. The tests are torch-free and read no tensor; a reader module is imported only
 when its format is opened (its torch import is what a torch-free command defers). Adding a
 format is one module in its room and one line here.
 """
@@ -15,24 +15,17 @@ from trainer.formats.shardlm import checkpoint_dir
 from trainer.formats.shardlm.export_dir import is_export
 
 
-def _checkpoint(path):
-    return checkpoint_dir.resolve(path)
+def _yes(test):
+    """A yes-or-no test of a path as one that returns the path its reader opens, or None."""
+    return lambda path: path if test(path) else None
 
 
-def _hf(path):
-    return path if is_hf_dir(path) else None
-
-
-def _fairseq(path):
-    return path if is_fairseq_checkpoint(path) else None
-
-
-# (kind, the path it opens or None, "module:class" of its reader), tried in this order.
+# (kind, the path its reader opens or None, "module:class" of its reader), tried in this order.
 FORMATS = [
-    ("export", lambda p: p if is_export(p) else None, "trainer.formats.shardlm.reader:ExportReader"),
-    ("checkpoint", _checkpoint, "trainer.formats.shardlm.reader:CheckpointReader"),
-    ("hf", _hf, "trainer.formats.hf.reader:HFReader"),
-    ("fairseq", _fairseq, "trainer.formats.fairseq.reader:FairseqReader"),
+    ("export", _yes(is_export), "trainer.formats.shardlm.reader:ExportReader"),
+    ("checkpoint", checkpoint_dir.resolve, "trainer.formats.shardlm.reader:CheckpointReader"),
+    ("hf", _yes(is_hf_dir), "trainer.formats.hf.reader:HFReader"),
+    ("fairseq", _yes(is_fairseq_checkpoint), "trainer.formats.fairseq.reader:FairseqReader"),
 ]
 
 

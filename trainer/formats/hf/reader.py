@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from models.config import TransformerLMConfig
 from models.transformer_lm import build_model
 from trainer.formats.hf.config import family_of, read_hf_config
-from trainer.formats.hf.weights import FLOAT_DTYPES, HFWeights
+from trainer.formats.hf.weights import HFWeights
 from trainer.formats.reader import ModelReader
 
 # fairseq's --tokens-per-sample: eval-lm's default block, not the model's positions (Llama
@@ -56,6 +56,3 @@ class HFReader(ModelReader):
 
     def close(self):
         self.weights.__exit__(None, None, None)
-
-
-__all__ = ["FLOAT_DTYPES", "HFReader"]
