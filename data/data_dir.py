@@ -68,6 +68,26 @@ def check_data_dir(data: str | os.PathLike, splits, subset_flag: str = "--train-
     return tokenizer
 
 
+def check_mixture(sources, splits, train_split):
+    """The tokenizer every source of a mixture shares, after checking each source's DATA as
+    check_data_dir does (``train_split`` in each directory; ``splits`` where they exist)."""
+    first = tokenizer = None
+    for data in sources:
+        theirs = check_data_dir(data, [], train_split=train_split)
+        if tokenizer is None:
+            first, tokenizer = data, theirs
+        elif theirs.pieces() != tokenizer.pieces():
+            raise DataError(
+                f"--data-mixture: {data} has another vocabulary than {first}; every source of a mixture must be "
+                "preprocessed with the same tokenizer (preprocess --spm-model or --tokenizer)"
+            )
+        for path in data_dirs(data):
+            for split in splits:
+                if exists(path / split):
+                    check_token_ids(IndexedDataset(path / split), tokenizer.vocab_size)
+    return tokenizer
+
+
 def _check_metadata(path: Path, vocab_size: int) -> None:
     meta_file = path / "metadata.json"
     if not meta_file.is_file():  # fairseq-preprocess dirs have none

@@ -118,7 +118,8 @@ class EpochBatchIterator:
     Rank ``r`` after ``k`` steps has consumed batches ``r, r + n, …`` of the shuffled list:
     all shards together its first ``k * num_shards``, whatever ``num_shards`` is. The
     batches themselves depend on the per-rank ``batch_size``/``max_tokens``: another one
-    cuts the epoch into other batches, in another order.
+    cuts the epoch into other batches, in another order, unless ``split_batches`` keeps the
+    first order (a resumed run whose per-rank --batch-size divides the saved run's).
 
     ``dataset`` is a dataset, or a function ``epoch -> dataset`` (sharded data: each epoch
     reads its own). An item's size for ordering and ``max_tokens`` is its target count,
@@ -176,6 +177,7 @@ class EpochBatchIterator:
         self.worker_init = worker_init  # run first in each worker process (torch's worker_init_fn)
         self.pin_memory = pin_memory
         self.collater = collater or functools.partial(collate, pad=pad)
+        self.split = 1  # each batch of the order cut into this many (split_batches)
         self.epoch = 0
         self.iterations_in_epoch = 0
         self._resume_pending = False
@@ -190,10 +192,14 @@ class EpochBatchIterator:
         if self._frozen is None or self._frozen[0] is not dataset:
             num_tokens = np.asarray(dataset.sizes, dtype=np.int64) - 1
             order = ordered_indices(num_tokens, self.seed) if self.sort_by_size else np.arange(len(num_tokens))
-            self._frozen = (dataset, batch_by_size(order, num_tokens, self.batch_size, self.max_tokens, self.multiple))
+            cut = self.batch_size * self.split if self.batch_size else None
+            self._frozen = (dataset, batch_by_size(order, num_tokens, cut, self.max_tokens, self.multiple))
         batches = list(self._frozen[1])
         if self.shuffle:
             np.random.RandomState(self.seed + epoch).shuffle(batches)
+        if self.split > 1:
+            size = self.batch_size
+            batches = [batch[i : i + size] for batch in batches for i in range(0, len(batch), size)]
         if self.every_batch and batches:
             # A dummy batch (None) is the epoch's first batch, counted as nothing.
             batches = batches + [None] * (-len(batches) % self.num_shards)
@@ -206,6 +212,13 @@ class EpochBatchIterator:
         mine = [b if b is not None else _Dummy(batches[0]) for b in batches[self.shard_id : usable : self.num_shards]]
         self._cached = (epoch, dataset, mine)
         return dataset, mine
+
+    def split_batches(self, split: int) -> None:
+        """Cut the epoch at ``split`` times the per-rank --batch-size and split each batch, in
+        order, into ``split`` of --batch-size: a run resumed at a per-rank batch that divides
+        the saved run's reads the saved run's batches, and so the same updates."""
+        if split != self.split:
+            self.split, self._frozen, self._cached = split, None, None
 
     def __len__(self) -> int:
         """Batches per shard in the current epoch (the next one before the first call)."""
@@ -222,8 +235,8 @@ class EpochBatchIterator:
 
     def _iterate(self, epoch: int, offset: int) -> Iterator[dict]:
         dataset, batches = self._epoch_batches(epoch)
-        collated = _CollatedBatches(dataset, batches[offset:], self.collater)
-        loaded = _load(collated, self.num_workers, self.worker_init, self.pin_memory)
+        collated = CollatedBatches(dataset, batches[offset:], self.collater)
+        loaded = load_batches(collated, self.num_workers, self.worker_init, self.pin_memory)
         for out in loaded:
             # Counted as the loop takes the batch, not as a worker reads it: a checkpoint
             # saved after training on it records it as consumed.
@@ -251,7 +264,7 @@ class _Dummy(list):
     """Validation's padding batch: real items, run by every rank, counted as nothing."""
 
 
-class _CollatedBatches:
+class CollatedBatches:
     """An epoch's batches as a map-style dataset of collated batches: what a worker loads."""
 
     def __init__(self, dataset, batches, collater):
@@ -272,7 +285,9 @@ def _as_is(batch):
     return batch
 
 
-def _load(batches: _CollatedBatches, num_workers: int, worker_init: Callable | None = None, pin_memory: bool = False):
+def load_batches(
+    batches: CollatedBatches, num_workers: int, worker_init: Callable | None = None, pin_memory: bool = False
+):
     """The batches in order, read by ``num_workers`` processes (0: here, one at a time), in
     pinned memory with ``pin_memory`` (by torch's DataLoader, workers or not)."""
     if (num_workers == 0 and not pin_memory) or len(batches) == 0:

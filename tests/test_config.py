@@ -80,6 +80,8 @@ def _non_default(f):
         return [name, value], value
     if tp is bool:
         return ([name], True) if not default else (["--no-" + name[2:]], False)
+    if typing.get_origin(tp) in (list, typing.List) and typing.get_args(tp) == (str,):
+        return [name, "0.7", "web", "0.3", "code"], ["0.7", "web", "0.3", "code"]
     if typing.get_origin(tp) in (list, typing.List):
         return [name, "(0.8, 0.95)"], [0.8, 0.95]
     if tp is int:

@@ -244,7 +244,7 @@ def test_a_saved_position_resumes_after_the_same_batches_on_other_ranks(caplog):
     saved = {"epoch": 1, "iterations_in_epoch": 9, "world_size": 2, "batch_size": 8, "max_tokens": None, "order": ORDER}
 
     caplog.set_level("WARNING")
-    assert convert_position(saved, 2, 8, None) == saved
+    assert convert_position(saved, 2, 8, None) == {**saved, "split": 1}
     one_rank = convert_position(saved, 1, 8, None)
     assert one_rank["iterations_in_epoch"] == 18 and not caplog.records
     resumed = EpochBatchIterator(ItemIds(blocks), collater=ids, **kw)
@@ -260,4 +260,34 @@ def test_a_saved_position_resumes_after_the_same_batches_on_other_ranks(caplog):
     # a position saved in shardlm's earlier order counts the same batches, with a warning
     caplog.clear()
     earlier = {k: v for k, v in saved.items() if k != "order"}
-    assert convert_position(earlier, 2, 8, None) == earlier and "saved by an earlier shardlm" in caplog.text
+    assert convert_position(earlier, 2, 8, None) == {**earlier, "split": 1}
+    assert "saved by an earlier shardlm" in caplog.text
+
+
+def test_a_per_rank_batch_that_divides_the_saved_one_reads_the_saved_batches_split(caplog):
+    """2 ranks x --batch-size 8 resumed on 4 ranks x --batch-size 4: each of the saved
+    order's batches is split in two, in order, so every update after the resume is made of
+    the sequences the uninterrupted run's would have been."""
+    from data.iterator import ORDER
+    from trainer.train.loop import convert_position
+
+    blocks = blocks_of("train")
+    kw = dict(max_tokens=None, seed=3, required_batch_size_multiple=1)
+    epoch = shardlm_epochs(blocks, 1, batch_size=8, **kw)[0]
+    saved = {"epoch": 1, "iterations_in_epoch": 3, "world_size": 2, "batch_size": 8, "max_tokens": None, "order": ORDER}
+    caplog.set_level("WARNING")
+    position = convert_position(saved, 4, 4, None)
+    assert position["split"] == 2 and position["batch_size"] == 8 and position["iterations_in_epoch"] == 3
+    assert not caplog.records
+    ranks = []
+    for r in range(4):
+        resumed = EpochBatchIterator(ItemIds(blocks), batch_size=4, num_shards=4, shard_id=r, collater=ids, **kw)
+        resumed.split_batches(position["split"])
+        resumed.load_state_dict(position)
+        ranks.append(list(resumed.next_epoch_itr()))
+    usable = len(epoch) // 2 * 2  # the uninterrupted run's epoch on 2 ranks
+    for step, old in enumerate(range(6, usable, 2)):  # the saved run's steps after the 3rd
+        assert sorted(sum((ranks[r][step] for r in range(4)), [])) == sorted(epoch[old] + epoch[old + 1])
+    # a later resume of the split run counts its position in the same order
+    again = convert_position({**position, "world_size": 4, "iterations_in_epoch": 5}, 1, 8, None)
+    assert again["split"] == 1 and again["iterations_in_epoch"] == 10

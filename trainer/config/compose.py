@@ -22,7 +22,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config.flags import iter_fields, parse_float_list
+from trainer.config.flags import _base_type, iter_fields, parse_float_list
 from trainer.config.implied import resolve_implied
 from trainer.config.schema import GROUP_OPTIONS, GROUPS, register_configs
 from trainer.errors import UsageError
@@ -176,8 +176,12 @@ def _set(cfg, key, value, source):
 
 def _normalize(key, value, source="override"):
     """Accept fairseq's spellings: `lr: [0.0005]` for a scalar, "(0.9,0.98)" for a list."""
-    tp = FIELD_TYPES[key]
+    tp = _base_type(FIELD_TYPES[key])[0]
     is_list = typing.get_origin(tp) in (list, typing.List)
+    if (
+        is_list and typing.get_args(tp) == (str,) and value is not None
+    ):  # a list of words (--data-mixture): each as a string
+        return [str(v) for v in value] if isinstance(value, (list, tuple, ListConfig)) else value.split()
     if isinstance(value, (list, tuple, ListConfig)) and not is_list:
         if len(value) == 1:
             return value[0]

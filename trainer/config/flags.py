@@ -145,6 +145,8 @@ def _add_field_flag(parser, arg_group, group, f):
         return
     if f.metadata.get("repeatable"):
         kw["action"] = "append"
+    if f.metadata.get("nargs"):  # one flag, several values: --data-mixture 0.7 web 0.3 code
+        kw["nargs"] = f.metadata["nargs"]
     kw["type"] = value_parser(f)
     if "choices" in f.metadata:
         kw["choices"] = list(f.metadata["choices"]) + ([None] if _takes_null(f) else [])
@@ -162,13 +164,16 @@ def value_parser(f):
     (a checked type such as command_checks.positive_int), else its annotation's."""
     tp, _ = _base_type(f.type)
     repeatable = f.metadata.get("repeatable")
-    if repeatable:
-        tp = typing.get_args(tp)[0]  # one element per use of the flag: `--prompt none` is a prompt
+    if repeatable or f.metadata.get("nargs"):
+        tp = typing.get_args(tp)[0]  # one element per value: `--prompt none` is a prompt
     elif typing.get_origin(tp) in (list, typing.List):
         return parse_float_list
     convert = f.metadata.get("type", tp)
     return _typed(
-        convert, _takes_null(f) and not repeatable, getattr(convert, "__name__", "value"), f.metadata.get("choices", ())
+        convert,
+        _takes_null(f) and not (repeatable or f.metadata.get("nargs")),
+        getattr(convert, "__name__", "value"),
+        f.metadata.get("choices", ()),
     )
 
 

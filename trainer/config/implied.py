@@ -7,6 +7,7 @@ candidate settings of its own: it applies `implies_activation_checkpointing` to 
 """
 
 from trainer.config.model_source import apply_fairseq_model, apply_hf_model
+from trainer.config.schema import vocabulary_data
 
 EMBEDDED_CORPUS_BATCH_SIZE = 8  # sequences per rank, as fairseq's FSDP examples use
 EMBEDDED_CORPUS_ADAM_LR = 5e-4  # the Adam lr of fairseq's language-model README
@@ -37,7 +38,7 @@ def resolve_implied(cfg, given=()):
     # makes Adam diverge; for the embedded corpus (no DATA) shardlm picks both, so that `train`
     # alone, or `train --ddp-backend=fully_sharded --cpu-offload`, trains. Only what was not given.
     dataset, task = cfg.dataset, cfg.task
-    if task._name == "language_modeling" and not task.data:
+    if task._name == "language_modeling" and not vocabulary_data(task):
         if dataset.batch_size is None and dataset.max_tokens is None:
             dataset.batch_size = EMBEDDED_CORPUS_BATCH_SIZE
         if "optimization.lr" not in given and cfg.optimizer._name in ("adam", "adamw", "cpu_adam"):

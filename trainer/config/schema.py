@@ -9,7 +9,7 @@ Torch-free: `train --help` must answer before torch is imported.
 """
 
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import List, Optional
 
 from models.config import PRESETS, TransformerLMConfig
 from trainer.config.optimizer_schema import OptimizerConfig
@@ -232,7 +232,9 @@ class CheckpointConfig:
     no_last_checkpoints: bool = _f(False, "do not save checkpoint_last")
     no_save_optimizer_state: bool = _f(False, "leave the optimizer state out of checkpoints")
     best_checkpoint_metric: str = _f(
-        "loss", "validation metric that picks checkpoint_best (loss or ppl)", choices=("loss", "ppl")
+        "loss",
+        "validation metric that picks checkpoint_best: loss or ppl; with --data-mixture also a source's "
+        "NAME_loss or NAME_ppl",
     )
     maximize_best_checkpoint_metric: bool = _f(False, "a higher --best-checkpoint-metric is better")
     save_async: bool = _f(
@@ -256,6 +258,18 @@ class TaskConfig:
         "(default: the embedded corpus); several joined by ':' are shards, "
         "one trained on per epoch in turn",
         flag="data",
+    )
+    data_mixture: Optional[List[str]] = _f(
+        None,
+        "train on a weighted mixture instead of DATA: W1 DIR1 W2 DIR2 … (Megatron's order; weights "
+        "normalised; each DIR may be several joined by ':'); validation reads each DIR's valid split",
+        nargs="+",
+        metavar="W DIR",
+    )
+    data_mixture_temperature: Optional[float] = _f(
+        None,
+        "--data-mixture: each source's share is (weight x its training tokens)^(1/T), normalised "
+        "(fairseq's sampling temperature; weights of 1 and T = 1 sample by size)",
     )
     tokens_per_sample: int = _f(1024, "tokens per sample (block length)")
     sample_break_mode: str = _f("none", "how samples are cut from the token stream", choices=BREAK_MODES)
@@ -364,6 +378,14 @@ GROUP_OPTIONS = {
         "reduce_lr_on_plateau": {},
     },
 }
+
+
+def vocabulary_data(task):
+    """The DATA whose tokenizer gives a run its ids: DATA, or the first source of
+    --data-mixture (every source has the same one); None for the embedded corpus."""
+    if task.data_mixture and len(task.data_mixture) > 1:  # checks.data refuses a mixture without pairs
+        return str(task.data_mixture[1])
+    return task.data
 
 
 def ddp_backend(cfg):

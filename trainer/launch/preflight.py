@@ -9,16 +9,17 @@ import shutil
 from pathlib import Path
 
 from data.conversations import check_task_data, task_samples
-from data.data_dir import check_data_dir, check_token_ids, data_dirs
+from data.data_dir import check_data_dir, check_mixture, check_token_ids, data_dirs
 from data.embedded_corpus import SPLITS
 from data.errors import DataError
 from data.indexed_dataset import IndexedDataset, exists
 from data.iterator import EpochBatchIterator
+from data.mixture import parse_mixture
 from data.token_block import TokenBlockDataset
 from data.tokenizer import has_tokenizer, tokenizer_identity
 from trainer.checkpoint.files import restore_choice
 from trainer.config.model_source import fairseq_source, hf_finetune_dir, hf_vocab_size
-from trainer.config.schema import uses_fsdp
+from trainer.config.schema import uses_fsdp, vocabulary_data
 from trainer.errors import UsageError
 from trainer.formats.fairseq.checkpoint_file import check_fairseq_dictionary
 from trainer.host import host_memory_gb, runs_on_gpu
@@ -33,7 +34,7 @@ def check_inputs(cfg, environ=None):
     _check_paths(cfg)
     world_size = infer_rendezvous(cfg, environ).world_size
     vocab = cfg.task.dict_size if cfg.task._name == "dummy_lm" else 0
-    if cfg.task._name in ("language_modeling", "sft", "dpo") and cfg.task.data:
+    if cfg.task._name in ("language_modeling", "sft", "dpo") and vocabulary_data(cfg.task):
         vocab = _check_data(cfg, world_size)
     elif cfg.task._name == "language_modeling":
         _check_embedded_splits(cfg.dataset)
@@ -56,12 +57,12 @@ def _check_hf_vocabulary(cfg, data_vocab):
         if t.dict_size > model_vocab:
             raise UsageError(f"--dict-size {t.dict_size} exceeds {path}'s vocabulary of {model_vocab}; lower it")
         return model_vocab
-    if not t.data:
+    if not vocabulary_data(t):
         raise UsageError(
             f"the embedded corpus (no DATA) was made by sentencepiece; the model's vocabulary is "
             f"{path}'s ({model_vocab}): {fix} and pass that DATA"
         )
-    data = data_dirs(t.data)[0]
+    data = data_dirs(vocabulary_data(t))[0]
     ours = tokenizer_identity(data)
     if ours["kind"] != "hf":
         made_by = "sentencepiece" if ours["kind"] == "sentencepiece" else "a fairseq dict.txt"
@@ -87,11 +88,11 @@ def _check_hf_vocabulary(cfg, data_vocab):
 def _check_fairseq_dictionary(cfg, data_vocab):
     """A fairseq checkpoint's embedding rows are its data-bin's dict.txt, in that order."""
     path = fairseq_source(cfg)
-    if cfg.task._name != "language_modeling" or not cfg.task.data:
+    if cfg.task._name != "language_modeling" or not vocabulary_data(cfg.task):
         raise UsageError(
             f"{path} is a fairseq model: its vocabulary is its data-bin's dict.txt; pass that data-bin as DATA"
         )
-    check_fairseq_dictionary(path, data_dirs(cfg.task.data)[0], data_vocab)
+    check_fairseq_dictionary(path, data_dirs(vocabulary_data(cfg.task))[0], data_vocab)
 
 
 def _check_compiler(cfg, environ):
@@ -143,6 +144,14 @@ def _check_embedded_splits(ds):
 def _check_data(cfg, world_size):
 
     dataset_cfg = cfg.dataset
+    if cfg.task.data_mixture:
+        sources = [data for _, data in parse_mixture(cfg.task.data_mixture)]
+        valid = [] if dataset_cfg.disable_validation else list(filter(None, dataset_cfg.valid_subset.split(",")))
+        tokenizer = check_mixture(sources, valid, dataset_cfg.train_subset)
+        for data in sources:
+            for path in data_dirs(data):
+                check_task_data(cfg.task._name, path)
+        return tokenizer.vocab_size
     # Every directory of a sharded DATA trains; validation reads the first.
     tokenizer = check_data_dir(cfg.task.data, [], train_split=dataset_cfg.train_subset)
     dirs = data_dirs(cfg.task.data)

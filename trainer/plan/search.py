@@ -19,7 +19,7 @@ from models.config import PUBLISHED_VOCABS, adaptive_bands, head_dim, kv_heads, 
 from trainer.config.checks import check_adaptive_vocab
 from trainer.config.implied import implies_activation_checkpointing
 from trainer.config.model_source import hf_vocab_size
-from trainer.config.schema import ddp_backend, model_positions
+from trainer.config.schema import ddp_backend, model_positions, vocabulary_data
 from trainer.errors import UsageError
 from trainer.formats.fairseq.checkpoint_file import is_fairseq_checkpoint
 from trainer.formats.registry import model_settings
@@ -38,7 +38,8 @@ def vocab_size(cfg):
         return task.dict_size
     try:
         # The vocabulary of DATA's first directory (all of a sharded DATA's share it).
-        data_dir = data_dirs(task.data)[0] if task.data else prepare_embedded_corpus()
+        data = vocabulary_data(task)
+        data_dir = data_dirs(data)[0] if data else prepare_embedded_corpus()
         return load_tokenizer(data_dir).vocab_size
     except DataError as e:
         raise UsageError(str(e)) from None
@@ -49,7 +50,7 @@ def published_vocab(cfg):
     published tokenizer's (models/config.py PUBLISHED_VOCABS); None otherwise. `plan` only:
     `train` without DATA trains on the embedded corpus, with its own small vocabulary."""
     name = cfg.model._name
-    if cfg.task._name == "dummy_lm" or cfg.task.data or name not in PUBLISHED_VOCABS:
+    if cfg.task._name == "dummy_lm" or vocabulary_data(cfg.task) or name not in PUBLISHED_VOCABS:
         return None
     return PUBLISHED_VOCABS[name], f"{name}'s published vocabulary (no DATA given)"
 

@@ -5,6 +5,7 @@ import math
 import time
 
 from data.iterator import ORDER
+from trainer.errors import UsageError
 from trainer.parallel.ranks import all_reduce_sum
 from trainer.train.meters import LN2, TrainMeters, extra_fields, peak_memory, perplexity
 
@@ -26,43 +27,54 @@ def grouped(iterable, n):
 
 def convert_position(it, world_size, batch_size, max_tokens):
     """A saved data position ``it`` in the batches of a run on ``world_size`` ranks with this
-    per-rank batch (data/iterator.py: fairseq's order).
+    per-rank batch (data/iterator.py: fairseq's order); its ``split``: how many of this run's
+    batches each batch of the saved order makes.
 
     An epoch's batches depend on the per-rank batch (--batch-size, --max-tokens) and the
     seed, not on the number of ranks, which take them in turn: after k steps of W ranks the
     first k * W are consumed, so W' ranks resume after k * W / W' steps, having consumed
-    exactly those. Another per-rank batch cuts the epoch into other batches in another
-    order: no position of this run consumed the same sequences, so it resumes after about
-    as many sequences (as many batches with --max-tokens), with a warning; the epochs after
-    it are whole."""
-    steps, world = it["iterations_in_epoch"], it["world_size"]
-    same_batches = (it.get("batch_size"), it.get("max_tokens")) == (batch_size, max_tokens)
+    exactly those. A per-rank --batch-size that divides the saved order's (``batch_size``:
+    the saved run's --batch-size times its split) keeps that order, each of its batches split
+    in turn into as many of this run's: 2 ranks x --batch-size 4 resumed on 4 ranks x
+    --batch-size 2 reads the same sequences for each update. Another per-rank batch cuts the
+    epoch into other batches in another order: no position of this run consumed the same
+    sequences, so it resumes after about as many sequences (as many batches with
+    --max-tokens), with a warning; the epochs after it are whole."""
+    steps, world, old_split = it["iterations_in_epoch"], it["world_size"], it.get("split", 1)
+    order_size, old_tokens = it.get("batch_size"), it.get("max_tokens")
     if steps and it.get("order") != ORDER:
         log.warning(
             f"the checkpoint's data position was saved by an earlier shardlm, which read epochs in another "
             f"order: the rest of epoch {it['epoch']} is read in fairseq's, so some of its sequences are seen "
             "twice and others not at all; the epochs after it are whole"
         )
-    if steps == 0 or (same_batches and world == world_size):
-        return it
-    if same_batches:
+    if max_tokens is None is old_tokens and order_size and batch_size and order_size % batch_size == 0:
+        # Our batches: the saved order's, each split in `split`; k steps of W ranks consumed
+        # k * W of the saved run's, each old_split of the order's.
+        split = order_size // batch_size
+        consumed, per_step, unit = steps * world * split, world_size * old_split, f"batches of {batch_size}"
+    elif (order_size, old_tokens) == (batch_size, max_tokens):
+        split = 1
         consumed, per_step, unit = steps * world, world_size, "batches"
     else:
-        log.warning(
-            f"this run's batches (--batch-size {batch_size}, --max-tokens {max_tokens}) are not the "
-            f"checkpoint's ({it.get('batch_size')}, {it.get('max_tokens')}): the rest of epoch {it['epoch']} "
-            "starts after about as much data, not after the same sequences"
-        )
-        if it.get("batch_size") and batch_size:
-            consumed, per_step, unit = steps * world * it["batch_size"], world_size * batch_size, "sequences"
+        if steps:
+            log.warning(
+                f"this run's batches (--batch-size {batch_size}, --max-tokens {max_tokens}) are not the "
+                f"checkpoint's ({order_size and order_size // old_split}, {old_tokens}): the rest of epoch "
+                f"{it['epoch']} starts after about as much data, not after the same sequences"
+            )
+        split, old_size = 1, order_size and order_size // old_split
+        if old_size and batch_size:
+            consumed, per_step, unit = steps * world * old_size, world_size * batch_size, "sequences"
         else:
             consumed, per_step, unit = steps * world, world_size, "batches"
+        order_size = batch_size
     if consumed % per_step:
         log.warning(
             f"the checkpoint's data position ({consumed} {unit}) is not a whole number of this run's steps "
             f"of {per_step}: resuming at the nearest earlier one"
         )
-    return {**it, "iterations_in_epoch": consumed // per_step, "order": ORDER}
+    return {**it, "iterations_in_epoch": consumed // per_step, "batch_size": order_size, "split": split}
 
 
 class ValidationStopped(Exception):
@@ -84,6 +96,11 @@ class TrainLoop:
         self.epoch_meters = TrainMeters(
             env.device, trainer.objective.extras
         )  # restored with the data position on resume
+        # A mixture's records count each source's tokens from this slot of its stream on;
+        # the epoch's sums are restored with the meters.
+        self.mixture = task.mixture() if task.sources else None
+        self.record_slot = 0
+        self.epoch_source_tokens = [0] * len(task.sources)
 
     def state_dict(self):
         dataset = self.cfg.dataset
@@ -91,11 +108,14 @@ class TrainLoop:
             "iterator": {
                 **self.itr.state_dict(),
                 "world_size": self.env.world_size,
-                "batch_size": dataset.batch_size,
+                # the order's batch: the per-rank batch times its split (convert_position)
+                "batch_size": dataset.batch_size and dataset.batch_size * self.itr.split,
+                "split": self.itr.split,
                 "max_tokens": dataset.max_tokens,
             },
             "meters": self.epoch_meters.state_dict(),
             "best_valid_loss": _finite_or_none(self.best_valid_loss),
+            "source_tokens": list(self.epoch_source_tokens),
         }
 
     def load_state_dict(self, state):
@@ -105,11 +125,38 @@ class TrainLoop:
         if state.get("best_valid_loss") is not None:
             self.best_valid_loss = state["best_valid_loss"]
         if not checkpoint_cfg.reset_dataloader:
-            dataset = self.cfg.dataset
-            position = convert_position(state["iterator"], self.env.world_size, dataset.batch_size, dataset.max_tokens)
-            self.itr.load_state_dict(position)
+            saved = state["iterator"]
+            if ("mixture" in saved) != (self.mixture is not None):
+                raise UsageError(
+                    "the checkpoint's data position is "
+                    + ("in a --data-mixture" if "mixture" in saved else "in DATA")
+                    + ", this run reads "
+                    + ("a --data-mixture" if self.mixture is not None else "DATA")
+                    + ": resume with the run's data, or start the data over with --reset-dataloader"
+                )
+            if self.mixture is not None:
+                self.load_mixture_position(saved)
+            else:
+                dataset = self.cfg.dataset
+                position = convert_position(saved, self.env.world_size, dataset.batch_size, dataset.max_tokens)
+                self.itr.split_batches(position["split"])
+                self.itr.load_state_dict(position)
         if not checkpoint_cfg.reset_meters and not checkpoint_cfg.reset_dataloader:
             self.epoch_meters.load_state_dict(state["meters"])
+            if self.mixture is not None:
+                self.epoch_source_tokens = list(state.get("source_tokens") or self.epoch_source_tokens)
+
+    def load_mixture_position(self, saved):
+        """A mixture resumes at the slot it stopped at, on any layout; with new weights (an
+        anneal) the new mixture starts there, each source going on with its pass."""
+        self.itr.load_state_dict(saved)
+        self.record_slot = slot = self.itr.slot()
+        if self.mixture.reweight(slot, self.task.mixture_weights()) and self.env.is_master:
+            passes = ", ".join(f"{n} {p:.3f}" for n, p in zip(self.mixture.names, self.mixture.passes_at(slot)))
+            log.info(
+                f"new mixture weights from block {slot:,} of the stream on; each source goes on with its pass "
+                f"(passes so far: {passes})"
+            )
 
     def reached_max_update(self):
         max_update = self.cfg.optimization.max_update
@@ -264,61 +311,88 @@ class TrainLoop:
             peak * self.env.world_size if peak else None,
         )
         rec.update(peak_memory(self.env.device))
+        if self.mixture is not None:
+            rec.update(self.mixture_fields(tag))
         rec["wall"] = round(time.perf_counter() - self.start)
         self.progress.log(tag, rec, step, self.trainer.num_updates, epoch, position)
 
+    def mixture_fields(self, tag):
+        """Each source's target tokens since the last record (the epoch's in its `train`
+        record) and its passes so far: the realized mixture."""
+        slot = self.itr.trained_slot()
+        tokens = self.mixture.target_tokens(self.record_slot, slot)
+        self.epoch_source_tokens = [a + b for a, b in zip(self.epoch_source_tokens, tokens)]
+        self.record_slot = slot
+        if tag == "train":
+            tokens, self.epoch_source_tokens = self.epoch_source_tokens, [0] * len(tokens)
+            self.record_slot = self.itr.slot()  # past the epoch's skipped tail
+        fields = {}
+        for name, n, passes in zip(self.mixture.names, tokens, self.mixture.passes_at(slot)):
+            fields[f"{name}_tokens"] = n
+            fields[f"{name}_passes"] = round(passes, 3)
+        return fields
+
     def validate(self, epoch):
-        """Validate on every --valid-subset; returns the first one's --best-checkpoint-metric."""
+        """Validate on every --valid-subset (a mixture: on each source's, the record giving each
+        source's loss beside the whole's); returns the first one's --best-checkpoint-metric."""
         if self.cfg.dataset.disable_validation:
             return None
-        metric = None
+        metric, names = None, self.trainer.objective.extras
         for subset in self.valid_subsets:
-            if not self.task.has_split(subset):
+            sets = self.task.valid_sets(subset)
+            if not sets:
                 log.info(f"no {subset!r} split to validate on: skipping validation")
                 continue
             start = time.perf_counter()
-            itr = self.task.batch_iterator(subset, training=False)
-            loss_sum, extras_sum, counts, nbatches = 0.0, 0.0, [0, 0, 0], 0
-            for batch in itr.next_epoch_itr():
-                if self.cfg.dataset.max_valid_steps and nbatches >= self.cfg.dataset.max_valid_steps:
-                    break
-                # A stop signal ends validation at the next batch every rank reaches alike
-                # (its sharded forwards are collective); an agreement per batch, as per update.
-                if self.preemption.agreed():
-                    log.info(f"stopped validating {subset!r} after {nbatches} batches: its figures are not a result")
-                    raise ValidationStopped
-                # the loss and extras stay on the device: read below
-                loss, extras, batch_counts = self.trainer.valid_step(batch)
-                loss_sum, counts, nbatches = (
-                    loss_sum + loss,
-                    [a + b for a, b in zip(counts, batch_counts)],
-                    nbatches + 1,
-                )
-                if extras is not None:
-                    extras_sum = extras_sum + extras
-            # Sums over all ranks; batches are steps (the same on every rank).
-            names = self.trainer.objective.extras
-            extras_sum = [float(x) for x in extras_sum] if names and nbatches else [0.0] * len(names)
-            loss_sum, ntokens, nsentences, sample_size, *extras_sum = all_reduce_sum(
-                [float(loss_sum), *counts, *extras_sum], self.env
-            )
-            loss = loss_sum / max(sample_size, 1) / LN2
+            sums = {name: self.valid_sums(subset, dataset) for name, dataset in sets}
+            loss_sum, ntokens, nsentences, sample_size, nbatches, *extras_sum = [sum(x) for x in zip(*sums.values())]
+            losses = {None: loss_sum / max(sample_size, 1) / LN2}
+            losses.update({name: s[0] / max(s[3], 1) / LN2 for name, s in sums.items() if name is not None})
             if subset == self.valid_subsets[0]:
-                self.best_valid_loss = min(self.best_valid_loss, loss)
-                metric = loss if self.cfg.checkpoint.best_checkpoint_metric == "loss" else 2**loss
+                name, _, what = self.cfg.checkpoint.best_checkpoint_metric.rpartition("_")
+                chosen = losses[name or None]
+                self.best_valid_loss = min(self.best_valid_loss, chosen)
+                metric = chosen if what == "loss" else 2**chosen
             elapsed = max(time.perf_counter() - start, 1e-9)
             rec = {
-                "loss": round(loss, 3),
-                "ppl": perplexity(loss),
+                "loss": round(losses[None], 3),
+                "ppl": perplexity(losses[None]),
                 "wps": round(ntokens / elapsed),
                 "wpb": round(ntokens / max(nbatches, 1), 1),
                 "bsz": round(nsentences / max(nbatches, 1), 1),
                 **extra_fields(dict(zip(names, extras_sum)), nsentences),
-                "num_updates": self.trainer.num_updates,
-                "best_loss": round(self.best_valid_loss, 3),
             }
+            for name, loss in losses.items():
+                if name is not None:
+                    rec[f"{name}_loss"], rec[f"{name}_ppl"] = round(loss, 3), perplexity(loss)
+            rec.update(num_updates=self.trainer.num_updates, best_loss=round(self.best_valid_loss, 3))
             self.progress.log("valid" if subset == "valid" else subset, rec, None, self.trainer.num_updates, epoch)
         return metric
+
+    def valid_sums(self, subset, dataset):
+        """[loss_sum, ntokens, nsentences, sample_size, batches, *extras] of ``dataset``, summed
+        over all ranks; batches are steps (the same on every rank)."""
+        itr = self.task.batch_iterator(subset, training=False, dataset=dataset)
+        loss_sum, extras_sum, counts, nbatches = 0.0, 0.0, [0, 0, 0], 0
+        for batch in itr.next_epoch_itr():
+            if self.cfg.dataset.max_valid_steps and nbatches >= self.cfg.dataset.max_valid_steps:
+                break
+            # A stop signal ends validation at the next batch every rank reaches alike
+            # (its sharded forwards are collective); an agreement per batch, as per update.
+            if self.preemption.agreed():
+                log.info(f"stopped validating {subset!r} after {nbatches} batches: its figures are not a result")
+                raise ValidationStopped
+            # the loss and extras stay on the device: read below
+            loss, extras, batch_counts = self.trainer.valid_step(batch)
+            loss_sum, counts, nbatches = loss_sum + loss, [a + b for a, b in zip(counts, batch_counts)], nbatches + 1
+            if extras is not None:
+                extras_sum = extras_sum + extras
+        names = self.trainer.objective.extras
+        extras_sum = [float(x) for x in extras_sum] if names and nbatches else [0.0] * len(names)
+        loss_sum, ntokens, nsentences, sample_size, *extras_sum = all_reduce_sum(
+            [float(loss_sum), *counts, *extras_sum], self.env
+        )
+        return [loss_sum, ntokens, nsentences, sample_size, nbatches, *extras_sum]
 
 
 def _finite_or_none(x):

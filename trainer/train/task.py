@@ -15,6 +15,8 @@ import re
 import zlib
 from pathlib import Path
 
+import numpy as np
+
 from data.conversations import check_task_data, collate_conversations, collate_preference_pairs, task_samples
 from data.data_dir import data_dirs
 from data.dummy_lm import DummyLMDataset
@@ -22,9 +24,12 @@ from data.embedded_corpus import prepare_embedded_corpus
 from data.errors import DataError
 from data.indexed_dataset import IndexedDataset, exists
 from data.iterator import EpochBatchIterator, collate
+from data.mixture import Mixture, mixture_weights, parse_mixture, source_names
+from data.mixture_batches import MixtureBatchIterator
 from data.token_block import ConcatDataset, DocumentBlocks, TokenBlockDataset, collate_documents
 from data.tokenizer import SPECIAL_IDS, load_tokenizer
 from trainer.config.model_source import hf_vocab_size
+from trainer.config.schema import vocabulary_data
 from trainer.train.preemption import leave_stop_signals_to_the_rank
 
 log = logging.getLogger("shardlm")
@@ -50,27 +55,34 @@ class LMTask:
         self.pad, self.bos = SPECIAL_IDS["pad"], SPECIAL_IDS["bos"]
         self.valid_loss_floor = None
         self._datasets = {}  # (split, data dir) -> dataset; of the training split, the current shard's only
+        self.sources = []  # --data-mixture's (name, weight, data dirs)
+        self._mixture = None
         if task_cfg._name == "dummy_lm":
             self.data_dirs, self.data_dir, self.tokenizer, self.vocab_size = [], None, None, task_cfg.dict_size
         else:
-            if task_cfg.data:
+            if task_cfg.data_mixture:
+                pairs = parse_mixture(task_cfg.data_mixture)
+                names = source_names([data for _, data in pairs])
+                self.sources = [(name, weight, data_dirs(data)) for name, (weight, data) in zip(names, pairs)]
+                self.data_dirs = self.sources[0][2]
+            elif task_cfg.data:
                 self.data_dirs = data_dirs(task_cfg.data)
             else:
                 self.data_dirs = [prepare_embedded_corpus()]
                 log.info(f"no DATA given: training on the embedded corpus in {self.data_dirs[0]}")
-            self.data_dir = self.data_dirs[0]  # the vocabulary's and validation's
-            for data_dir in self.data_dirs:
+            self.data_dir = self.data_dirs[0]  # the vocabulary's, and validation's without a mixture
+            for data_dir in self.data_dirs + [d for _, _, dirs in self.sources for d in dirs]:
                 check_task_data(task_cfg._name, data_dir)
             self.tokenizer = load_tokenizer(self.data_dir)
             self.vocab_size = self.tokenizer.vocab_size
             self.pad, self.bos = self.tokenizer.pad, self.tokenizer.bos
-            self.valid_loss_floor = None if task_cfg.data else embedded_loss_floor(self.data_dir)
+            self.valid_loss_floor = None if vocabulary_data(task_cfg) else embedded_loss_floor(self.data_dir)
             if self.valid_loss_floor is not None:
                 log.info(
                     f"embedded corpus: the true model's valid loss is {self.valid_loss_floor:.3f} "
                     f"(ppl {2**self.valid_loss_floor:.2f}); no model can do better"
                 )
-            if len(self.data_dirs) > 1:
+            if len(self.data_dirs) > 1 and not self.sources:
                 log.info(
                     f"sharded data: epoch e trains on the ((e - 1) mod {len(self.data_dirs)})-th of "
                     f"{', '.join(map(str, self.data_dirs))}; validation reads {self.data_dir}"
@@ -83,24 +95,60 @@ class LMTask:
         # the run before its first update, not at its first validation.
         if not cfg.dataset.disable_validation:
             for split in valid_subsets(cfg):
-                if self.has_split(split):
-                    self.dataset(split)
+                self.valid_sets(split)
 
     def has_split(self, split):
         if self.cfg.task._name == "dummy_lm":
             return True  # fairseq's dummy_lm: any split name gives random data
+        if self.sources:
+            return any(exists(dirs[0] / split) for _, _, dirs in self.sources)
         return exists(self.data_dir / split)
 
-    def dataset(self, split, epoch=1):
+    def valid_sets(self, split):
+        """[(name, blocks)] to validate ``split`` on: each mixture source that has it (by its
+        name), or DATA's (named None)."""
+        if not self.sources:
+            return [(None, self.dataset(split))] if self.has_split(split) else []
+        return [
+            (name, self.dataset(split, data_dir=dirs[0])) for name, _, dirs in self.sources if exists(dirs[0] / split)
+        ]
+
+    def dataset(self, split, epoch=1, data_dir=None):
         """The split's blocks; the training split's from the data dir of ``epoch``."""
         training = split == self.cfg.dataset.train_subset
-        data_dir = self.data_dirs[(epoch - 1) % len(self.data_dirs)] if training and self.data_dirs else self.data_dir
+        if data_dir is None:
+            data_dir = (
+                self.data_dirs[(epoch - 1) % len(self.data_dirs)] if training and self.data_dirs else self.data_dir
+            )
         key = (split, data_dir)
         if key not in self._datasets:
-            if training:  # one shard's blocks in memory at a time
+            if training and not self.sources:  # one shard's blocks in memory at a time
                 self._datasets = {k: v for k, v in self._datasets.items() if k[0] != split}
             self._datasets[key] = self._load(split, data_dir, training)
         return self._datasets[key]
+
+    def mixture(self):
+        """--data-mixture's training stream (data/mixture.py): each source's training blocks
+        (all its directories' one after another), weighted."""
+        if self._mixture is None:
+            split = self.cfg.dataset.train_subset
+            blocks = []
+            for _, _, dirs in self.sources:
+                parts = [self.dataset(split, data_dir=d) for d in dirs]
+                blocks.append(parts[0] if len(parts) == 1 else ConcatDataset(parts))
+            names = [name for name, _, _ in self.sources]
+            self._mixture = Mixture(names, blocks, self.mixture_weights(blocks), self.cfg.common.seed)
+        return self._mixture
+
+    def mixture_weights(self, blocks=None):
+        """The sources' shares, normalised (with --data-mixture-temperature, from their tokens)."""
+        blocks = blocks or self.mixture().datasets
+        tokens = [int(np.sum(b.sizes, dtype=np.int64)) - len(b) for b in blocks]
+        weights = mixture_weights([w for _, w, _ in self.sources], tokens, self.cfg.task.data_mixture_temperature)
+        if self.env.is_master and self._mixture is None:
+            shares = ", ".join(f"{name} {w:.4f}" for (name, _, _), w in zip(self.sources, weights))
+            log.info(f"data mixture: {shares} of the blocks drawn")
+        return weights
 
     def _load(self, split, data_dir, training):
         task_cfg, dataset_cfg = self.cfg.task, self.cfg.dataset
@@ -182,7 +230,8 @@ class LMTask:
                 "adds them to valid, or name them in --valid-subset"
             )
 
-    def batch_iterator(self, split, training):
+    def batch_iterator(self, split, training, dataset=None):
+        """Batches of ``split`` (of ``dataset``, one of valid_sets', where given)."""
         dataset_cfg, task_cfg = self.cfg.dataset, self.cfg.task
         batch_size, max_tokens = dataset_cfg.batch_size, dataset_cfg.max_tokens
         if not training:
@@ -190,8 +239,20 @@ class LMTask:
             max_tokens = dataset_cfg.max_tokens_valid or max_tokens
         bos = self.bos if task_cfg.add_bos_token else None
         width = task_cfg.tokens_per_sample + (bos is not None) if task_cfg.pad_to_fixed_length else None
+        if training and self.sources:
+            return MixtureBatchIterator(
+                self.mixture(),
+                self.mixture_batch_size(),
+                num_shards=self.env.world_size,
+                shard_id=self.env.rank,
+                collater=self.collater(bos, width),
+                num_workers=dataset_cfg.num_workers,
+                worker_init=leave_stop_signals_to_the_rank,
+                pin_memory=self.env.device.type == "cuda",
+            )
         # Training takes each epoch's dataset as the epoch starts (sharded data).
-        dataset = functools.partial(self.dataset, split) if training else self.dataset(split)
+        if dataset is None:
+            dataset = functools.partial(self.dataset, split) if training else self.dataset(split)
         return EpochBatchIterator(
             dataset,
             batch_size=batch_size,
@@ -209,6 +270,19 @@ class LMTask:
             # A GPU rank copies its batches with non_blocking=True: asynchronous from pinned memory only.
             pin_memory=self.env.device.type == "cuda",
         )
+
+    def mixture_batch_size(self):
+        """A mixture's batches hold a fixed number of blocks (its position is then a slot on
+        any layout): --batch-size, at most as many blocks of --tokens-per-sample as
+        --max-tokens holds, cut to a multiple of --required-batch-size-multiple as fairseq cuts."""
+        dataset_cfg, tokens = self.cfg.dataset, self.cfg.task.tokens_per_sample
+        sizes = [x for x in (dataset_cfg.batch_size, dataset_cfg.max_tokens and dataset_cfg.max_tokens // tokens) if x]
+        size, multiple = min(sizes), dataset_cfg.required_batch_size_multiple
+        if size < 1:
+            raise DataError(
+                f"--max-tokens {dataset_cfg.max_tokens} holds no block of --tokens-per-sample {tokens}; raise it"
+            )
+        return size // multiple * multiple if size >= multiple else size
 
     def collater(self, bos, width):
         name = self.cfg.task._name

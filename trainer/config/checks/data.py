@@ -1,6 +1,8 @@
 """Checks of the data groups: task (what the samples are) and dataset (how they are
 batched; trainer/train/task.py, data/iterator.py)."""
 
+from data.errors import DataError
+from data.mixture import parse_mixture, source_names
 from trainer.config.checks.model import check_adaptive_vocab
 from trainer.config.checks.values import non_negative, positive
 from trainer.errors import UsageError
@@ -20,6 +22,7 @@ def check_task(cfg):
             )
         check_adaptive_vocab(model, task.dict_size)  # the vocabulary is known now; with DATA, once it is read
     _check_chat_tasks(cfg)
+    _check_mixture(cfg)
     if model.max_target_positions is not None and task.tokens_per_sample > model.max_target_positions:
         raise UsageError(
             f"--tokens-per-sample {task.tokens_per_sample} exceeds the model's "
@@ -37,6 +40,32 @@ def check_task(cfg):
         )
 
 
+def _check_mixture(cfg):
+    """--data-mixture replaces DATA; its sources name the metrics --best-checkpoint-metric may pick."""
+    task, metric = cfg.task, cfg.checkpoint.best_checkpoint_metric
+    names = []
+    if task.data_mixture:
+        if task.data:
+            raise UsageError(f"pass DATA ({task.data}) or --data-mixture, not both: a mixture names all its data")
+        if task._name == "dummy_lm":
+            raise UsageError("--task dummy_lm makes random tokens and reads no --data-mixture; drop one of them")
+        try:
+            names = source_names([data for _, data in parse_mixture(task.data_mixture)])
+        except DataError as e:
+            raise UsageError(str(e)) from None
+    if task.data_mixture_temperature is not None:
+        if not task.data_mixture:
+            raise UsageError("--data-mixture-temperature weighs the sources of --data-mixture; pass the mixture")
+        if not task.data_mixture_temperature > 0:
+            raise UsageError(f"--data-mixture-temperature must be positive, got {task.data_mixture_temperature}")
+    allowed = ["loss", "ppl"] + [f"{name}_{what}" for name in names for what in ("loss", "ppl")]
+    if metric not in allowed:
+        hint = "" if names else " (a source's NAME_loss with --data-mixture)"
+        raise UsageError(
+            f"--best-checkpoint-metric {metric!r} is no validation metric here; use {', '.join(allowed)}{hint}"
+        )
+
+
 def _check_chat_tasks(cfg):
     """sft and dpo read whole conversations and pairs from DATA; their flags only act there."""
     task, name = cfg.task, cfg.task._name
@@ -48,7 +77,7 @@ def _check_chat_tasks(cfg):
     if task.per_document_attention and task.add_bos_token:
         raise UsageError("--per-document-attention keeps each sequence's own context; drop --add-bos-token")
     if name in ("sft", "dpo"):
-        if not task.data:
+        if not (task.data or task.data_mixture):
             raise UsageError(
                 f"--task {name} trains on DATA written by `preprocess --tokenizer HF_DIR` from "
                 + (
