@@ -1,6 +1,7 @@
 """A resumed run continues the same curve: stopped and resumed on the same ranks (DDP,
 FSDP, --update-freq, fp16, --save-async), on other ranks and backends (FSDP on 2 ranks to
-DDP on 1 or 2, FSDP on 3, hybrid sharding on 4), a DDP checkpoint under FSDP, and a
+DDP on 1 or 2, FSDP on 3, hybrid sharding on 4, at the saved run's per-rank batch or one that
+divides it), a DDP checkpoint under FSDP, and a
 checkpoint of the previous format. tests/test_checkpoint.py holds the checkpoint
 directories' names, retention, restore choices and refusals."""
 
@@ -54,13 +55,14 @@ def test_resume_is_exact(name, tmp_path):
     assert whole[20][0] < whole[1][0]
 
 
-# One update of 12 batches of one sequence each, dealt out to other ranks and micro-batches
-# (an epoch's batches depend on the per-rank batch, not on the ranks): the curve must continue.
+# One update of 6 batches of two sequences each, dealt out to other ranks and micro-batches
+# (an epoch's batches depend on the per-rank batch, not on the ranks): the curve must
+# continue. At --batch-size 1 each saved batch of two is split in order (convert_position).
 RESHARD = {
-    "fsdp2_to_ddp1": (1, ["--batch-size", "1", "--update-freq", "12"]),
-    "fsdp2_to_fsdp3": (3, ["--batch-size", "1", "--update-freq", "4", "--ddp-backend", "fully_sharded"]),
-    "fsdp2_to_ddp2": (2, ["--batch-size", "1", "--update-freq", "6"]),
-    "fsdp2_to_hybrid4": (
+    "fsdp2_to_ddp1": (1, ["--batch-size", "2", "--update-freq", "6"]),
+    "fsdp2_to_fsdp3_split": (3, ["--batch-size", "1", "--update-freq", "4", "--ddp-backend", "fully_sharded"]),
+    "fsdp2_to_ddp2_split": (2, ["--batch-size", "1", "--update-freq", "6"]),
+    "fsdp2_to_hybrid4_split": (
         4,
         ["--batch-size", "1", "--update-freq", "3", "--ddp-backend", "hybrid_shard", "--shard-group-size", "2"],
     ),
@@ -70,7 +72,7 @@ RESHARD = {
 @pytest.fixture(scope="module")
 def one_process_12(tmp_path_factory):
     return train_updates(
-        SAVE + ["--batch-size", "1", "--update-freq", "12", "--max-update", "20", "--no-save"],
+        SAVE + ["--batch-size", "2", "--update-freq", "6", "--max-update", "20", "--no-save"],
         1,
         tmp_path_factory.mktemp("ref"),
     )
@@ -78,15 +80,15 @@ def one_process_12(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def saved_on_fsdp2(tmp_path_factory):
-    """10 updates on 2 FSDP ranks of 6 micro-batches each, saved once for every resharding case."""
+    """10 updates on 2 FSDP ranks of 3 micro-batches of 2 each, saved once for every resharding case."""
     tmp = tmp_path_factory.mktemp("fsdp2")
     first = train_updates(
         SAVE
         + [
             "--batch-size",
-            "1",
+            "2",
             "--update-freq",
-            "6",
+            "3",
             "--ddp-backend",
             "fully_sharded",
             "--max-update",
