@@ -69,10 +69,8 @@ def source_names(paths: Sequence[str]) -> list[str]:
     def clean(text):
         return re.sub(r"[^0-9A-Za-z]+", "_", text).strip("_") or "data"
 
-    names = [clean(d.name) for d in dirs]
-    for i, name in enumerate(names):
-        if names.count(name) > 1:
-            names[i] = clean(f"{dirs[i].parent.name}_{dirs[i].name}")
+    plain = [clean(d.name) for d in dirs]
+    names = [clean(f"{d.parent.name}_{d.name}") if plain.count(n) > 1 else n for d, n in zip(dirs, plain)]
     for i, name in enumerate(names):
         if names.count(name) > 1:
             other = next(j for j in range(len(names)) if j != i and names[j] == name)

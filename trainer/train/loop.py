@@ -350,6 +350,11 @@ class TrainLoop:
             losses.update({name: s[0] / max(s[3], 1) / LN2 for name, s in sums.items() if name is not None})
             if subset == self.valid_subsets[0]:
                 name, _, what = self.cfg.checkpoint.best_checkpoint_metric.rpartition("_")
+                if (name or None) not in losses:
+                    raise UsageError(
+                        f"--best-checkpoint-metric {name}_{what}: source {name} has no {subset!r} split to validate "
+                        "on; name another source's metric, or loss"
+                    )
                 chosen = losses[name or None]
                 self.best_valid_loss = min(self.best_valid_loss, chosen)
                 metric = chosen if what == "loss" else 2**chosen
