@@ -66,7 +66,7 @@ class MixtureBatchIterator:
 
     def __len__(self) -> int:
         """Batches per shard in the current epoch (the next one before the first call)."""
-        if self.epoch == 0 or (self.end_of_epoch() and not self._resume_pending):
+        if self.epoch == 0:
             return self._steps(0)
         return self._entry_iterations + self._steps(self._entry)
 
@@ -123,16 +123,17 @@ class MixtureBatchIterator:
         """Resume at the saved slot: the next ``next_epoch_itr()`` yields the rest of its epoch."""
         self.mixture.load_state_dict(state["mixture"])
         epoch_slots = self.mixture.epoch_slots
-        self.epoch = int(state["epoch"])
-        slot = int(state["slot"])
-        if self.epoch == 0 or slot >= self.epoch * epoch_slots:  # its epoch had ended
-            self.iterations_in_epoch = self._entry = self._entry_iterations = 0
+        self.epoch, self.iterations_in_epoch = int(state["epoch"]), int(state["iterations_in_epoch"])
+        entry = int(state["slot"]) - (self.epoch - 1) * epoch_slots
+        if self.epoch == 0 or entry >= epoch_slots or self._steps(entry) == 0:
+            # Its epoch had ended (or has no step left for these ranks): the next one starts.
+            self._entry, self._entry_iterations = epoch_slots, self.iterations_in_epoch
             self._resume_pending = False
             return
-        self._entry = slot - (self.epoch - 1) * epoch_slots
+        self._entry = entry
         # Steps counted before the entry: the progress figures, as if this run had read the
         # epoch from its start.
-        self._entry_iterations = self.iterations_in_epoch = self._entry // (self.num_shards * self.batch_size)
+        self._entry_iterations = self.iterations_in_epoch = entry // (self.num_shards * self.batch_size)
         self._resume_pending = True
 
 
