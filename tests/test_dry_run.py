@@ -53,6 +53,9 @@ def grid(chat):  # noqa: F811
     rows = {name: jobs_of(BASE + flags, world) for name, (flags, world) in GRID.items()}
     rows["sft"] = jobs_of(sft_argv(root, "llama", *FSDP, "--dry-run", batch_size=1), 8)
     rows["dpo"] = jobs_of(dpo_argv(root, "qwen3", *FSDP, "--bf16", "--dry-run", batch_size=1), 8)
+    # a mixture's batches come from its own iterator (data/mixture_batches.py), made fake as DATA's
+    sources = ["--data-mixture", "0.5", str(root / "llama-sft"), "0.5", str(root / "qwen3-sft")]
+    rows["sft_mixture"] = jobs_of(sft_argv(root, "llama", *FSDP, "--dry-run", *sources, batch_size=1)[1:], 8)
     model, data = str(root / "llama"), str(root / "llama-sft")
     eval_lm = [data, "--path", model, "--gen-subset", "train", "--batch-size", "2"]
     rows["eval-lm"] = [command_job("eval-lm", eval_lm, 8, rank) for rank in (0, 7)]
@@ -63,7 +66,7 @@ def grid(chat):  # noqa: F811
     return {name: [next(reports) for _ in jobs] for name, jobs in rows.items()}
 
 
-@pytest.mark.parametrize("row", [*GRID, "sft", "dpo"])
+@pytest.mark.parametrize("row", [*GRID, "sft", "dpo", "sft_mixture"])
 def test_the_seed_command_lines_run_on_fake_gpus(grid, row):
     reports = grid[row]
     for r in reports:

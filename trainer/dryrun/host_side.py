@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import trainer.inference.load as inference_load
 from data.iterator import EpochBatchIterator
+from data.mixture_batches import MixtureBatchIterator
 from trainer.formats.fairseq.reader import FairseqReader
 from trainer.formats.hf.weights import HFWeights
 from trainer.formats.shardlm.reader import CheckpointReader, ExportReader
@@ -91,23 +92,28 @@ def _tensor_then_copy(tensor):
 
 
 def real_batches(fake):
-    """Patch the batch iterators to read real batches and hand them on as `fake`'s (a
-    FakeDevices); returns a function that restores them."""
-    next_epoch_itr = EpochBatchIterator.next_epoch_itr
+    """Patch the batch iterators (DATA's and a mixture's) to read real batches and hand them
+    on as `fake`'s (a FakeDevices); returns a function that restores them."""
+    originals = {cls: cls.next_epoch_itr for cls in (EpochBatchIterator, MixtureBatchIterator)}
 
-    def fake_batches(itr, *args, **kwargs):
-        with unset_fake_temporarily():
-            batches = next_epoch_itr(itr, *args, **kwargs)
-        while True:
+    def patched(next_epoch_itr):
+        def fake_batches(itr, *args, **kwargs):
             with unset_fake_temporarily():
-                batch = next(batches, None)
-            if batch is None:
-                return
-            yield fake.adopt(batch)
+                batches = next_epoch_itr(itr, *args, **kwargs)
+            while True:
+                with unset_fake_temporarily():
+                    batch = next(batches, None)
+                if batch is None:
+                    return
+                yield fake.adopt(batch)
 
-    EpochBatchIterator.next_epoch_itr = fake_batches
+        return fake_batches
+
+    for cls, next_epoch_itr in originals.items():
+        cls.next_epoch_itr = patched(next_epoch_itr)
 
     def restore():
-        EpochBatchIterator.next_epoch_itr = next_epoch_itr
+        for cls, next_epoch_itr in originals.items():
+            cls.next_epoch_itr = next_epoch_itr
 
     return restore
