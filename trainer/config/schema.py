@@ -281,7 +281,7 @@ class TaskConfig:
 
 @dataclass
 class LRSchedulerConfig:
-    """trainer/train/optim.py: LRSchedule."""
+    """trainer/train/lr_schedule.py: LRSchedule."""
 
     _name: str = _f(
         "fixed",
