@@ -1,13 +1,22 @@
-"""fairseq's learning-rate schedules: the lr of each update (LRSchedule)."""
+"""The learning-rate schedules: the lr of each update (LRSchedule). fairseq's fixed,
+inverse_sqrt, polynomial_decay, cosine and reduce_lr_on_plateau in the class; warmup-stable-
+decay (wsd) and fairseq's tri_stage, triangular, step and manual each one function below,
+which builds the schedule's lr(num_updates, epoch) from the config.
+
+Each lr(n) is fairseq's step_update(n): the lr of update n + 1 (fairseq's trainer calls
+step_update(0) before the first update and step_update(n) after the n-th), also the lr
+logged after update n."""
 
 import math
 
+from trainer.config.checks.lr_scheduler import parse_manual_lr, wsd_decay_updates
+
 
 class LRSchedule:
-    """lr as a function of num_updates: fairseq's fixed, inverse_sqrt, polynomial_decay and
-    cosine (each with linear warmup) are stateless, so resuming needs only num_updates;
-    reduce_lr_on_plateau also keeps its current lr, best metric and bad epochs, saved with
-    checkpoints (`state_dict`) and stepped on each epoch's validation metric (`step_epoch`)."""
+    """lr as a function of num_updates: every schedule but two is stateless, so resuming
+    needs only num_updates. reduce_lr_on_plateau also keeps its current lr, best metric and
+    bad epochs, saved with checkpoints (`state_dict`) and stepped on each epoch's validation
+    metric (`step_epoch`); manual reads the epoch too (`begin_epoch`, saved likewise)."""
 
     def __init__(self, cfg):
         scheduler_cfg = cfg.lr_scheduler
@@ -48,8 +57,12 @@ class LRSchedule:
         self.warmup_step = (self.peak - self.warmup_init) / self.warmup if self.warmup > 0 else 0.0
         if self.name == "reduce_lr_on_plateau":
             self.reset()
+        self.epoch = None  # the epoch begun last (begin_epoch); None before the first
+        self.by_function = SCHEDULES[self.name](cfg) if self.name in SCHEDULES else None
 
     def lr(self, num_updates):
+        if self.by_function is not None:
+            return self.by_function(num_updates, self.epoch)
         if self.name == "cosine":
             return self.cosine(num_updates)
         if self.name == "reduce_lr_on_plateau":
@@ -100,6 +113,11 @@ class LRSchedule:
             g["lr"] = lr
         return lr
 
+    def begin_epoch(self, epoch):
+        """fairseq's step_begin_epoch, at each epoch's start (a resumed one's too): only
+        manual's lr depends on it."""
+        self.epoch = epoch
+
     # ------------------------------------------------------ reduce_lr_on_plateau
     def reset(self):
         # The lr that warmup ends on (fairseq keeps the optimizer's), or --lr without warmup.
@@ -128,6 +146,8 @@ class LRSchedule:
             self.bad_epochs = 0
 
     def state_dict(self):
+        if self.name == "manual":  # the epoch whose lr it runs at, as fairseq's optimizer keeps its lr
+            return {"name": self.name, "epoch": self.epoch}
         if self.name != "reduce_lr_on_plateau":
             return None
         return {
@@ -138,9 +158,145 @@ class LRSchedule:
         }
 
     def load_state_dict(self, state):
-        """A saved plateau's state; anything else (another schedule's, none) leaves this one fresh."""
-        if self.name != "reduce_lr_on_plateau" or not state or state.get("name") != self.name:
+        """A saved plateau's or manual's state; anything else (another schedule's, none) leaves
+        this one fresh."""
+        if not state or state.get("name") != self.name:
+            return
+        if self.name == "manual":
+            self.epoch = state["epoch"]
+            return
+        if self.name != "reduce_lr_on_plateau":
             return
         self.current, self.bad_epochs = state["lr"], state["bad_epochs"]
         if state["best"] is not None:
             self.best = state["best"]
+
+
+# ---------------------------------------------------------------- by function
+# Each takes the config and returns lr(num_updates, epoch), epoch the one begun last (None
+# before the first); only manual reads it.
+
+
+def wsd(cfg):
+    """Warmup, stable, decay (MiniCPM's WSD, arXiv:2404.06395; torchtitan's decay_ratio).
+    With W = --warmup-updates, M = --max-update, D = the decay's length (--decay-updates,
+    or --decay-ratio times M rounded), lr_0 = --warmup-init-lr (-1: 0), the lr after n
+    updates is
+
+        n < W               lr_0 + (lr - lr_0) * n / W
+        W <= n < M - D      lr
+        M - D <= n          min_lr + (lr - min_lr) * f(min(1, (n - M + D) / D))
+
+    f(p) = 1 - p (linear), (1 + cos(pi * p)) / 2 (cosine), 1 - sqrt(p) (1-sqrt). The decay's
+    first update runs at --lr and its last (update M) at f((D - 1) / D); the lr logged after
+    it is --min-lr. D = 0: no decay. A function of n alone, so a run restored from a
+    stable-phase checkpoint with a new --max-update and --decay-updates decays from there
+    (a branch), and a run restored mid-decay continues it."""
+    schedule, peak, max_update = cfg.lr_scheduler, cfg.optimization.lr, cfg.optimization.max_update
+    warmup, final = schedule.warmup_updates, schedule.min_lr
+    init = 0.0 if schedule.warmup_init_lr < 0 else schedule.warmup_init_lr
+    decay = wsd_decay_updates(schedule, max_update)
+    shape = {
+        "linear": lambda p: 1 - p,
+        "cosine": lambda p: (1 + math.cos(math.pi * p)) / 2,
+        "1-sqrt": lambda p: 1 - math.sqrt(p),
+    }[schedule.decay_type]
+
+    def lr(n, epoch):
+        if n < warmup:
+            return init + (peak - init) * n / warmup
+        if decay == 0 or n < max_update - decay:
+            return peak
+        return final + (peak - final) * shape(min(1.0, (n - max_update + decay) / decay))
+
+    return lr
+
+
+def tri_stage(cfg):
+    """fairseq's tri_stage_lr_scheduler.py: from --init-lr-scale * lr up to lr over
+    --warmup-steps (W), lr for --hold-steps (H), then exponentially down to
+    --final-lr-scale * lr over --decay-steps (D), and there after (--phase-ratio: the three
+    as fractions of --max-update, each rounded down):
+
+        n < W               init + (lr - init) * n / W
+        n < W + H           lr
+        n <= W + H + D      lr * exp(log(final_lr_scale) * (n - W - H) / D)
+        after               final_lr_scale * lr"""
+    schedule, peak, max_update = cfg.lr_scheduler, cfg.optimization.lr, cfg.optimization.max_update
+    init, final = schedule.init_lr_scale * peak, schedule.final_lr_scale * peak
+    if schedule.phase_ratio:
+        warmup, hold, decay = (int(max_update * r) for r in schedule.phase_ratio)
+    else:
+        warmup, hold, decay = schedule.warmup_steps, schedule.hold_steps, schedule.decay_steps
+    rate = (peak - init) / warmup if warmup else 0.0
+    decay_factor = -math.log(schedule.final_lr_scale) / decay
+
+    def lr(n, epoch):
+        if n < warmup:
+            return init + rate * n
+        if n < warmup + hold:
+            return peak
+        if n <= warmup + hold + decay:
+            return peak * math.exp(-decay_factor * (n - warmup - hold))
+        return final
+
+    return lr
+
+
+def triangular(cfg):
+    """fairseq's triangular_lr_scheduler.py (cyclical lr, arXiv:1506.01186): cycles of
+    --lr-period-updates, up from lr to --max-lr in the first half and back down in the
+    second; cycle c's top is --max-lr * --lr-shrink**c, its bottom lr (times the same with
+    --shrink-min). With s = period // 2, c = floor(n / 2s), x = |n / s - 2c - 1|:
+    lr = bottom + (top - bottom) * max(0, 1 - x)."""
+    schedule, base = cfg.lr_scheduler, cfg.optimization.lr
+    stepsize = schedule.lr_period_updates // 2
+
+    def lr(n, epoch):
+        cycle = math.floor(n / (2 * stepsize))
+        shrink = schedule.lr_shrink**cycle
+        top, bottom = schedule.max_lr * shrink, base * shrink if schedule.shrink_min else base
+        x = abs(n / stepsize - 2 * (cycle + 1) + 1)
+        return bottom + (top - bottom) * max(0, 1 - x)
+
+    return lr
+
+
+def step(cfg):
+    """fairseq's step_lr_scheduler.py: warmup from --warmup-init-lr (-1: --min-lr) over
+    --warmup-updates (W), then lr * --lr-decay**floor((n - W) / --lr-decay-period), never
+    below --min-lr."""
+    schedule, peak = cfg.lr_scheduler, cfg.optimization.lr
+    warmup, floor = schedule.warmup_updates, schedule.min_lr
+    init = schedule.warmup_init_lr if schedule.warmup_init_lr >= 0 else floor
+    rate = (peak - init) / warmup if warmup > 0 else 1.0
+
+    def lr(n, epoch):
+        if n < warmup:
+            return init + n * rate
+        return max(peak * schedule.lr_decay ** ((n - warmup) // schedule.lr_decay_period), floor)
+
+    return lr
+
+
+def manual(cfg):
+    """fairseq's manual_lr_scheduler.py: --update2lr's lr of the largest key <= n if it has
+    one; else --epoch2lr's of the largest key <= the epoch begun last (fairseq sets it at
+    each epoch's start, step_begin_epoch); else the first lr: --epoch2lr's or --update2lr's
+    of key 1, or --lr (fairseq's optimizer keeps it where no key applies)."""
+    schedule = cfg.lr_scheduler
+    epoch2lr = parse_manual_lr(schedule.epoch2lr, "--epoch2lr")
+    update2lr = parse_manual_lr(schedule.update2lr, "--update2lr")
+    first = epoch2lr[1] if 1 in epoch2lr else update2lr[1] if 1 in update2lr else cfg.optimization.lr
+
+    def lr(n, epoch):
+        keys = [k for k in update2lr if k <= n]
+        if keys:
+            return update2lr[max(keys)]
+        keys = [k for k in epoch2lr if epoch is not None and k <= epoch]
+        return epoch2lr[max(keys)] if keys else first
+
+    return lr
+
+
+SCHEDULES = {"wsd": wsd, "tri_stage": tri_stage, "triangular": triangular, "step": step, "manual": manual}

@@ -85,6 +85,10 @@ class Trainer:
         """The lr of the next update (fairseq's get_lr once lr_step_update has run)."""
         return self.schedule.lr(self.num_updates - self.lr_updates_offset)
 
+    def begin_epoch(self, epoch):
+        """fairseq's lr_step_begin_epoch at each epoch's start (a resumed epoch's too)."""
+        self.schedule.begin_epoch(epoch)
+
     def lr_step(self, epoch_metric):
         """fairseq's lr_step at an epoch's end, with its validation metric (or None)."""
         self.schedule.step_epoch(epoch_metric, self.num_updates - self.lr_updates_offset)
