@@ -58,20 +58,19 @@ class LRSchedule:
         if self.name == "reduce_lr_on_plateau":
             self.reset()
         self.epoch = None  # the epoch begun last (begin_epoch); None before the first
-        self.by_function = SCHEDULES[self.name](cfg) if self.name in SCHEDULES else None
+        # the schedules written as one function below: lr(num_updates, epoch)
+        self.formula = SCHEDULES[self.name](cfg) if self.name in SCHEDULES else None
 
     def lr(self, num_updates):
-        if self.by_function is not None:
-            return self.by_function(num_updates, self.epoch)
+        if self.formula is not None:
+            return self.formula(num_updates, self.epoch)
         if self.name == "cosine":
             return self.cosine(num_updates)
         if self.name == "reduce_lr_on_plateau":
             if self.warmup > 0 and num_updates <= self.warmup:
                 return self.warmup_init + num_updates * self.warmup_step
             return self.current
-        # fairseq's step_update(num_updates) of each: the lr of update num_updates + 1 (its
-        # trainer calls step_update(0) before the first update, step_update(n) after the n-th),
-        # each warmup counted as its scheduler counts it.
+        # each warmup counted as its fairseq scheduler counts it
         if self.name == "fixed":
             if self.warmup > 0 and num_updates < self.warmup:
                 return self.peak * (num_updates + 1) / self.warmup
@@ -172,9 +171,10 @@ class LRSchedule:
             self.best = state["best"]
 
 
-# ---------------------------------------------------------------- by function
+# ------------------------------------------------------------ one function each
 # Each takes the config and returns lr(num_updates, epoch), epoch the one begun last (None
-# before the first); only manual reads it.
+# before the first); only manual reads it. The config is checked (checks/lr_scheduler.py):
+# no division here is by zero.
 
 
 def wsd(cfg):
