@@ -13,7 +13,7 @@ from helpers import compose
 
 
 def schedule(*argv):
-    from trainer.train.optim import LRSchedule
+    from trainer.train.lr_schedule import LRSchedule
 
     return LRSchedule(compose(["--batch-size", "1"] + list(argv)))
 

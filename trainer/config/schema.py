@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import List, Optional
 
 from models.config import PRESETS, TransformerLMConfig
+from trainer.config.lr_scheduler_schema import LRSchedulerConfig
 from trainer.config.optimizer_schema import OptimizerConfig
 from trainer.config.option_field import option as _f
 
@@ -294,33 +295,6 @@ class TaskConfig:
 
 
 @dataclass
-class LRSchedulerConfig:
-    """trainer/train/optim.py: LRSchedule."""
-
-    _name: str = _f(
-        "fixed",
-        "learning-rate schedule",
-        flag="--lr-scheduler",
-        choices=("fixed", "inverse_sqrt", "polynomial_decay", "cosine", "reduce_lr_on_plateau"),
-    )
-    warmup_updates: int = _f(0, "linear warmup over N updates")
-    warmup_init_lr: float = _f(-1.0, "lr at the start of warmup (-1: 0)")
-    end_learning_rate: float = _f(0.0, "polynomial_decay: final lr")
-    power: float = _f(1.0, "polynomial_decay: power")
-    total_num_update: Optional[int] = _f(None, "polynomial_decay: updates to decay over (default: --max-update)")
-    min_lr: float = _f(0.0, "cosine: lr at the end of the cycle")
-    lr_period_updates: int = _f(-1, "cosine: first cycle's length in updates (-1: --max-update minus warmup)")
-    t_mult: float = _f(1.0, "cosine: each cycle is this many times longer than the one before")
-    lr_shrink: float = _f(
-        0.1,
-        "cosine: each cycle's peak lr is the previous one's times this; "
-        "reduce_lr_on_plateau: the lr's factor on a plateau",
-    )
-    lr_threshold: float = _f(1e-4, "reduce_lr_on_plateau: a relative improvement smaller than this is a plateau")
-    lr_patience: int = _f(0, "reduce_lr_on_plateau: validations without improvement before the lr shrinks")
-
-
-@dataclass
 class CriterionConfig:
     """The training loss: models/transformer_lm.py (cross_entropy, the adaptive softmax's
     adaptive_loss)."""
@@ -376,6 +350,12 @@ GROUP_OPTIONS = {
         "polynomial_decay": {},
         "cosine": {},
         "reduce_lr_on_plateau": {},
+        "wsd": {},
+        "tri_stage": {},
+        "triangular": {"lr_period_updates": 5000},  # fairseq's triangular default (cosine's is -1)
+        "step": {},
+        "manual": {},
+        "pass_through": {},
     },
 }
 

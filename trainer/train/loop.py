@@ -186,6 +186,7 @@ class TrainLoop:
             resumed = self.itr.iterations_in_epoch > 0 and not self.itr.end_of_epoch()
             batches = self.itr.next_epoch_itr()
             epoch = self.itr.epoch
+            self.trainer.begin_epoch(epoch)
             updates_per_epoch = math.ceil(len(self.itr) / optimization.update_freq)  # each shard of DATA has its own
             if not resumed:
                 self.epoch_meters.reset()

@@ -20,10 +20,11 @@ from trainer.config.schema import uses_fsdp
 from trainer.parallel.parallelize import mixed_precision_dtype
 from trainer.parallel.ranks import all_reduce_sum, on_device, on_device_sum
 from trainer.train.deferred_read import BACKOFF, DeferredRead, numerical_fault
+from trainer.train.lr_schedule import LRSchedule
 from trainer.train.meters import BAD, UpdateStats, update_status
 from trainer.train.muon import build_muon
 from trainer.train.objectives import build_objective
-from trainer.train.optim import CPU_ADAM, NAG, LRSchedule, ShardLocalAdamW, build_optimizer, local_shards
+from trainer.train.optim import CPU_ADAM, NAG, ShardLocalAdamW, build_optimizer, local_shards
 
 log = logging.getLogger("shardlm")
 
@@ -83,6 +84,10 @@ class Trainer:
     def next_lr(self):
         """The lr of the next update (fairseq's get_lr once lr_step_update has run)."""
         return self.schedule.lr(self.num_updates - self.lr_updates_offset)
+
+    def begin_epoch(self, epoch):
+        """fairseq's lr_step_begin_epoch at each epoch's start (a resumed epoch's too)."""
+        self.schedule.begin_epoch(epoch)
 
     def lr_step(self, epoch_metric):
         """fairseq's lr_step at an epoch's end, with its validation metric (or None)."""

@@ -1,6 +1,6 @@
-"""Checks of the optimization groups: optimization (updates, lr, clipping), optimizer and
-lr_scheduler — their pairings, their options' ranges, and options set for an optimizer or
-schedule that does not read them."""
+"""Checks of the optimization groups: optimization (updates, lr, clipping) and optimizer —
+their pairings, their options' ranges, and options set for an optimizer that does not read
+them (the lr_scheduler group's: lr_scheduler.py)."""
 
 from dataclasses import MISSING
 
@@ -8,8 +8,8 @@ from trainer.config.checks.values import get, non_negative, positive
 from trainer.config.flags import flag_name, iter_fields
 from trainer.errors import UsageError
 
-# Options read by some optimizers or schedules only: set (away from its default) for
-# another, each would be accepted and ignored.
+# Options read by some optimizers only: set (away from its default) for another, each
+# would be accepted and ignored.
 OPTION_READERS = {
     "optimizer.momentum": ("sgd", "nag"),
     # muon steps all but the decoder layers' matrices with AdamW
@@ -36,15 +36,6 @@ OPTION_READERS = {
     "optimizer.muon_ns_coefficients": ("muon",),
     "optimizer.muon_eps": ("muon",),
     "optimizer.muon_adjust_lr_fn": ("muon",),
-    "lr_scheduler.min_lr": ("cosine",),
-    "lr_scheduler.t_mult": ("cosine",),
-    "lr_scheduler.lr_period_updates": ("cosine",),
-    "lr_scheduler.lr_shrink": ("cosine", "reduce_lr_on_plateau"),
-    "lr_scheduler.lr_threshold": ("reduce_lr_on_plateau",),
-    "lr_scheduler.lr_patience": ("reduce_lr_on_plateau",),
-    "lr_scheduler.end_learning_rate": ("polynomial_decay",),
-    "lr_scheduler.power": ("polynomial_decay",),
-    "lr_scheduler.total_num_update": ("polynomial_decay",),
 }
 
 
@@ -70,7 +61,7 @@ def check_optimizer(cfg):
         "optimizer.adamax_eps",
         "optimizer.adadelta_eps",
     )
-    _check_options_read(cfg, "optimizer")
+    check_options_read(cfg, "optimizer", OPTION_READERS)
     if optimizer._name == "adafactor":
         check_adafactor(cfg)
     if optimizer._name == "adadelta":
@@ -144,72 +135,18 @@ def _check_muon(optimizer):
         raise UsageError(f"--muon-eps must be positive (the floor of the update's norm), got {optimizer.muon_eps}")
 
 
-def check_lr_scheduler(cfg):
-    schedule, max_update = cfg.lr_scheduler, cfg.optimization.max_update
-    non_negative(
-        cfg,
-        "lr_scheduler.warmup_updates",
-        "lr_scheduler.power",
-        "lr_scheduler.end_learning_rate",
-        "lr_scheduler.min_lr",
-    )
-    if schedule.warmup_init_lr < 0 and schedule.warmup_init_lr != -1:
-        raise UsageError(f"--warmup-init-lr must be >= 0 (or -1: start at 0), got {schedule.warmup_init_lr}")
-    if schedule._name == "polynomial_decay" and not (schedule.total_num_update or max_update):
-        raise UsageError("--lr-scheduler polynomial_decay needs --total-num-update or --max-update")
-    _check_options_read(cfg, "lr_scheduler")
-    if schedule._name == "cosine":
-        _check_cosine(schedule, max_update)
-    if schedule._name == "reduce_lr_on_plateau":
-        if not 0 < schedule.lr_shrink < 1:
-            raise UsageError(
-                f"--lr-shrink must be in (0, 1) for reduce_lr_on_plateau (the lr's factor on a "
-                f"plateau), got {schedule.lr_shrink}"
-            )
-        non_negative(cfg, "lr_scheduler.lr_threshold", "lr_scheduler.lr_patience")
-
-
-def _check_cosine(schedule, max_update):
-    if schedule.t_mult <= 0:
-        raise UsageError(
-            f"--t-mult must be positive (each cosine cycle's length over the last's), got {schedule.t_mult}"
-        )
-    if schedule.lr_shrink <= 0:
-        raise UsageError(
-            f"--lr-shrink must be positive (each cosine cycle's lr over the last's), got {schedule.lr_shrink}"
-        )
-    if schedule.lr_period_updates != -1 and schedule.lr_period_updates <= 0:
-        raise UsageError(
-            f"--lr-period-updates must be positive (or -1: --max-update minus --warmup-updates), "
-            f"got {schedule.lr_period_updates}"
-        )
-    if schedule.lr_period_updates == -1 and not max_update:
-        raise UsageError("--lr-scheduler cosine needs --lr-period-updates or --max-update")
-    warmup = schedule.warmup_updates
-    period = schedule.lr_period_updates if schedule.lr_period_updates > 0 else max(max_update - warmup, 1)
-    if schedule.t_mult < 1 and not (max_update and max_update - warmup < period / (1 - schedule.t_mult)):
-        # fairseq's formula has no cycle past the sum of the shrinking cycles' lengths
-        raise UsageError(
-            f"--t-mult {schedule.t_mult} shrinks the cosine cycles to "
-            f"{period / (1 - schedule.t_mult):g} updates in all, fewer than --max-update "
-            f"{max_update or 'unlimited'} after warmup; use --t-mult 1 or more, or a longer "
-            "--lr-period-updates"
-        )
-
-
-def _check_options_read(cfg, group):
-    """GROUP's options that only some of its choices read (OPTION_READERS): refused, set
-    away from their defaults, for a choice that would ignore them."""
+def check_options_read(cfg, group, readers_of, hints=None):
+    """GROUP's options that only some of its choices read (readers_of: {key: choices}):
+    refused, set away from their defaults, for a choice that would ignore them; hints: {key:
+    the refusal's last words} where another option is what the user meant."""
     fields = {f"{g}.{f.name}": f for g, f in iter_fields()}
     chosen = cfg[group]._name
-    for key, readers in OPTION_READERS.items():
-        if key.split(".")[0] != group:
-            continue
+    for key, readers in readers_of.items():
         f = fields[key]
         default = f.default_factory() if f.default is MISSING else f.default
         value = list(get(cfg, key)) if isinstance(default, list) else get(cfg, key)
         if chosen not in readers and value != default:
             flag = "--optimizer" if group == "optimizer" else "--lr-scheduler"
-            hint = "; to stop training at a low lr: --stop-min-lr" if key == "lr_scheduler.min_lr" else ""
             names = f"{', '.join(readers[:-1])} or {readers[-1]}" if len(readers) > 1 else readers[0]
+            hint = (hints or {}).get(key, "")
             raise UsageError(f"{flag_name(f)} is read by {flag} {names} only (got {chosen}); drop it{hint}")
