@@ -231,10 +231,10 @@ def test_blocks_are_fairseqs(T, tmp_path):
 
 
 def test_a_saved_position_resumes_after_the_same_batches_on_other_ranks(caplog):
-    """trainer/train/loop.py convert_position: ranks take an epoch's batches in turn, so k
+    """data/position.py convert_position: ranks take an epoch's batches in turn, so k
     steps of W ranks are its first k * W batches on any number of ranks."""
     from data.iterator import ORDER
-    from trainer.train.loop import convert_position
+    from data.position import convert_position
 
     blocks = blocks_of("train")
     kw = dict(batch_size=8, max_tokens=None, seed=3, required_batch_size_multiple=8)
@@ -269,7 +269,7 @@ def test_a_per_rank_batch_that_divides_the_saved_one_reads_the_saved_batches_spl
     order's batches is split in two, in order, so every update after the resume is made of
     the sequences the uninterrupted run's would have been."""
     from data.iterator import ORDER
-    from trainer.train.loop import convert_position
+    from data.position import convert_position
 
     blocks = blocks_of("train")
     kw = dict(max_tokens=None, seed=3, required_batch_size_multiple=1)
