@@ -166,9 +166,14 @@ def test_fairseq_checkpoint_names_and_restore_choices(tmp_path, monkeypatch):
         (save / name / "trainer_state.json").write_text("{}")
         (save / name / ".metadata").write_bytes(b"")
 
-    def choice(restore_file="checkpoint_last", finetune=None, save_dir=save):
+    def choice(restore_file="checkpoint_last", finetune=None, save_dir=save, continue_once=None):
         return restore_choice(
-            SimpleNamespace(save_dir=str(save_dir), restore_file=restore_file, finetune_from_model=finetune)
+            SimpleNamespace(
+                save_dir=str(save_dir),
+                restore_file=restore_file,
+                finetune_from_model=finetune,
+                continue_once=continue_once,
+            )
         )
 
     assert choice()[:2] == (save / "checkpoint_last", False)
@@ -183,6 +188,20 @@ def test_fairseq_checkpoint_names_and_restore_choices(tmp_path, monkeypatch):
     )
     with pytest.raises(UsageError, match="--finetune-from-model and --restore-file name two checkpoints"):
         choice("checkpoint_1_2.pt", finetune=str(save / "checkpoint_1_2"))
+    # --continue-once: the first launch of a branch resumes that run, a requeue its own checkpoint_last
+    branch = tmp_path / "branch"
+    assert choice(save_dir=branch, continue_once=str(save / "checkpoint_1_2"))[:2] == (save / "checkpoint_1_2", False)
+    (branch / "checkpoint_last").mkdir(parents=True)
+    (branch / "checkpoint_last" / "trainer_state.json").write_text("{}")
+    (branch / "checkpoint_last" / ".metadata").write_bytes(b"")
+    assert choice(save_dir=branch, continue_once=str(save / "checkpoint_1_2"))[:2] == (
+        branch / "checkpoint_last",
+        False,
+    )
+    with pytest.raises(UsageError, match="--continue-once typo is not a checkpoint"):
+        choice(save_dir=tmp_path / "fresh", continue_once="typo")
+    with pytest.raises(UsageError, match="--continue-once and --restore-file name two checkpoints"):
+        choice("checkpoint_1_2", continue_once=str(save / "checkpoint_1_2"))
     (tmp_path / "model.pt").write_bytes(b"a fairseq checkpoint")
     with pytest.raises(UsageError, match="is a file"):
         choice(str(tmp_path / "model.pt"))

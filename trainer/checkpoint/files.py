@@ -53,6 +53,10 @@ def restore_choice(c):
         raise UsageError(
             "--finetune-from-model and --restore-file name two checkpoints to start from; drop one of them"
         )
+    continue_once = c.continue_once
+    if continue_once and (not default or c.finetune_from_model):
+        other = "--restore-file" if not default else "--finetune-from-model"
+        raise UsageError(f"--continue-once and {other} name two checkpoints to start from; drop one of them")
     # The default is always --save-dir's (a checkpoint_last where train is started from is
     # another run's); another relative name is looked for from here, then in --save-dir.
     restore = fairseq_path(c.restore_file)
@@ -61,6 +65,17 @@ def restore_choice(c):
     found = resolve(restore)
     if found is not None:
         return found, False, restore
+    if continue_once and not is_fairseq_checkpoint(save_dir / "checkpoint_last.pt"):
+        # The first launch of a branch: its run goes on from there; a requeue finds its own.
+        found = resolve(fairseq_path(continue_once))
+        if found is None and is_fairseq_checkpoint(continue_once):
+            found = Path(continue_once)
+        if found is None:
+            raise UsageError(
+                f"--continue-once {continue_once} is not a checkpoint; pass a checkpoint directory written by "
+                "train (or a fairseq-train .pt)"
+            )
+        return found, False, found
     # fairseq-train's own checkpoint resumes its run; by default, its checkpoint_last.pt in --save-dir
     theirs = save_dir / "checkpoint_last.pt" if default and not (save_dir / "checkpoint_last").exists() else restore
     if is_fairseq_checkpoint(theirs):

@@ -219,6 +219,11 @@ class CheckpointConfig:
         "lr schedule, data position and meters (unless --save-dir "
         "already holds checkpoint_last)",
     )
+    continue_once: Optional[str] = _f(
+        None,
+        "resume this checkpoint's run while --save-dir holds no checkpoint_last, then this run's own "
+        "(fairseq's; how a WSD decay branches so that a requeue resumes the branch)",
+    )
     reset_optimizer: bool = _f(False, "do not restore the optimizer state (or the fp16 loss scale)")
     reset_lr_scheduler: bool = _f(False, "do not restore the lr schedule's position: count updates from 0 for it")
     reset_dataloader: bool = _f(False, "do not restore the data position: start at epoch 1")
