@@ -320,6 +320,33 @@ class CriterionConfig:
 
 
 @dataclass
+class EMAConfig:
+    """fairseq's `ema` group: an exponential moving average of the weights, updated after
+    every counted update (trainer/train/ema.py), saved in checkpoints
+    (checkpoint/checkpointer.py), validated on with --validate-with-ema (train/loop.py)."""
+
+    store_ema: bool = _f(False, "keep an exponential moving average of the weights, saved in checkpoints")
+    ema_decay: float = _f(0.9999, "decay of the moving average: ema = decay * ema + (1 - decay) * weights")
+    ema_start_update: int = _f(
+        0, "before this many updates the average is a copy of the weights (decay 0), as fairseq's"
+    )
+    ema_update_freq: int = _f(1, "update the average every N updates")
+    ema_fp32: bool = _f(
+        False, "keep the average in fp32 under --fp16/--bf16 (default: in their 16-bit dtype, as fairseq's model copy)"
+    )
+    ema_seed_model: Optional[str] = _f(
+        None,
+        "start the average from the average saved in this checkpoint (a shardlm checkpoint of a "
+        "--store-ema run) instead of from the weights; a checkpoint resumed from overrides it, as in fairseq",
+    )
+    validate_with_ema: bool = _f(
+        False,
+        "validate on the averaged weights (swapped in for validation, back after); "
+        "the best checkpoint is then the best average. Not a fairseq flag",
+    )
+
+
+@dataclass
 class ShardLMConfig:
     common: CommonConfig = field(default_factory=CommonConfig)
     distributed_training: DistributedTrainingConfig = field(default_factory=DistributedTrainingConfig)
@@ -331,6 +358,7 @@ class ShardLMConfig:
     criterion: CriterionConfig = field(default_factory=CriterionConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
 
 
 GROUPS = {f.name: f.type for f in fields(ShardLMConfig)}
