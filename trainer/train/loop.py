@@ -271,6 +271,12 @@ class TrainLoop:
         """Validate on every --valid-subset; returns the first one's --best-checkpoint-metric."""
         if self.cfg.dataset.disable_validation:
             return None
+        if self.cfg.ema.validate_with_ema:
+            with self.trainer.ema_weights():
+                return self.validate_subsets(epoch)
+        return self.validate_subsets(epoch)
+
+    def validate_subsets(self, epoch):
         metric = None
         for subset in self.valid_subsets:
             if not self.task.has_split(subset):

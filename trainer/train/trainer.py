@@ -14,12 +14,14 @@ import logging
 import time
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from trainer.config.schema import uses_fsdp
 from trainer.parallel.parallelize import mixed_precision_dtype
 from trainer.parallel.ranks import all_reduce_sum, on_device, on_device_sum
 from trainer.train.deferred_read import BACKOFF, DeferredRead, numerical_fault
+from trainer.train.ema import WeightsEMA
 from trainer.train.meters import BAD, UpdateStats, update_status
 from trainer.train.muon import build_muon
 from trainer.train.objectives import build_objective
@@ -61,6 +63,10 @@ class Trainer:
         )
         self.scaler = loss_scaler(cfg, env) if cfg.common.fp16 else None
         self.deferred = DeferredRead(self.optimizer, self.scaler, cfg.common.min_loss_scale, env.is_master)
+        # --store-ema: from the weights built; a checkpoint restored replaces it (checkpointer.py).
+        self.ema = WeightsEMA(cfg, model) if cfg.ema.store_ema else None
+        if self.ema is not None and env.is_master:
+            log.info(self.ema.describe())
 
     def state_dict(self):
         return {
@@ -145,6 +151,11 @@ class Trainer:
         self.deferred.before_step(update)
         self.lr = self.schedule.apply(self.optimizer, self.num_updates - self.lr_updates_offset)
         self.step(status[BAD])
+        if self.ema is not None:
+            # The update's number as the loop will count it: under fp16 the update before
+            # is settled by now, and this one, if its step was skipped, moves nothing here
+            # either (status[BAD], on the device) and is uncounted when settled.
+            self.ema.step(self.num_updates + 1, status[BAD])
         self.optimizer.zero_grad(set_to_none=True)
         self.deferred.after_step(update)
         self.num_updates += 1
@@ -183,6 +194,25 @@ class Trainer:
         an update leaves in flight for the next one (parallelize.EarlyGather)."""
         if self.grad_sync.early_gather is not None:
             self.grad_sync.early_gather.wait()
+
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """--validate-with-ema: the moving average in the weights' place for the block. FSDP's
+        layers gathered now (the next forward's, gathered during the step; a layer kept
+        gathered by --no-reshard-after-forward) hold the weights, not the average: each is
+        resharded before the swap and after it, so forwards gather what the shards hold."""
+        self.finish()
+        self.reshard()
+        with self.ema.swapped_in():
+            try:
+                yield
+            finally:
+                self.reshard()
+
+    def reshard(self):
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def check_parameters_finite(self):
         """Before a save: refuse to write weights that are Nan/Inf (an update with a finite
