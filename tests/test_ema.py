@@ -112,9 +112,10 @@ def test_the_average_is_fairseqs_rule(one_process):
 
 
 def test_fsdp_ddp_one_process_and_resumes_across_them(one_process, tmp_path):
-    """2 FSDP ranks for 8 updates, validated on the average at update 4 and 8 (FSDP keeps the
-    root gathered after a forward without backward: training must not go on with the
-    average's), == one process; resumed from update 4 in one process (saved at 6), then
+    """2 FSDP ranks for 8 updates, validated on the average at updates 3, 4 (saved), 6 and 8
+    (with --no-reshard-after-forward a forward without backward leaves the layers gathered,
+    and only a save's state_dict reshards them: training must not go on with the average's),
+    == one process; resumed from update 4 in one process (saved at 6), then
     from 6 on 2 DDP ranks: the same average at update 8."""
     _, reference = one_process
     expected = saved(reference)
@@ -122,16 +123,17 @@ def test_fsdp_ddp_one_process_and_resumes_across_them(one_process, tmp_path):
     log = tmp_path / "fsdp.log"
     train(
         TWO
-        + ["--ddp-backend", "fully_sharded", "--max-update", "8", "--save-interval-updates", "4"]
+        + ["--ddp-backend", "fully_sharded", "--no-reshard-after-forward"]
+        + ["--max-update", "8", "--save-interval-updates", "4", "--validate-interval-updates", "3"]
         + ["--validate-with-ema", "--batch-size-valid", "32", "--log-format", "json", "--log-file", str(log)]
         + ["--save-dir", str(fsdp)],
         2,
     )
     assert_close(saved(fsdp / "checkpoint_last"), expected)
     valid = [r for tag, r in parse_records(log.read_text()).items() if tag == "valid"][0]
-    assert [r["valid_num_updates"] for r in valid] == [4, 8]
+    assert [r["valid_num_updates"] for r in valid] == [3, 4, 6, 8]
     one_valid = json.loads((reference / "trainer_state.json").read_text())["state"]["loop"]["best_valid_loss"]
-    assert valid[1]["valid_loss"] == pytest.approx(one_valid, abs=1e-3)
+    assert valid[-1]["valid_loss"] == pytest.approx(one_valid, abs=1e-3)
     train(
         ONE
         + ["--max-update", "6", "--save-interval-updates", "2", "--disable-validation", "--save-dir", str(one)]
@@ -199,9 +201,14 @@ def test_validate_with_ema_and_eval_lm_ema(one_process, tmp_path, capsys):
 
 
 def test_an_fp16_overflow_does_not_move_the_average(tmp_path):
-    """Updates skipped for an fp16 overflow (a loss scale far too high) are no updates of the
-    average either, as in fairseq; the skip is read on the device, not by the host."""
-    args = ["--fp16", "--fp16-init-scale", "1e7", "--ema-fp32", "--update-freq", "1", "--max-update", "4"]
-    steps = train(BASE + EMA + args + ["--disable-validation", "--save-dir", str(tmp_path / "fp16")])
-    assert any(bad for bad, _ in steps), "no update overflowed: raise --fp16-init-scale"
-    assert_close(saved(tmp_path / "fp16" / "checkpoint_last"), fairseq_ema(steps))
+    """Updates skipped for an fp16 overflow are no updates of the average either, as in
+    fairseq, and do not count towards --ema-update-freq; the skip is read on the device, not
+    by the host. The loss scale doubles after every update (--fp16-scale-window 1) until it
+    overflows, once the average and the weights differ."""
+    ema = ["--store-ema", "--ema-decay", str(DECAY), "--ema-update-freq", "2", "--ema-fp32"]
+    args = ["--fp16", "--fp16-init-scale", "1024", "--fp16-scale-window", "1", "--update-freq", "1"]
+    steps = train(
+        BASE + ema + args + ["--max-update", "8", "--disable-validation", "--save-dir", str(tmp_path / "fp16")]
+    )
+    assert any(bad for bad, _ in steps[4:]), "no update overflowed once the average had moved"
+    assert_close(saved(tmp_path / "fp16" / "checkpoint_last"), fairseq_ema(steps, start=0))
