@@ -115,11 +115,11 @@ def test_fsdp_ddp_one_process_and_resumes_across_them(one_process, tmp_path):
     """2 FSDP ranks for 8 updates, validated on the average at updates 3, 4 (saved), 6 and 8
     (with --no-reshard-after-forward a forward without backward leaves the layers gathered,
     and only a save's state_dict reshards them: training must not go on with the average's),
-    == one process; resumed from update 4 in one process (saved at 6), then
-    from 6 on 2 DDP ranks: the same average at update 8."""
+    == one process; resumed from update 4 in one process (saved at 6), from 6 on 2 DDP ranks
+    (saved at 7), from 7 on 2 FSDP ranks: the same average at update 8."""
     _, reference = one_process
     expected = saved(reference)
-    fsdp, one, ddp = tmp_path / "fsdp", tmp_path / "one", tmp_path / "ddp"
+    fsdp, one, ddp, again = tmp_path / "fsdp", tmp_path / "one", tmp_path / "ddp", tmp_path / "again"
     log = tmp_path / "fsdp.log"
     train(
         TWO
@@ -141,11 +141,17 @@ def test_fsdp_ddp_one_process_and_resumes_across_them(one_process, tmp_path):
     )
     train(
         TWO
-        + ["--max-update", "8", "--disable-validation", "--save-dir", str(ddp)]
+        + ["--max-update", "7", "--disable-validation", "--save-dir", str(ddp)]
         + ["--restore-file", str(one / "checkpoint_1_6")],
         2,
     )
-    assert_close(saved(ddp / "checkpoint_last"), expected)
+    train(
+        TWO
+        + ["--ddp-backend", "fully_sharded", "--max-update", "8", "--disable-validation"]
+        + ["--save-dir", str(again), "--restore-file", str(ddp / "checkpoint_last")],
+        2,
+    )
+    assert_close(saved(again / "checkpoint_last"), expected)
 
 
 def _eval_lm(capsys, *args):
