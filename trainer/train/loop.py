@@ -268,7 +268,8 @@ class TrainLoop:
         self.progress.log(tag, rec, step, self.trainer.num_updates, epoch, position)
 
     def validate(self, epoch):
-        """Validate on every --valid-subset; returns the first one's --best-checkpoint-metric."""
+        """Validate on every --valid-subset (on the moving average of the weights with
+        --validate-with-ema); returns the first one's --best-checkpoint-metric."""
         if self.cfg.dataset.disable_validation:
             return None
         if self.cfg.ema.validate_with_ema:

@@ -198,9 +198,11 @@ class Trainer:
     @contextlib.contextmanager
     def ema_weights(self):
         """--validate-with-ema: the moving average in the weights' place for the block. FSDP's
-        layers gathered now (the next forward's, gathered during the step; a layer kept
-        gathered by --no-reshard-after-forward) hold the weights, not the average: each is
-        resharded before the swap and after it, so forwards gather what the shards hold."""
+        units gathered now hold the weights, and those a forward without backward leaves
+        gathered (the last layer, the norms outside the layers, every layer under
+        --no-reshard-after-forward) would hold the average after it: each unit is resharded
+        before the swap and after it, so every forward gathers what the shards hold. Before
+        the swap also waits for the next forward's gathers started during the step."""
         self.finish()
         self.reshard()
         with self.ema.swapped_in():
