@@ -13,12 +13,14 @@ same in an uninterrupted run and continues exactly across a resume.
 
 Each rank keeps the average of the weights it holds: under FSDP/HSDP the local tensors of
 its parameter shards (on the host under --cpu-offload, beside them), whole tensors under
-DDP and in one process. Nothing is gathered, and the host never reads a device value: the
-decay is computed on the host from the update count, and an update the device skipped (an
-fp16 overflow, a non-finite one) is skipped here too by a factor on the device, 0 where the
-update's `bad` flag is set. The average is fp32 when the weights are (shardlm keeps fp32
-weights under --fp16/--bf16 too), else in their 16-bit compute dtype as fairseq's fp16
-model copy is, unless --ema-fp32.
+DDP and in one process. Nothing is gathered and the host reads no device value: the decay
+comes from the update count, and the update is one foreach lerp by that number (a 0-d
+tensor would be read back to the host: the foreach ops take a scalar weight). Whether an
+fp16 update overflowed is known on the host only when its flag is read, so the trainer
+steps the average then (trainer/train/trainer.py settle), before the next step moves the
+weights. The average is fp32 when the weights are (shardlm keeps fp32 weights under
+--fp16/--bf16 too), else in their 16-bit compute dtype as fairseq's fp16 model copy is,
+unless --ema-fp32.
 
 Checkpoints hold it as `ema.<parameter name>`, sharded as the parameters are
 (trainer/checkpoint/checkpointer.py); `eval-lm`, `generate`, `export-model` and `serve`
@@ -73,9 +75,8 @@ class WeightsEMA:
         )
 
     @torch.no_grad()
-    def step(self, num_updates, bad):
-        """After update `num_updates` (counted from 1) has stepped; `bad`: its 0-d flag on the
-        device, 1 where the step was skipped there (nothing moves then)."""
+    def step(self, num_updates):
+        """After update `num_updates` (counted from 1), which counted, has stepped the weights."""
         if num_updates % self.freq:
             return
         decay = 0.0 if num_updates < self.start else self.decay
@@ -84,12 +85,8 @@ class WeightsEMA:
             return
         if weights[0].dtype != self.dtype:
             weights = [w.to(self.dtype) for w in weights]
-        device = self.shadow[0].device
-        # Under --cpu-offload on a GPU the flag comes to the host, where the optimizer step
-        # has already waited for it (its found_inf); elsewhere it stays where it is.
-        factor = (1.0 - bad.to(device=device, dtype=torch.float32)) * (1.0 - decay)
         # lerp: ema + w * (weights - ema) = (1 - w) * ema + w * weights; w = 1 copies exactly.
-        torch._foreach_lerp_(self.shadow, weights, factor)
+        torch._foreach_lerp_(self.shadow, weights, 1.0 - decay)
 
     def state_dict(self):
         """{parameter name: the average}, each a DTensor laid out as its parameter under FSDP

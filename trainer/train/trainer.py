@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from trainer.config.schema import uses_fsdp
 from trainer.parallel.parallelize import mixed_precision_dtype
 from trainer.parallel.ranks import all_reduce_sum, on_device, on_device_sum
-from trainer.train.deferred_read import BACKOFF, DeferredRead, numerical_fault
+from trainer.train.deferred_read import BACKOFF, LOSS_SCALE, DeferredRead, numerical_fault
 from trainer.train.ema import WeightsEMA
 from trainer.train.meters import BAD, UpdateStats, update_status
 from trainer.train.muon import build_muon
@@ -65,6 +65,7 @@ class Trainer:
         self.deferred = DeferredRead(self.optimizer, self.scaler, cfg.common.min_loss_scale, env.is_master)
         # --store-ema: from the weights built; a checkpoint restored replaces it (checkpointer.py).
         self.ema = WeightsEMA(cfg, model) if cfg.ema.store_ema else None
+        self.ema_pending = None  # --fp16: the update whose average waits for its overflow flag
         if self.ema is not None and env.is_master:
             log.info(self.ema.describe())
 
@@ -152,10 +153,14 @@ class Trainer:
         self.lr = self.schedule.apply(self.optimizer, self.num_updates - self.lr_updates_offset)
         self.step(status[BAD])
         if self.ema is not None:
-            # The update's number as the loop will count it: under fp16 the update before
-            # is settled by now, and this one, if its step was skipped, moves nothing here
-            # either (status[BAD], on the device) and is uncounted when settled.
-            self.ema.step(self.num_updates + 1, status[BAD])
+            # Under fp16 an overflow skips the step and is no update of the average either
+            # (fairseq's), but its flag is read later (settle): the average follows then,
+            # before the next step moves the weights. Elsewhere a bad update stops the run
+            # unsaved, so the average follows at once.
+            if self.deferred.mode == LOSS_SCALE:
+                self.ema_pending = self.num_updates + 1
+            else:
+                self.ema.step(self.num_updates + 1)
         self.optimizer.zero_grad(set_to_none=True)
         self.deferred.after_step(update)
         self.num_updates += 1
@@ -183,10 +188,14 @@ class Trainer:
         a bad update stops the run there, except under fp16, where it was skipped and is
         uncounted here, the one place the count goes down. The loop calls it at the
         boundaries that need the count exact: a log record, validation, a save, a stop.
-        Returns whether that update counted."""
+        Under fp16, --store-ema's average follows that update here if it counted. Returns
+        whether that update counted."""
         counted = self.deferred.settle()
         if not counted:
             self.num_updates -= 1
+        n, self.ema_pending = self.ema_pending, None
+        if n is not None and counted:
+            self.ema.step(n)
         return counted
 
     def finish(self):
