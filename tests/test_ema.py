@@ -208,9 +208,10 @@ def test_validate_with_ema_and_eval_lm_ema(one_process, tmp_path, capsys):
 
 def test_an_fp16_overflow_does_not_move_the_average(tmp_path):
     """Updates skipped for an fp16 overflow are no updates of the average either, as in
-    fairseq, and do not count towards --ema-update-freq; the skip is read on the device, not
-    by the host. The loss scale doubles after every update (--fp16-scale-window 1) until it
-    overflows, once the average and the weights differ."""
+    fairseq, and do not count towards --ema-update-freq: the average follows an fp16 update
+    when its flags are read (Trainer.settle), which the host does late. The loss scale
+    doubles after every update (--fp16-scale-window 1) until it overflows, once the average
+    and the weights differ."""
     ema = ["--store-ema", "--ema-decay", str(DECAY), "--ema-update-freq", "2", "--ema-fp32"]
     args = ["--fp16", "--fp16-init-scale", "1024", "--fp16-scale-window", "1", "--update-freq", "1"]
     steps = train(

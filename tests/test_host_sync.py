@@ -113,7 +113,8 @@ ARGV = DUMMY + [
 
 
 # --store-ema on two of them: the average's update after each step reads nothing either
-# (its decay comes from the host's count, a skipped update's factor stays on the device).
+# (its weight comes from the host's update count). Not counted here: a 0-d tensor passed as
+# a foreach op's scalar, which torch reads in C++ (train --dry-run counts those).
 EMA = ["--store-ema", "--ema-update-freq", "2", "--ema-start-update", "3"]
 
 
