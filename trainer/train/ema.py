@@ -28,15 +28,12 @@ read it with --ema (trainer/formats/shardlm/reader.py).
 """
 
 import contextlib
-import logging
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from trainer.parallel.parallelize import mixed_precision_dtype
 from trainer.parallel.shard_sums import local_shards
-
-log = logging.getLogger("shardlm")
 
 
 def ema_dtype(cfg):
