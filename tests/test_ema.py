@@ -116,7 +116,8 @@ def test_fsdp_ddp_one_process_and_resumes_across_them(one_process, tmp_path):
     (with --no-reshard-after-forward a forward without backward leaves the layers gathered,
     and only a save's state_dict reshards them: training must not go on with the average's),
     == one process; resumed from update 4 in one process (saved at 6), from 6 on 2 DDP ranks
-    (saved at 7), from 7 on 2 FSDP ranks: the same average at update 8."""
+    (saved at 7), from 7 on 4 HSDP ranks (2 replicas of 2 shards, --cpu-offload): the same
+    average at update 8."""
     _, reference = one_process
     expected = saved(reference)
     fsdp, one, ddp, again = tmp_path / "fsdp", tmp_path / "one", tmp_path / "ddp", tmp_path / "again"
@@ -145,11 +146,15 @@ def test_fsdp_ddp_one_process_and_resumes_across_them(one_process, tmp_path):
         + ["--restore-file", str(one / "checkpoint_1_6")],
         2,
     )
+    hybrid = ["--ddp-backend", "hybrid_shard", "--shard-group-size", "2", "--cpu-offload"]
     train(
-        TWO
-        + ["--ddp-backend", "fully_sharded", "--max-update", "8", "--disable-validation"]
-        + ["--save-dir", str(again), "--restore-file", str(ddp / "checkpoint_last")],
-        2,
+        BASE
+        + EMA
+        + ["--distributed-world-size", "4", "--update-freq", "1"]
+        + hybrid
+        + ["--max-update", "8", "--disable-validation", "--save-dir", str(again)]
+        + ["--restore-file", str(ddp / "checkpoint_last")],
+        4,
     )
     assert_close(saved(again / "checkpoint_last"), expected)
 
