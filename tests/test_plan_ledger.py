@@ -164,3 +164,28 @@ def test_runtime_of_spawned_ranks_and_of_a_process_of_its_own():
     ).spawned
     own, spawned = predict(SHAPE, SETUP), predict(SHAPE, replace(SETUP, spawned=True))
     assert own.components["runtime"] - spawned.components["runtime"] == pytest.approx(0.045, abs=0.001)
+
+
+def test_ema_is_one_more_copy_of_the_weights_sharded_like_them():
+    """--store-ema's average (trainer/train/ema.py): this rank's shards of every parameter, fp32
+    with --ema-fp32 or fp32 training, else in the 16-bit dtype of --bf16/--fp16; on the host
+    under --cpu-offload on a GPU."""
+    from trainer.plan.search import setup_of
+
+    def ema_bytes(*flags):
+        return setup_of(cfg_of("--batch-size", "4", *flags), "cpu", 1).ema_bytes
+
+    assert ema_bytes() == 0 and ema_bytes("--store-ema") == 4
+    assert ema_bytes("--store-ema", "--bf16") == ema_bytes("--store-ema", "--fp16") == 2
+    assert ema_bytes("--store-ema", "--bf16", "--ema-fp32") == 4
+    P = SHAPE.params
+    base, fp32 = predict(SHAPE, SETUP), predict(SHAPE, replace(SETUP, ema_bytes=4))
+    assert base.components["ema"] == 0
+    assert fp32.components["ema"] == round(4 * P / 4 / GB, 3)  # sharded over the 4 ranks
+    assert fp32.per_rank_gb == pytest.approx(base.per_rank_gb + 4 * P / 4 / GB, abs=0.002)
+    bf16 = predict(SHAPE, replace(SETUP, precision="bf16", ema_bytes=2))
+    assert bf16.components["ema"] == round(2 * P / 4 / GB, 3)
+    gpu = replace(SETUP, device="cuda", cpu_offload=True, ranks_per_host=2)
+    on_host, without = predict(SHAPE, replace(gpu, ema_bytes=4)), predict(SHAPE, gpu)
+    assert on_host.components["ema"] == 0
+    assert on_host.host_gb == pytest.approx(without.host_gb + 2 * 4 * P / 4 / GB, abs=0.002)

@@ -99,10 +99,11 @@ class Checkpointer:
     tensors go through DCP; every other piece of training state is registered (register)
     and saved and restored through its state_dict / load_state_dict."""
 
-    def __init__(self, cfg, env, model, optimizer, data_dir=None):
-        """data_dir: the data directory whose tokenizer and metadata each checkpoint copies."""
+    def __init__(self, cfg, env, model, optimizer, data_dir=None, ema=None):
+        """data_dir: the data directory whose tokenizer and metadata each checkpoint copies;
+        ema: --store-ema's average (trainer/train/ema.py), saved and restored with the model."""
         self.cfg, self.checkpoint_cfg, self.env = cfg, cfg.checkpoint, env
-        self.model, self.optimizer, self.data_dir = model, optimizer, data_dir
+        self.model, self.optimizer, self.data_dir, self.ema = model, optimizer, data_dir, ema
         self.save_dir = Path(self.checkpoint_cfg.save_dir)
         self.pieces = {"checkpointer": self}  # name -> an object with state_dict / load_state_dict
         self.optimizer_pieces = set()  # saved and restored only with the optimizer's state
@@ -170,7 +171,7 @@ class Checkpointer:
             failed = files.write_failure(lambda: (tmp / "rng").mkdir(parents=True), self.save_dir)
         self.agree_saved(failed, tmp, names[0])
         with_optim = not self.checkpoint_cfg.no_save_optimizer_state
-        state = tensor_state(self.model, self.optimizer, with_optim)
+        state = tensor_state(self.model, self.optimizer, with_optim, self.ema)
         rng_file = tmp / "rng" / f"rank{self.env.rank}.json"
         failed = files.write_failure(lambda: write_json(rng_file, rng_state(self.env.device)), self.save_dir)
         if self.env.is_master and failed is None:
@@ -283,6 +284,8 @@ class Checkpointer:
         every registered piece; returns its path or None."""
         path, finetune = self.restore_path()
         if path is None:
+            if self.ema is not None and self.cfg.ema.ema_seed_model:
+                self.seed_ema(self.cfg.ema.ema_seed_model)
             return None
         if checkpoint_dir.resolve(path) is None:
             return self.restore_foreign(path, finetune)
@@ -310,12 +313,28 @@ class Checkpointer:
         )
         return path
 
+    def seed_ema(self, seed):
+        """--ema-seed-model on a fresh start: the average saved in that checkpoint (fairseq
+        loads it when the EMA is built, and a checkpoint resumed from replaces it)."""
+        path = checkpoint_dir.resolve(seed)
+        if path is None or not checkpoint_dir.tensor_specs(path, checkpoint_dir.EMA_PREFIX):
+            raise UsageError(
+                f"--ema-seed-model {seed} is not a checkpoint holding a moving average of the weights "
+                "(one saved by train --store-ema); pass one, or drop --ema-seed-model to start from the weights"
+            )
+        state = {"ema": self.ema.state_dict()}
+        check_shapes(path, state["ema"], self.cfg, prefix=checkpoint_dir.EMA_PREFIX)
+        load_tensors(path, state)
+        log.info(f"the moving average of the weights starts from {path}'s (--ema-seed-model)")
+
     def restore_foreign(self, path, finetune):
         """Another trainer's model (trainer/formats/: a Hugging Face dir, a fairseq-train .pt):
         its weights, each rank its own rows; to resume a fairseq run, also its Adam state,
         update count, lr schedule, data position and best metric."""
         with open_model(path) as reader:
             n = load_rows(self.model, reader)
+            if self.ema is not None:  # another trainer's average is not read: it starts from the weights
+                self.ema.reset_from_weights()
             if finetune:
                 log.info(
                     f"fine-tuning from {path} ({reader.describe()}, {n:,} parameters): optimizer, "
@@ -339,8 +358,11 @@ class Checkpointer:
         return path
 
     def load_model_and_optimizer(self, path, with_optim):
-        """The tensors of checkpoint `path` into the model (and the optimizer's state)."""
-        state = tensor_state(self.model, self.optimizer, with_optim)
+        """The tensors of checkpoint `path` into the model (and the optimizer's state, and
+        --store-ema's average: the checkpoint's, else the weights loaded, as fairseq's
+        "EMA is re-initialized from checkpoint"; a run without --store-ema leaves it)."""
+        ema_saved = self.ema is not None and bool(checkpoint_dir.tensor_specs(path, checkpoint_dir.EMA_PREFIX))
+        state = tensor_state(self.model, self.optimizer, with_optim, self.ema if ema_saved else None)
         # Under the checkpoint's names: a pruned model (--decoder-layers-to-keep) loads the
         # layers it keeps from a checkpoint of all of them.
         ids = saved_layer_ids(self.cfg.model, checkpoint_dir.tensor_specs(path))
@@ -360,6 +382,9 @@ class Checkpointer:
         )
 
         set_model_state_dict(self.model, state["model"])
+        if self.ema is not None and not ema_saved:
+            self.ema.reset_from_weights()
+            log.info(f"{path} holds no moving average of the weights: --store-ema starts it from its weights")
         if with_optim:
             groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
             # Not strict about the never-stepped: the load replaces the whole optimizer state,

@@ -16,15 +16,18 @@ from trainer.formats.shardlm import checkpoint_dir
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-def tensor_state(model, optimizer, with_optimizer=True):
-    """{"model": …, "optim": …} as DCP saves it: sharded DTensors under FSDP, whole tensors
-    otherwise; names without wrapper prefixes, so every backend reads every other's."""
+def tensor_state(model, optimizer, with_optimizer=True, ema=None):
+    """{"model": …, "optim": …, "ema": …} as DCP saves it: sharded DTensors under FSDP, whole
+    tensors otherwise; names without wrapper prefixes, so every backend reads every other's.
+    ema: --store-ema's average (trainer/train/ema.py), under the parameters' names."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     state = {"model": get_model_state_dict(model)}
     if with_optimizer and optimizer is not None:
         # Only the per-parameter tensors: lr, betas, … come from the config on resume.
         state["optim"] = get_optimizer_state_dict(model, optimizer)["state"]
+    if ema is not None:
+        state["ema"] = ema.state_dict()
     return state
 
 
@@ -106,11 +109,11 @@ def renumber_layers(tensors, ids):
     return {rename(name): value for name, value in tensors.items()}
 
 
-def check_shapes(path, model_state, cfg=None, kept_layers=None):
+def check_shapes(path, model_state, cfg=None, kept_layers=None, prefix=checkpoint_dir.MODEL_PREFIX):
     """Refuse a checkpoint of another model in one line naming the first difference.
     kept_layers: the checkpoint's layers a pruned model loads (`saved_layer_ids`); the
-    others are not refused as extra."""
-    saved = checkpoint_dir.tensor_specs(path)
+    others are not refused as extra. prefix: the part checked (the weights; the average's)."""
+    saved = checkpoint_dir.tensor_specs(path, prefix)
     if kept_layers is not None:
         kept = {str(i) for i in kept_layers}
         saved = {n: spec for n, spec in saved.items() if not n.startswith("layers.") or n.split(".")[1] in kept}

@@ -19,6 +19,7 @@ from trainer.config.checks import parse_model_overrides
 from trainer.config.command_checks import non_negative_int, positive_float, positive_int
 from trainer.config.schema import BREAK_MODES
 
+EMA_HELP = "the moving average of the weights a checkpoint of train --store-ema holds, not its weights (fairseq's EMA)"
 MODEL_PATH_HELP = (
     "checkpoint directory, export-model output, fairseq-train checkpoint (.pt), or Hugging Face "
     "model directory (Llama/Qwen3: config.json, safetensors, tokenizer.json)"
@@ -38,6 +39,7 @@ class EvalLMConfig:
 
     data: Optional[str] = _f(None, "data directory (default: the embedded corpus)", flag="data")
     path: Optional[str] = _f(None, MODEL_PATH_HELP, required=True)
+    ema: bool = _f(False, f"evaluate {EMA_HELP}")
     gen_subset: str = _f("test", "split to evaluate")
     tokens_per_sample: Optional[int] = _f(None, "block length (default: the training run's)", type=positive_int)
     context_window: int = _f(0, "score each block with this many earlier tokens as unscored context")
@@ -76,6 +78,7 @@ class GenerateConfig:
         flag="data",
     )
     path: Optional[str] = _f(None, MODEL_PATH_HELP, required=True)
+    ema: bool = _f(False, f"sample from {EMA_HELP}")
     prompt: Optional[List[str]] = _f(
         None, "prompt text (repeatable); default: one prompt per stdin line", repeatable=True
     )
@@ -107,6 +110,7 @@ class ServeConfig:
     """serve: an OpenAI-compatible HTTP server (trainer/serve/command.py, serve.py)."""
 
     path: Optional[str] = _f(None, MODEL_PATH_HELP, required=True)
+    ema: bool = _f(False, f"serve {EMA_HELP}")
     host: str = _f("127.0.0.1", "address to listen on (0.0.0.0: every interface; add --api-key then)")
     port: int = _f(8000, "port to listen on", type=non_negative_int)
     api_key: Optional[str] = _f(
@@ -142,6 +146,7 @@ class ExportModelConfig:
 
     path: Optional[str] = _f(None, "checkpoint directory, export, or fairseq-train checkpoint (.pt)", required=True)
     out: Optional[str] = _f(None, "output directory (must not hold a model yet)", required=True)
+    ema: bool = _f(False, f"export {EMA_HELP}")
     format: str = _f(
         "safetensors",
         "hf: a directory transformers loads (LlamaForCausalLM, Qwen3ForCausalLM with "

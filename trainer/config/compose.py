@@ -236,7 +236,9 @@ def group_option(group, name, config_dir=None):
 
 def unknown_key_message(key):
     keys = list(FIELD_TYPES) + list(KEY_ALIASES)
-    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    # A field's own name without its group (`update_freq`) is that field, not the nearest
+    # whole key (ema.ema_update_freq is nearer to it than optimization.update_freq).
+    near = [k for k in keys if k.split(".")[-1] == key] or difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     if not near:  # `max_updat` without its group still deserves a hint
         by_leaf = {k.split(".")[1]: k for k in keys}
         leaf = difflib.get_close_matches(key.split(".")[-1], list(by_leaf), n=1, cutoff=0.6)

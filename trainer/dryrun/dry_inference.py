@@ -40,7 +40,7 @@ def dry_generate(job, env, fake):
 def dry_serve(job, env, fake):
     """serve's engine over the model as serve loads it; its thread runs under the fake devices."""
     args = command_args("serve", job["argv"])
-    model, _, tokenizer = load_model(args.path, env.device, dtype=weights_dtype(args))
+    model, _, tokenizer = load_model(args.path, env.device, dtype=weights_dtype(args), ema=args.ema)
     check_cache_fits(model, args)
     loop = Engine._loop
 

@@ -49,13 +49,29 @@ def model_kind(path):
     )
 
 
-def open_model(path):
-    """The reader of the model at `path` (trainer/formats/reader.py)."""
+def open_model(path, ema=False):
+    """The reader of the model at `path` (trainer/formats/reader.py); ema: of the moving
+    average of the weights a checkpoint of train --store-ema holds (the inference commands' --ema)."""
     import importlib
 
     kind, opened = model_kind(path)
     module, name = next(reader for k, _, reader in FORMATS if k == kind).split(":")
-    return getattr(importlib.import_module(module), name)(opened)
+    if not ema:
+        return getattr(importlib.import_module(module), name)(opened)
+    if kind != "checkpoint":
+        raise UsageError(
+            f"--ema reads the moving average of the weights in a checkpoint of train --store-ema; {path} is "
+            f"a {KIND_NAMES[kind]}, which holds weights only: drop --ema"
+        )
+    return getattr(importlib.import_module(module), name)(opened, ema=True)
+
+
+KIND_NAMES = {
+    "export": "export-model output",
+    "hf": "Hugging Face model directory",
+    "fairseq": "fairseq-train checkpoint",
+    "checkpoint": "checkpoint",
+}
 
 
 def model_files_dir(path):

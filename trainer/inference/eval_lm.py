@@ -101,7 +101,9 @@ def eval_lm(args, env):
     tok = load_tokenizer(data_dir)
     # The loss skips the targets the batches are padded with: the data's pad id (a Hugging
     # Face model has none of its own; config.json's pad_token_id is often its eos).
-    model, cfg, model_tok = load_model(args.path, env.device, getattr(args, "model_overrides", None), pad=tok.pad)
+    model, cfg, model_tok = load_model(
+        args.path, env.device, getattr(args, "model_overrides", None), pad=tok.pad, ema=args.ema
+    )
     tokens_per_sample = args.tokens_per_sample or cfg.task.tokens_per_sample
     if args.context_window >= tokens_per_sample:
         raise UsageError(

@@ -27,12 +27,12 @@ _MODEL_FILES = (EXPORT_FILE, INDEX_FILE, "config.json")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype's names
 
 
-def export_model(path, out, fmt="safetensors", dtype=None, max_shard_size=None):
+def export_model(path, out, fmt="safetensors", dtype=None, max_shard_size=None, ema=False):
     """Write `out/model.safetensors` (or a Hugging Face directory) from a checkpoint, one
     tensor at a time. Refuses to write into a directory that already holds a model, or over
     any file there. Everything is written in a temporary directory first, so a checkpoint
     that cannot be read leaves `out` as it was. dtype: a torch dtype or one of DTYPES' names;
-    None keeps the saved one."""
+    None keeps the saved one. ema: a checkpoint's moving average of the weights (--ema)."""
     dtype = DTYPES.get(dtype, dtype)
     if max_shard_size is not None and fmt != "hf":
         raise UsageError("--max-shard-size splits a --format hf export; --format safetensors writes one file")
@@ -42,7 +42,7 @@ def export_model(path, out, fmt="safetensors", dtype=None, max_shard_size=None):
             f"{path} is a Hugging Face model directory; this command needs a checkpoint directory "
             "(from --save-dir) or an export (from export-model)"
         )
-    src = open_run_model(path)
+    src = open_run_model(path, ema)
     out = Path(out)
     _check_out(out)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=_nearest_existing(out)))

@@ -30,7 +30,7 @@ def generate(args):
         raise UsageError("no prompts: pass --prompt TEXT, or one prompt per line on stdin")
     # On a GPU when there is one, as eval-lm and serve: sampling is a forward per token.
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-    model, cfg, tokenizer = load_model(args.path, device)
+    model, cfg, tokenizer = load_model(args.path, device, ema=args.ema)
     files_dir = model_files_dir(args.path)
     if getattr(args, "data", None):
         tokenizer = _data_tokenizer(args.data, args.path, tokenizer, model.vocab_size)

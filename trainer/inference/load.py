@@ -25,10 +25,11 @@ log = logging.getLogger("shardlm")
 SIDE_FILES = (*TOKENIZER_FILES, "metadata.json", GENERATION_CONFIG)
 
 
-def open_run_model(path):
+def open_run_model(path, ema=False):
     """The reader of the model at `path` (trainer/formats/reader.py), its config completed
-    with the task schema's defaults where the format carries none, so it is a run config."""
-    reader = open_model(path)
+    with the task schema's defaults where the format carries none, so it is a run config.
+    ema: a checkpoint's moving average of the weights in place of its weights (--ema)."""
+    reader = open_model(path, ema)
     reader.cfg.task = OmegaConf.merge(OmegaConf.structured(TaskConfig), reader.cfg.task)
     return reader
 
@@ -37,15 +38,16 @@ def max_positions(reader):
     return model_positions(reader.cfg)
 
 
-def load_model(path, device="cpu", model_overrides=None, pad=None, dtype=None):
+def load_model(path, device="cpu", model_overrides=None, pad=None, dtype=None, ema=False):
     """(model in eval mode, config, tokenizer or None) from a checkpoint, an export or a
     Hugging Face model directory. model_overrides: model keys to change first (eval-lm's
     --model-overrides). pad: the pad id of the data the model will score, whose targets its
     loss skips (default: the one it was trained with; config.json's pad_token_id); it
     changes no logit (an embedding's padding_idx only zeroes that row's gradient).
     dtype: the weights' dtype (default fp32, whatever they were saved in); each tensor is
-    cast as it is read, so no fp32 copy of the whole model is ever made."""
-    src = open_run_model(path)
+    cast as it is read, so no fp32 copy of the whole model is ever made. ema: the moving
+    average of the weights a checkpoint of train --store-ema holds, in place of its weights."""
+    src = open_run_model(path, ema)
     try:
         if model_overrides:
             src.cfg.model = _overridden(src.cfg.model, model_overrides)

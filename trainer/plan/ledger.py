@@ -69,6 +69,7 @@ COMPONENTS = (
     "gradients",
     "optimizer_state",
     "optimizer_state_replicated",
+    "ema",
     "optimizer_step",
     "muon_owner_workspace",
     "gathered_parameters",
@@ -180,8 +181,8 @@ class UpdateWalk:
             self.ledger.sub("gathered_parameters", self.unit)
 
     def states(self):
-        """Sharded parameters and optimizer state (on the host under --cpu-offload on a GPU,
-        with the sharded gradients), and DDP's buckets."""
+        """Sharded parameters, optimizer state and --store-ema's average (on the host under
+        --cpu-offload on a GPU, with the sharded gradients), and DDP's buckets."""
         m, s, L = self.m, self.s, self.ledger
         P, S = m.params, s.shard
         sharded_state, replicated_state = state_bytes(m, s)
@@ -189,6 +190,7 @@ class UpdateWalk:
             ("parameters", 4 * P / S),
             ("optimizer_state", sharded_state),
             ("optimizer_state_replicated", replicated_state),
+            ("ema", s.ema_bytes * P / S),
         ):
             if self.offload:
                 self.host += nbytes

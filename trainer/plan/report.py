@@ -11,6 +11,7 @@ LABELS = {
     "gradients": "gradients (fp32 shards; DDP: + its buckets)",
     "optimizer_state": "optimizer state (this rank's shards)",
     "optimizer_state_replicated": "optimizer state kept whole (adafactor's columns)",
+    "ema": "--store-ema: average of the weights (shards)",
     "optimizer_step": "optimizer step's buffers (updates, exchange)",
     "muon_owner_workspace": "muon: owned whole matrices, Newton-Schulz",
     "gathered_parameters": "gathered layers (unsharded, with prefetch)",

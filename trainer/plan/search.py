@@ -202,7 +202,17 @@ def setup_of(cfg, device, ranks_per_host):
         packed_documents=cfg.task._name == "sft" or bool(cfg.task.get("per_document_attention", False)),
         optimizer=optimizer._name,
         first_moment=optimizer._name == "adafactor" and optimizer.get("beta1") is not None,
+        ema_bytes=ema_bytes(cfg),
     )
+
+
+def ema_bytes(cfg):
+    """Bytes per parameter of --store-ema's average: fp32 with --ema-fp32 or fp32 weights'
+    training, else the 16-bit dtype of --fp16/--bf16 (trainer/train/ema.py ema_dtype)."""
+    ema, common = cfg.ema, cfg.common
+    if not ema.store_ema:
+        return 0
+    return 4 if ema.ema_fp32 or not (common.fp16 or common.bf16) else 2
 
 
 def with_flags(s: Setup, **flags):

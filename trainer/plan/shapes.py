@@ -123,6 +123,9 @@ class Setup:
     packed_documents: bool = False
     optimizer: str = "adam"  # --optimizer: what its state and its step hold (trainer/plan/optimizer_memory.py)
     first_moment: bool = False  # adafactor's --beta1: an fp32 first moment per parameter
+    # --store-ema: bytes per parameter of the moving average (trainer/train/ema.py), sharded as
+    # the parameters are; 4 with --ema-fp32 or fp32 training, else 2; 0 without it.
+    ema_bytes: int = 0
 
     @property
     def sharded(self):

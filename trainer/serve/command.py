@@ -24,7 +24,7 @@ def serve(args, loaded=None, broadcast=None):
     reaches the other ranks (rank 0 of a sharded serve: trainer/serve/sharded.py)."""
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     if loaded is None:
-        loaded = load_model(args.path, device, dtype=weights_dtype(args))
+        loaded = load_model(args.path, device, dtype=weights_dtype(args), ema=args.ema)
         check_cache_fits(loaded[0], args)
     model, cfg, tokenizer = loaded
     if tokenizer is None:

@@ -26,7 +26,7 @@ def run(args, cfg, rdv):
     """One rank of a sharded serve (launched like eval-lm: spawned, torchrun or SLURM)."""
     env = init_rank(cfg, rdv, needs_process_group=True)
     try:
-        model, model_cfg, tokenizer = load_model(args.path, env.device, dtype=weights_dtype(args))
+        model, model_cfg, tokenizer = load_model(args.path, env.device, dtype=weights_dtype(args), ema=args.ema)
         if tokenizer is None:
             raise UsageError(f"{args.path} has no tokenizer: serve reads and writes text, so it needs the model's own")
         shard_for_serving(model.eval(), env.device)

@@ -283,9 +283,16 @@ class TrainLoop:
 
     def validate(self, epoch):
         """Validate on every --valid-subset (a mixture: on each source's, the record giving each
-        source's loss beside the whole's); returns the first one's --best-checkpoint-metric."""
+        source's loss beside the whole's; on the moving average of the weights with
+        --validate-with-ema); returns the first one's --best-checkpoint-metric."""
         if self.cfg.dataset.disable_validation:
             return None
+        if self.cfg.ema.validate_with_ema:
+            with self.trainer.ema_weights():
+                return self.validate_subsets(epoch)
+        return self.validate_subsets(epoch)
+
+    def validate_subsets(self, epoch):
         metric, names = None, self.trainer.objective.extras
         for subset in self.valid_subsets:
             sets = self.task.valid_sets(subset)

@@ -120,7 +120,9 @@ def train(cfg, env):
             f"training on {env.world_size} rank(s), device {env.device}, backend "
             f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank"
         )
-        checkpointer = Checkpointer(cfg, env, trainer.model, trainer.optimizer, getattr(task, "data_dir", None))
+        checkpointer = Checkpointer(
+            cfg, env, trainer.model, trainer.optimizer, getattr(task, "data_dir", None), trainer.ema
+        )
         preemption = Preemption(env, collective_timeout(cfg), cfg.checkpoint)
         loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer, preemption)
         # The training state besides the tensors, each piece saved under its name.

@@ -14,12 +14,14 @@ import logging
 import time
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from trainer.config.schema import uses_fsdp
 from trainer.parallel.parallelize import mixed_precision_dtype
 from trainer.parallel.ranks import all_reduce_sum, on_device, on_device_sum
-from trainer.train.deferred_read import BACKOFF, DeferredRead, numerical_fault
+from trainer.train.deferred_read import BACKOFF, LOSS_SCALE, DeferredRead, numerical_fault
+from trainer.train.ema import WeightsEMA
 from trainer.train.lr_schedule import LRSchedule
 from trainer.train.meters import BAD, UpdateStats, update_status
 from trainer.train.muon import build_muon
@@ -62,6 +64,11 @@ class Trainer:
         )
         self.scaler = loss_scaler(cfg, env) if cfg.common.fp16 else None
         self.deferred = DeferredRead(self.optimizer, self.scaler, cfg.common.min_loss_scale, env.is_master)
+        # --store-ema: from the weights built; a checkpoint restored replaces it (checkpointer.py).
+        self.ema = WeightsEMA(cfg, model) if cfg.ema.store_ema else None
+        self.ema_pending = None  # --fp16: the update whose average waits for its overflow flag
+        if self.ema is not None and env.is_master:
+            log.info(self.ema.describe())
 
     def state_dict(self):
         return {
@@ -150,6 +157,15 @@ class Trainer:
         self.deferred.before_step(update)
         self.lr = self.schedule.apply(self.optimizer, self.num_updates - self.lr_updates_offset)
         self.step(status[BAD])
+        if self.ema is not None:
+            # Under fp16 an overflow skips the step and is no update of the average either
+            # (fairseq's), but its flag is read later (settle): the average follows then,
+            # before the next step moves the weights. Elsewhere a bad update stops the run
+            # unsaved, so the average follows at once.
+            if self.deferred.mode == LOSS_SCALE:
+                self.ema_pending = self.num_updates + 1
+            else:
+                self.ema.step(self.num_updates + 1)
         self.optimizer.zero_grad(set_to_none=True)
         self.deferred.after_step(update)
         self.num_updates += 1
@@ -177,10 +193,14 @@ class Trainer:
         a bad update stops the run there, except under fp16, where it was skipped and is
         uncounted here, the one place the count goes down. The loop calls it at the
         boundaries that need the count exact: a log record, validation, a save, a stop.
-        Returns whether that update counted."""
+        Under fp16, --store-ema's average follows that update here if it counted. Returns
+        whether that update counted."""
         counted = self.deferred.settle()
         if not counted:
             self.num_updates -= 1
+        n, self.ema_pending = self.ema_pending, None
+        if n is not None and counted:
+            self.ema.step(n)
         return counted
 
     def finish(self):
@@ -188,6 +208,27 @@ class Trainer:
         an update leaves in flight for the next one (parallelize.EarlyGather)."""
         if self.grad_sync.early_gather is not None:
             self.grad_sync.early_gather.wait()
+
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """--validate-with-ema: the moving average in the weights' place for the block. FSDP's
+        units gathered now hold the weights, and those a forward without backward leaves
+        gathered (the last layer, the norms outside the layers, every layer under
+        --no-reshard-after-forward) would hold the average after it: each unit is resharded
+        before the swap and after it, so every forward gathers what the shards hold. Before
+        the swap also waits for the next forward's gathers started during the step."""
+        self.finish()
+        self.reshard()
+        with self.ema.swapped_in():
+            try:
+                yield
+            finally:
+                self.reshard()
+
+    def reshard(self):
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def check_parameters_finite(self):
         """Before a save: refuse to write weights that are Nan/Inf (an update with a finite

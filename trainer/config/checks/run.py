@@ -1,5 +1,5 @@
 """Checks of the run's own groups: common (precision, seed, logging), distributed_training
-(backend, ranks, rendezvous, --auto-tune) and checkpoint."""
+(backend, ranks, rendezvous, --auto-tune), checkpoint and ema."""
 
 import importlib.util
 
@@ -83,3 +83,30 @@ def check_checkpoint(cfg):
         )
     non_negative(cfg, "checkpoint.save_interval_updates")
     positive(cfg, "checkpoint.save_interval")
+
+
+def check_ema(cfg):
+    """--store-ema's options: a decay in [0, 1], counts of updates; each other --ema-* flag
+    and --validate-with-ema act only on an average that is kept, so without --store-ema
+    they are refused rather than ignored."""
+    ema = cfg.ema
+    if not 0.0 <= ema.ema_decay <= 1.0:
+        raise UsageError(f"--ema-decay must be in [0, 1], got {ema.ema_decay} (fairseq's default is 0.9999)")
+    non_negative(cfg, "ema.ema_start_update")
+    positive(cfg, "ema.ema_update_freq")
+    if ema.store_ema:
+        return
+    given = [
+        flag
+        for flag, on in (
+            ("--validate-with-ema", ema.validate_with_ema),
+            ("--ema-fp32", ema.ema_fp32),
+            ("--ema-seed-model", ema.ema_seed_model is not None),
+            ("--ema-decay", ema.ema_decay != 0.9999),
+            ("--ema-start-update", ema.ema_start_update != 0),
+            ("--ema-update-freq", ema.ema_update_freq != 1),
+        )
+        if on
+    ]
+    if given:
+        raise UsageError(f"{given[0]} acts on the moving average of the weights: add --store-ema (or drop {given[0]})")

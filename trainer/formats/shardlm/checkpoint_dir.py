@@ -15,6 +15,9 @@ from pathlib import Path
 from trainer.errors import UsageError
 
 STATE_FILE = "trainer_state.json"
+# The parts of a checkpoint's tensors: the weights, and --store-ema's moving average of them
+# under the same names (the optimizer's state is "optim.").
+MODEL_PREFIX, EMA_PREFIX = "model.", "ema."
 
 
 def is_checkpoint(path):
@@ -105,7 +108,7 @@ def safe_reader(path):
     return SafeReader(os.fspath(path))
 
 
-def tensor_specs(path, prefix="model."):
+def tensor_specs(path, prefix=MODEL_PREFIX):
     """{name: (shape, dtype)} of the tensors under `prefix` in checkpoint `path`, from its metadata."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

@@ -29,17 +29,35 @@ class ShardlmReader(ModelReader):
 
 
 class CheckpointReader(ShardlmReader):
+    """ema: the checkpoint's moving average of the weights (train --store-ema), under the
+    same names, in place of its weights."""
+
     kind = "checkpoint"
 
-    def __init__(self, path):
-        super().__init__(path, checkpoint_dir.tensor_specs(path))
+    def __init__(self, path, ema=False):
+        self.part = checkpoint_dir.EMA_PREFIX if ema else checkpoint_dir.MODEL_PREFIX
+        specs = checkpoint_dir.tensor_specs(path, self.part)
+        if ema and not specs:
+            raise UsageError(
+                f"checkpoint {path} holds no moving average of the weights (it was trained without "
+                "--store-ema): drop --ema, or pass a checkpoint of a --store-ema run"
+            )
+        super().__init__(path, specs)
+
+    def describe(self):
+        return f"{self.kind} {self.path}" + (" (its moving average of the weights)" if self.ema else "")
+
+    @property
+    def ema(self):
+        return self.part == checkpoint_dir.EMA_PREFIX
 
     def get(self, name):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
         shape, dtype = self.specs[name]
-        out = {"model": {name: torch.empty(shape, dtype=dtype)}}
+        group = self.part.rstrip(".")
+        out = {group: {name: torch.empty(shape, dtype=dtype)}}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             try:
@@ -56,7 +74,7 @@ class CheckpointReader(ShardlmReader):
                     f"cannot read {name} from {self.path}: {reason[:200]}; the checkpoint is damaged "
                     "or incomplete: pass another one (e.g. an earlier checkpoint)"
                 ) from None
-        return out["model"][name]
+        return out[group][name]
 
 
 class ExportReader(ShardlmReader):
