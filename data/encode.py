@@ -16,7 +16,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -197,6 +197,22 @@ class EncodePool:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+
+    def unordered(self, fn, items: list[tuple]) -> Iterator[tuple[tuple, object]]:
+        """``(item, fn(item[-1]))`` for each item, as each finishes (a resumable run records
+        a shard the moment it is done), with at most 2 items per worker in flight."""
+        if self._pool is None:
+            for item in items:
+                yield item, fn(item[-1])
+            return
+        queue, running = deque(items), {}
+        while queue or running:
+            while queue and len(running) < 2 * self.workers:
+                item = queue.popleft()
+                running[self._pool.submit(fn, item[-1])] = item
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                yield running.pop(future), future.result()
 
 
 def _chunk_rows(rows: int, workers: int) -> int:
