@@ -207,6 +207,16 @@ def move_into_place(partial: PartialRun, destdir: Path, moves: list) -> None:
     shutil.rmtree(partial.dir)
 
 
+def chunk_bytes(args, sources) -> int:
+    """--shard-mb in bytes; by default a 64th of the split's files (a few chunks per worker
+    for any --workers up to 16), at least 1 MB (a shard is not mostly overhead) and at most
+    256 MB (a killed run loses little). It depends on the files only, never on --workers."""
+    if args.shard_mb is not None:
+        return max(1, int(args.shard_mb * 1e6))
+    total = sum(os.path.getsize(source.path) for source in sources)
+    return int(min(max(total / 64, 1e6), 256e6))
+
+
 def run_settings(args, sources: dict) -> dict:
     """What makes two runs' shards interchangeable; ``--workers`` is not part of it."""
     if args.tokenizer:
@@ -258,7 +268,7 @@ def build(args, sources: dict, plans: dict, partial: PartialRun, pool) -> dict:
 def preprocess_corpus(args, sources: dict, destdir: Path, tokenizer_files, refuse_existing, pool_factory) -> Path:
     """The whole resumable run (the module docstring); ``refuse_existing(names)`` refuses a
     destdir holding any of them (data/preprocess.py's check)."""
-    plans = {split: plan_chunks(split_sources, int(args.shard_mb * 1e6)) for split, split_sources in sources.items()}
+    plans = {split: plan_chunks(files, chunk_bytes(args, files)) for split, files in sources.items()}
     partial = PartialRun(destdir)
     settings = run_settings(args, sources)
     partial.refuse_other_settings(settings)

@@ -55,7 +55,7 @@ DEFAULTS = {
     "max_length": None,
     "workers": 1,
     "seed": None,
-    "shard_mb": 256.0,
+    "shard_mb": None,
 }
 INPUT_FORMATS = ["auto", "text", "json", "parquet", "csv", "arrow"]
 

@@ -254,10 +254,11 @@ class PreprocessConfig:
         1, "encoding processes; text, jsonl and parquet files are shared among them by chunks", type=positive_int
     )
     seed: Optional[int] = _f(None, f"seed for sentencepiece's sentence sampling (default: {DEFAULT_SPM_SEED})")
-    shard_mb: float = _f(
-        256.0,
-        "text/jsonl/parquet inputs: MB of input files (on disk) per chunk, encoded by one worker into one shard "
-        "(train, train1, ... of --destdir; a killed run continues by shard). A .gz file is never cut",
+    shard_mb: Optional[float] = _f(
+        None,
+        "text/jsonl/parquet inputs: MB of input files (on disk) per chunk, which one worker encodes into one shard "
+        "(train, train1, ... of --destdir; a killed run continues by shard); a .gz file is never cut "
+        "(default: the split's size / 64, between 1 and 256)",
         metavar="MB",
         type=positive_float,
     )
