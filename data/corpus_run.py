@@ -7,10 +7,11 @@ Work happens in ``<destdir>/.preprocess-partial/``:
   ``--shard-mb``, the tokenizer's sha256 or what trains it). Written once, before any
   shard; a later run into the same destdir with other settings is refused, so shards of
   two different runs are never mixed.
-* ``done.jsonl``: one line per finished shard, appended (and flushed to disk) after the
-  shard's files are complete: its name, its chunk's key (each piece's file, size, mtime and
-  range) and its counts. A shard is kept by the next run when its line is there, its key
-  still matches and its files exist; any other shard is encoded again. The builder writes
+* ``done.jsonl``: one line per finished shard, appended after the shard's files are
+  complete: its name, its chunk's key (each piece's file, size, mtime and range, the
+  tokenizer's sha256, the column), its counts and its files' sizes. A shard is kept by the
+  next run when its line is there, its key still matches and its files have those sizes;
+  any other shard is encoded again. The builder writes
   under a temporary name and renames when complete (data/indexed_dataset.py), so a shard
   half written when the run was killed is never taken for a finished one.
 * the shards, ``train-000000.bin/.idx`` …, and the tokenizer.
@@ -133,10 +134,11 @@ class PartialRun:
         return records
 
     def record(self, record: dict) -> None:
+        # Appended, not fsynced: a killed process's writes are in the page cache and survive
+        # it. After a machine crash a shard may be shorter than recorded; the sizes in its
+        # record catch that (``kept``).
         with open(self.dir / DONE, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
 
     def set_moving(self, moves: list[tuple[str, str]]) -> None:
         manifest = self.manifest()
@@ -149,6 +151,14 @@ class PartialRun:
 
     def has_finished_shards(self) -> bool:
         return bool(self.done())
+
+
+def _file_sizes(prefix: Path) -> list[int] | None:
+    """The sizes of a shard's .bin and .idx (None when one is missing)."""
+    try:
+        return [bin_path(prefix).stat().st_size, idx_path(prefix).stat().st_size]
+    except OSError:
+        return None
 
 
 def encode_shards(partial: PartialRun, plans: dict, column: str, model_path: Path, tokenizer_sha: str, dtype, pool):
@@ -166,14 +176,15 @@ def encode_shards(partial: PartialRun, plans: dict, column: str, model_path: Pat
             key = dict(pieces=[piece.key() for piece in pieces], tokenizer_sha256=tokenizer_sha, column=column)
             record = done.get(name)
             prefix = partial.dir / name
-            if record and record.get("key") == key and bin_path(prefix).is_file() and idx_path(prefix).is_file():
+            if record and record.get("key") == key and record.get("bytes") == _file_sizes(prefix):
                 counts[name] = (record["documents"], record["tokens"])
                 continue
             tasks.append((name, key, (pieces, column, str(model_path), np.dtype(dtype).name, str(prefix))))
         kept = len(counts)
         with tqdm(total=len(chunks), initial=kept, desc=split, unit="shard", file=sys.stderr, mininterval=0.5) as bar:
             for (name, key, _), (documents, tokens) in pool.unordered(encode_chunk, tasks):
-                partial.record(dict(name=name, key=key, documents=documents, tokens=tokens))
+                prefix = partial.dir / name
+                partial.record(dict(name=name, key=key, documents=documents, tokens=tokens, bytes=_file_sizes(prefix)))
                 counts[name] = (documents, tokens)
                 bar.update(1)
         documents = sum(counts[shard_name(split, k)][0] for k in range(len(chunks)))
