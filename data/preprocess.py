@@ -16,8 +16,11 @@ chat template instead (data/chat_encode.py), each split with ``{split}.targets.b
 beside it and the template as ``chat_template.jinja`` (data/targets.py says what training
 reads).
 
-Everything is built in a temp dir inside destdir and moved into place at the end,
-``metadata.json`` last, so a crash or Ctrl-C leaves no half-written split behind.
+Text in text, jsonl and parquet files (plain or gzip) takes the corpus path: streamed in
+chunks, one shard per chunk (train, train1, …), resumable after a kill
+(data/corpus_files.py, data/corpus_run.py). Everything else is read through ``datasets``,
+built in a temp dir inside destdir and moved into place at the end, ``metadata.json``
+last, so a crash or Ctrl-C leaves no half-written split behind.
 """
 
 from __future__ import annotations
