@@ -200,3 +200,27 @@ def test_reading_a_file_holds_one_batch_not_the_file(tmp_path, name):
         tracemalloc.stop()
     assert count == 40_000
     assert peak < len(data) / 4, f"peak {peak:,} bytes reading a {len(data):,}-byte file"
+
+
+def test_a_run_stopped_while_moving_shards_into_place_is_finished_by_the_next(corpus, tmp_path, monkeypatch):
+    import data.corpus_run
+
+    files, model, _ = corpus
+    argv = ["--trainpref", files, "--spm-model", model, "--shard-mb", "0.01"]
+    whole = run(*argv, "--destdir", tmp_path / "whole")
+    replace, moved = os.replace, []
+
+    def stop_after_three(source, target):
+        if Path(target).parent == tmp_path / "out":
+            if len(moved) == 3:
+                raise KeyboardInterrupt
+            moved.append(target)
+        replace(source, target)
+
+    monkeypatch.setattr(data.corpus_run.os, "replace", stop_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        run(*argv, "--destdir", tmp_path / "out")
+    monkeypatch.setattr(data.corpus_run.os, "replace", replace)
+    assert len(moved) == 3 and not (tmp_path / "out" / "metadata.json").exists()
+    run(*argv, "--destdir", tmp_path / "out")
+    assert dir_bytes(tmp_path / "out") == dir_bytes(whole)
