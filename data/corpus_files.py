@@ -215,18 +215,26 @@ def _json_rows(piece: Piece, column: str, stack) -> Iterator[str | None]:
     for number, line in enumerate(_open_bytes(piece, stack), 1):
         if not line.strip():
             continue
-        where = f"{piece.path} (line {number} of bytes {piece.start}-{piece.stop})"
         try:
             row = json.loads(line)
         except ValueError as e:
+            where = _where(piece, number)
             raise DataError(f"could not read {where} as json: {e}; check the file, or pass --input-format") from None
         value = row.get(column) if isinstance(row, dict) else None
         if value is not None and not isinstance(value, str):
             raise DataError(
-                f"{where}: column {column!r} holds {type(value).__name__}, not text; "
+                f"{_where(piece, number)}: column {column!r} holds {type(value).__name__}, not text; "
                 "pass --text-column naming a text column"
             )
         yield value
+
+
+def _where(piece: Piece, line: int) -> str:
+    """A row's place: the line within the piece, and the piece's bytes (a cut file's line
+    numbers are not counted from its start)."""
+    if piece.start == 0:
+        return f"{piece.path} (line {line})"
+    return f"{piece.path} (line {line} of bytes {piece.start}-{piece.stop})"
 
 
 def _parquet_rows(piece: Piece, column: str) -> Iterator[str | None]:
