@@ -37,7 +37,7 @@ import numpy as np
 
 from data.atomic_file import write_atomically
 from data.corpus_files import batches, plan_chunks
-from data.encode import _load_tokenizer, _merge_shards, _WorkerState
+from data.encode import merge_shards, worker_tokenizer
 from data.errors import DataError
 from data.hf_tokenizer import hf_tokenizer_paths
 from data.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype, bin_path, idx_path
@@ -54,9 +54,7 @@ EXTS = ("bin", "idx")
 def encode_chunk(task: tuple) -> tuple[int, int]:
     """In a worker: encode one chunk's rows (+ eos each) into a shard; (rows, tokens)."""
     pieces, column, model_path, dtype, prefix = task
-    tokenizer = _WorkerState.tokenizers.get(model_path)
-    if tokenizer is None:
-        tokenizer = _WorkerState.tokenizers[model_path] = _load_tokenizer(model_path)
+    tokenizer = worker_tokenizer(model_path)
     builder = IndexedDatasetBuilder(prefix, np.dtype(dtype))
     rows = tokens = 0
     try:
@@ -117,6 +115,10 @@ class PartialRun:
             write_atomically(self.dir / MANIFEST, json.dumps(dict(format=MANIFEST_FORMAT, settings=settings)) + "\n")
         for leftover in self.dir.glob("*.tmp*"):  # a killed builder's half-written file
             leftover.unlink()
+        # A line torn by the kill would swallow the next record appended after it.
+        done = self.dir / DONE
+        if done.is_file() and not done.read_bytes().endswith(b"\n"):
+            write_atomically(done, "".join(json.dumps(record) + "\n" for record in self.done().values()))
 
     def done(self) -> dict[str, dict]:
         """Finished shards recorded by earlier runs: name -> record (a torn last line is skipped)."""
@@ -200,7 +202,7 @@ def assemble(partial: PartialRun, plans: dict, dtype) -> list[tuple[str, str]]:
     for split, chunks in plans.items():
         shards = [shard_name(split, k) for k in range(len(chunks))]
         if split != "train" and len(shards) > 1:
-            _merge_shards([str(partial.dir / s) for s in shards], partial.dir / split, np.dtype(dtype))
+            merge_shards([str(partial.dir / s) for s in shards], partial.dir / split, np.dtype(dtype))
             shards = [split]
         for shard, final in zip(shards, final_names(split, len(chunks)), strict=True):
             moves += [(f"{shard}.bin", f"{final}.bin"), (f"{shard}.idx", f"{final}.idx")]

@@ -77,6 +77,14 @@ def _load_tokenizer(path: str) -> SentencePieceTokenizer | HFTokenizer:
     return HFTokenizer(path) if path.endswith(".json") else SentencePieceTokenizer(path)
 
 
+def worker_tokenizer(model_path: str) -> SentencePieceTokenizer | HFTokenizer:
+    """The tokenizer at ``model_path``, loaded once per process."""
+    tokenizer = _WorkerState.tokenizers.get(model_path)
+    if tokenizer is None:
+        tokenizer = _WorkerState.tokenizers[model_path] = _load_tokenizer(model_path)
+    return tokenizer
+
+
 def _warm_up() -> None:
     """Run first in each worker so that spawning overlaps the parent's reading of the inputs."""
 
@@ -96,9 +104,7 @@ def _encode_chunk(task: tuple) -> tuple[int, int, int]:
     texts, model_path, dtype, shard_prefix, chat, first_row = task
     if chat is not None:
         return _encode_chat_chunk(texts, model_path, np.dtype(dtype), shard_prefix, chat, first_row)
-    tokenizer = _WorkerState.tokenizers.get(model_path)
-    if tokenizer is None:
-        tokenizer = _WorkerState.tokenizers[model_path] = _load_tokenizer(model_path)
+    tokenizer = worker_tokenizer(model_path)
     builder = IndexedDatasetBuilder(shard_prefix, np.dtype(dtype))
     tokens = 0
     try:
@@ -219,7 +225,7 @@ def _chunk_rows(rows: int, workers: int) -> int:
     return max(1, min(_MAX_CHUNK_ROWS, math.ceil(rows / (4 * workers))))
 
 
-def _merge_shards(shard_prefixes: list[str], out_prefix: Path, dtype: np.dtype) -> None:
+def merge_shards(shard_prefixes: list[str], out_prefix: Path, dtype: np.dtype) -> None:
     builder = IndexedDatasetBuilder(out_prefix, dtype)
     try:
         for shard_prefix in shard_prefixes:
@@ -266,7 +272,7 @@ def encode_splits(
                 tokens += chunk_tokens
                 dropped += chunk_dropped
                 bar.update(documents)
-        _merge_shards(shards, out_dir / split, dtype)
+        merge_shards(shards, out_dir / split, dtype)
         if chat is not None:
-            _merge_shards([str(targets_prefix(s)) for s in shards], targets_prefix(out_dir / split), TARGETS_DTYPE)
+            merge_shards([str(targets_prefix(s)) for s in shards], targets_prefix(out_dir / split), TARGETS_DTYPE)
         yield split, EncodeStats(len(rows), tokens, time.perf_counter() - started, dropped)
