@@ -21,7 +21,7 @@ the machine's available memory (--big-gb; 10× its hundredth) and on one 10× sm
 big corpus repeats 16 MB blocks in other orders (its text is not all unique; reading and
 encoding cost the same). Goal: the big corpus's peak ≤ 1.25× the small one's (flat).
 
-Usage: python bench/bench_preprocess.py [--reps 3] [--mb 48] [--big-gb auto] [--page docs/benchmarks.md]
+Usage: python bench/bench_preprocess.py [--reps 3] [--mb 32] [--big-gb auto] [--page docs/benchmarks.md]
 """
 
 import datetime
@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -104,13 +105,22 @@ def texts_of(root: Path) -> list[str]:
     return texts
 
 
-def ceiling(model: Path, texts: list[str]) -> tuple[int, float]:
-    """(tokens, seconds) of encode_batch over every text, 1,000 a call, in this process."""
+def ceiling(model: Path, texts: list[str]) -> tuple[int, float, float]:
+    """(tokens, seconds, CPU seconds) of encode_batch over every text, 1,000 a call, here."""
     tokenizer = SentencePieceTokenizer(model)
-    start, tokens = time.perf_counter(), 0
+    start, cpu, tokens = time.perf_counter(), time.process_time(), 0
     for lo in range(0, len(texts), 1000):
         tokens += sum(map(len, tokenizer.encode_batch(texts[lo : lo + 1000], add_eos=True)))
-    return tokens, time.perf_counter() - start
+    return tokens, time.perf_counter() - start, time.process_time() - cpu
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def load() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
 
 
 def tree_rss(pid: int) -> int:
@@ -139,11 +149,12 @@ def tree_rss(pid: int) -> int:
 
 
 def run_preprocess(inputs: Path, dest: Path, workers: int, model: Path | None, extra=()):
-    """(wall seconds, encode-phase tokens/s, tokens, peak RSS bytes of the process tree)."""
+    """(wall seconds, encode-phase tokens/s, tokens, peak RSS bytes of the process tree, CPU
+    seconds of the command and its workers, startup included)."""
     cmd = [str(BIN / "preprocess"), "--trainpref", str(inputs), "--destdir", str(dest), "--workers", str(workers)]
     cmd += (["--spm-model", str(model)] if model else []) + list(extra)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), children_cpu()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     peak, stop = [0], threading.Event()
 
@@ -161,7 +172,7 @@ def run_preprocess(inputs: Path, dest: Path, workers: int, model: Path | None, e
         raise SystemExit(f"preprocess failed ({proc.returncode}): {' '.join(cmd)}")
     tokens = json.loads((dest / "metadata.json").read_text())["splits"]["train"]["tokens"]
     rate = re.search(r"^train: [\d,]+ documents, [\d,]+ tokens, ([\d,]+) tokens/s", out, re.M)
-    return seconds, float(rate.group(1).replace(",", "")), tokens, peak[0]
+    return seconds, float(rate.group(1).replace(",", "")), tokens, peak[0], children_cpu() - cpu
 
 
 def available_gb() -> float:
@@ -179,7 +190,7 @@ def write_section(page: Path, text: str, command: str) -> None:
         f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M} (local time)\n"
         f"- host: {socket.gethostname()}, {cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}\n"
         f"- commit: {git_commit()}\n"
-        f"- command: `{command}`\n"
+        f"- command: `{command}`\n\n"
     )
     old = page.read_text() if page.exists() else "# Benchmarks\n"
     start = old.find(f"\n{SECTION}")
@@ -193,12 +204,13 @@ def write_section(page: Path, text: str, command: str) -> None:
 
 def main():
     p = parser(__doc__, reps=3)
-    p.add_argument("--mb", type=float, default=48, help="MB of unique jsonl for the speed runs")
+    p.add_argument("--mb", type=float, default=32, help="MB of unique jsonl for the speed runs")
     p.add_argument("--big-gb", type=float, help="the big corpus in GB (default: available memory / 10)")
     p.add_argument("--page", type=Path, help="also write the tables into this page's own section")
     a = p.parse_args()
-    big_gb = a.big_gb or available_gb() / 10
-    lines = []
+    available = available_gb()
+    big_gb = a.big_gb or available / 10
+    lines, loads = [], [load()]
 
     def say(text=""):
         print(text, flush=True)
@@ -219,54 +231,63 @@ def main():
         note(f"{size / 1e6:.0f} MB of jsonl; sentencepiece trained on a 5 MB sample in {tok_seconds:.1f} s")
         texts = texts_of(speed)
         shard = ["--shard-mb", f"{size / 1e6 / 16:.3f}"]  # 16 chunks: both workers busy to the end
+        # contender -> per repetition (encode tokens/s, wall s, whole-command tokens/s, CPU s)
         rows = {"ceiling": [], 1: [], 2: []}
         for rep in range(a.reps):
-            tokens, seconds = ceiling(model, texts)
-            rows["ceiling"].append((tokens / seconds, seconds, tokens / seconds))
+            tokens, seconds, cpu = ceiling(model, texts)
+            rows["ceiling"].append((tokens / seconds, seconds, tokens / seconds, cpu))
             for workers in (1, 2) if rep % 2 == 0 else (2, 1):
                 dest = tmp / f"out-{rep}-{workers}"
-                wall, encode, written, _ = run_preprocess(speed, dest, workers, model, shard)
+                wall, encode, written, _, cpu = run_preprocess(speed, dest, workers, model, shard)
                 assert written == tokens, (written, tokens)
-                rows[workers].append((encode, wall, written / wall))
-                subprocess.run(["rm", "-rf", str(dest)], check=True)
+                rows[workers].append((encode, wall, written / wall, cpu))
+                shutil_rm(dest)
             last = [rows[k][-1][0] for k in ("ceiling", 1, 2)]
             note(f"rep {rep + 1}: encode tokens/s ceiling {last[0]:,.0f}, workers 1 {last[1]:,.0f}, 2 {last[2]:,.0f}")
         del texts
+        shutil_rm(speed)
         ratio = {w: median(r[0] / c[0] for r, c in zip(rows[w], rows["ceiling"], strict=True)) for w in (1, 2)}
         say(f"Speed: {size / 1e6:.0f} MB of jsonl in 4 files, {tokens:,} tokens, {shard[0]} {shard[1]} (16 chunks),")
-        say(f"sentencepiece bpe 8000, {a.reps} interleaved repetitions, medians\n")
-        say("| contender | encode tokens/s | × ceiling | per worker × ceiling | whole command s | whole tokens/s |")
-        say("|---|---|---|---|---|---|")
-        c = rows["ceiling"]
+        say(f"sentencepiece bpe 8000, {a.reps} interleaved repetitions, medians. CPU s: the command and its")
+        say("workers together, startup included (the ceiling's: encoding only); tokens per CPU s does not")
+        say("depend on what else shares the cores.\n")
         say(
-            f"| encode_batch, one process (ceiling) | {median(r[0] for r in c):,.0f} | 1.00 | 1.00 | "
-            f"{median(r[1] for r in c):.1f} (encode only) | - |"
+            "| contender | encode tokens/s | × ceiling | per worker × ceiling | whole command s | "
+            "whole tokens/s | CPU s | tokens per CPU s |"
         )
-        for w in (1, 2):
-            r = rows[w]
+        say("|---|---|---|---|---|---|---|---|")
+        for name, r in rows.items():
+            label = "encode_batch, one process (ceiling)" if name == "ceiling" else f"preprocess --workers {name}"
+            x = 1.0 if name == "ceiling" else ratio[name]
+            per = x if name == "ceiling" else x / name
+            whole = "- (encoding only)" if name == "ceiling" else f"{median(v[1] for v in r):.1f}"
+            whole_rate = "-" if name == "ceiling" else f"{median(v[2] for v in r):,.0f}"
+            cpu = median(v[3] for v in r)
             say(
-                f"| preprocess --workers {w} | {median(x[0] for x in r):,.0f} | {ratio[w]:.2f} | {ratio[w] / w:.2f} | "
-                f"{median(x[1] for x in r):.1f} | {median(x[2] for x in r):,.0f} |"
+                f"| {label} | {median(v[0] for v in r):,.0f} | {x:.2f} | {per:.2f} | {whole} | {whole_rate} | "
+                f"{cpu:.1f} | {tokens / cpu:,.0f} |"
             )
-        shutil_rm(speed)
+        loads.append(load())
 
         memory = {}
         for name, gb in (("small", big_gb / 10), ("big", big_gb)):
             corpus = tmp / name
             written = write_corpus(corpus, blocks, max(2, round(gb * 1e3 / 128)), gb * 1e3, rng)
-            wall, encode, tokens_written, peak = run_preprocess(corpus, tmp / f"out-{name}", 2, model)
+            wall, encode, tokens_written, peak, _ = run_preprocess(corpus, tmp / f"out-{name}", 2, model)
             memory[name] = (written, tokens_written, wall, encode, peak)
             note(f"{name}: {written / 1e9:.2f} GB, {tokens_written:,} tokens in {wall:.0f} s, peak {peak / 1e9:.2f} GB")
             shutil_rm(corpus)
             shutil_rm(tmp / f"out-{name}")
+        loads.append(load())
         say(
-            f"\nMemory: --workers 2, default --shard-mb; the big corpus is a tenth of the {available_gb():.0f} GB "
+            f"\nMemory: --workers 2, default --shard-mb; the big corpus is a tenth of the {available:.0f} GB "
             "available when the script started\n"
         )
         say("| corpus | GB of jsonl | tokens | seconds | encode tokens/s | peak RSS, command + workers (GB) |")
         say("|---|---|---|---|---|---|")
         for name, (written, tokens, wall, encode, peak) in memory.items():
             say(f"| {name} | {written / 1e9:.2f} | {tokens:,} | {wall:.0f} | {encode:,.0f} | {peak / 1e9:.3f} |")
+    say(f"\nLoad average (1 min) at the start, after the speed runs, at the end: {', '.join(loads)}")
     flat = memory["big"][4] / memory["small"][4]
     rows_goal = [
         goal("preprocess --workers 1: encode tokens/s × encode_batch's", f"{ratio[1]:.2f}", "≥ 0.8", ratio[1] >= 0.8),
