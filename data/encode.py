@@ -180,7 +180,10 @@ class EncodePool:
             # being respawned forever.
             context = multiprocessing.get_context("spawn")
             self._pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread_per_worker)
-            self._pool.submit(_warm_up)  # spawns every worker now (3.11 spawns on first submit)
+            # Python 3.11 spawns a worker per submit while none is idle: one warm-up each
+            # starts them all now, not one now and the rest when chunks arrive.
+            for _ in range(workers):
+                self._pool.submit(_warm_up)
 
     def __enter__(self) -> EncodePool:
         return self
