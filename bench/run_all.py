@@ -44,7 +44,7 @@ SCRIPTS = {
     "mfu": ("bench_mfu.py", ["--steps", "2"]),
     "gpu": ("bench_gpu.py", ["--quick"]),
     "dataload": ("bench_dataload.py", ["--steps", "3"]),
-    "preprocess": ("bench_preprocess.py", ["--mb", "5"]),
+    "preprocess": ("bench_preprocess.py", ["--mb", "8", "--big-gb", "0.1"]),
     "fsdp": ("bench_fsdp.py", ["--steps", "1", "--only", "ddp", "fsdp", "fsdp + jemalloc"]),
     "plan": ("bench_plan.py", ["--only", "ddp 1 rank 23M", "fsdp 2 ranks 109M", "llama fsdp 2 ranks 76M"]),
     "scale": ("bench_scale.py", ["--budget-gb", "3", "--trials", "2"]),

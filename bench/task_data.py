@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from data.indexed_dataset import IndexedDatasetBuilder
-from data.preprocess import METADATA_FORMAT
+from data.preprocess_tokenizer import METADATA_FORMAT
 from data.tokenizer import file_sha256
 
 SPECIALS = ["<|begin_of_text|>", "<|eot_id|>", "<|pad|>"]

@@ -175,6 +175,7 @@ def preprocess_options(text_dir: Path, workdir: Path) -> SimpleNamespace:
         max_length=None,
         workers=1,
         seed=None,
+        shard_mb=256.0,  # one train file: the corpus is far smaller
     )
 
 

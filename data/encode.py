@@ -16,7 +16,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -77,6 +77,14 @@ def _load_tokenizer(path: str) -> SentencePieceTokenizer | HFTokenizer:
     return HFTokenizer(path) if path.endswith(".json") else SentencePieceTokenizer(path)
 
 
+def worker_tokenizer(model_path: str) -> SentencePieceTokenizer | HFTokenizer:
+    """The tokenizer at ``model_path``, loaded once per process."""
+    tokenizer = _WorkerState.tokenizers.get(model_path)
+    if tokenizer is None:
+        tokenizer = _WorkerState.tokenizers[model_path] = _load_tokenizer(model_path)
+    return tokenizer
+
+
 def _warm_up() -> None:
     """Run first in each worker so that spawning overlaps the parent's reading of the inputs."""
 
@@ -96,9 +104,7 @@ def _encode_chunk(task: tuple) -> tuple[int, int, int]:
     texts, model_path, dtype, shard_prefix, chat, first_row = task
     if chat is not None:
         return _encode_chat_chunk(texts, model_path, np.dtype(dtype), shard_prefix, chat, first_row)
-    tokenizer = _WorkerState.tokenizers.get(model_path)
-    if tokenizer is None:
-        tokenizer = _WorkerState.tokenizers[model_path] = _load_tokenizer(model_path)
+    tokenizer = worker_tokenizer(model_path)
     builder = IndexedDatasetBuilder(shard_prefix, np.dtype(dtype))
     tokens = 0
     try:
@@ -174,7 +180,10 @@ class EncodePool:
             # being respawned forever.
             context = multiprocessing.get_context("spawn")
             self._pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread_per_worker)
-            self._pool.submit(_warm_up)  # spawns every worker now (3.11 spawns on first submit)
+            # Python 3.11 spawns a worker per submit while none is idle: one warm-up each
+            # starts them all now, not one now and the rest when chunks arrive.
+            for _ in range(workers):
+                self._pool.submit(_warm_up)
 
     def __enter__(self) -> EncodePool:
         return self
@@ -198,12 +207,28 @@ class EncodePool:
         while pending:
             yield pending.popleft().result()
 
+    def unordered(self, fn, items: list[tuple]) -> Iterator[tuple[tuple, object]]:
+        """``(item, fn(item[-1]))`` for each item, as each finishes (a resumable run records
+        a shard the moment it is done), with at most 2 items per worker in flight."""
+        if self._pool is None:
+            for item in items:
+                yield item, fn(item[-1])
+            return
+        queue, running = deque(items), {}
+        while queue or running:
+            while queue and len(running) < 2 * self.workers:
+                item = queue.popleft()
+                running[self._pool.submit(fn, item[-1])] = item
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                yield running.pop(future), future.result()
+
 
 def _chunk_rows(rows: int, workers: int) -> int:
     return max(1, min(_MAX_CHUNK_ROWS, math.ceil(rows / (4 * workers))))
 
 
-def _merge_shards(shard_prefixes: list[str], out_prefix: Path, dtype: np.dtype) -> None:
+def merge_shards(shard_prefixes: list[str], out_prefix: Path, dtype: np.dtype) -> None:
     builder = IndexedDatasetBuilder(out_prefix, dtype)
     try:
         for shard_prefix in shard_prefixes:
@@ -250,7 +275,7 @@ def encode_splits(
                 tokens += chunk_tokens
                 dropped += chunk_dropped
                 bar.update(documents)
-        _merge_shards(shards, out_dir / split, dtype)
+        merge_shards(shards, out_dir / split, dtype)
         if chat is not None:
-            _merge_shards([str(targets_prefix(s)) for s in shards], targets_prefix(out_dir / split), TARGETS_DTYPE)
+            merge_shards([str(targets_prefix(s)) for s in shards], targets_prefix(out_dir / split), TARGETS_DTYPE)
         yield split, EncodeStats(len(rows), tokens, time.perf_counter() - started, dropped)

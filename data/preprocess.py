@@ -16,15 +16,17 @@ chat template instead (data/chat_encode.py), each split with ``{split}.targets.b
 beside it and the template as ``chat_template.jinja`` (data/targets.py says what training
 reads).
 
-Everything is built in a temp dir inside destdir and moved into place at the end,
-``metadata.json`` last, so a crash or Ctrl-C leaves no half-written split behind.
+Text in text, jsonl and parquet files (plain or gzip) takes the corpus path: streamed in
+chunks, one shard per chunk (train, train1, …), resumable after a kill
+(data/corpus_files.py, data/corpus_run.py). Everything else is read through ``datasets``,
+built in a temp dir inside destdir and moved into place at the end, ``metadata.json``
+last, so a crash or Ctrl-C leaves no half-written split behind.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,24 +40,32 @@ from data.chat_template import (
     template_sha256,
     template_variables,
 )
+from data.corpus_files import streamable
+from data.corpus_run import preprocess_corpus
 from data.encode import ChatSpec, EncodePool, encode_splits
 from data.errors import DataError
-from data.hf_tokenizer import HF_TOKENIZER_FILE, HFTokenizer, chat_template_path, hf_tokenizer_paths
+from data.hf_tokenizer import HF_TOKENIZER_FILE, HFTokenizer
 from data.indexed_dataset import best_fitting_dtype
-from data.sources import ChatRowsFound, Source, load_rows, resolve_sources, split_specs
+from data.preprocess_tokenizer import (
+    METADATA_FILE,
+    place_tokenizer,
+    tokenizer_outputs,
+)
+from data.sources import (
+    ChatRowsFound,
+    Source,
+    load_rows,
+    refuse_destdir_inside_inputs,
+    resolve_sources,
+    split_specs,
+)
 from data.tokenizer import (
     DEFAULT_SPM_MODEL_TYPE,
     DEFAULT_SPM_SEED,
     DEFAULT_SPM_VOCAB_SIZE,
     SPECIAL_IDS,
     SentencePieceTokenizer,
-    file_sha256,
-    train_sentencepiece,
 )
-
-METADATA_FORMAT = "shardlm-mmidx-1"
-TOKENIZER_FILE = "tokenizer.model"
-METADATA_FILE = "metadata.json"
 
 
 def _check_args(args) -> None:
@@ -107,15 +117,6 @@ def _load_spm_model(path: str) -> SentencePieceTokenizer:
     return tokenizer
 
 
-def _tokenizer_outputs(args) -> dict[str, Path | None]:
-    """destdir's tokenizer files -> where each comes from (None: trained here)."""
-    if args.tokenizer:
-        tokenizer_json, configs = hf_tokenizer_paths(args.tokenizer)
-        template = chat_template_path(tokenizer_json)
-        return {HF_TOKENIZER_FILE: tokenizer_json, **{p.name: p for p in configs + ([template] if template else [])}}
-    return {TOKENIZER_FILE: Path(args.spm_model) if args.spm_model else None}
-
-
 def _outputs(splits, tokenizer_files) -> list[str]:
     """Every file preprocess may write (the targets and the template only for chat rows)."""
     names = [METADATA_FILE, *tokenizer_files, CHAT_TEMPLATE_FILE]
@@ -124,30 +125,23 @@ def _outputs(splits, tokenizer_files) -> list[str]:
     return names
 
 
-def _refuse_overwrite(destdir: Path, splits, tokenizer_files) -> None:
+def _refuse_bad_destdir(destdir: Path) -> None:
     if destdir.exists() and not destdir.is_dir():
         raise DataError(f"--destdir {destdir} is a file; choose a directory")
     blocker = next((p for p in destdir.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise DataError(f"--destdir {destdir} cannot be created: {blocker} is a file; choose another --destdir")
-    for name in _outputs(splits, tokenizer_files):
+
+
+def _refuse_existing(destdir: Path, names) -> None:
+    for name in names:
         if (destdir / name).exists():
             raise DataError(f"{destdir / name} already exists; choose another --destdir or delete it")
 
 
-def _write_training_text(rows, path: Path) -> int:
-    """The train split as one sentence per line, for sentencepiece; returns the line count."""
-    lines = 0
-    with open(path, "w", encoding="utf-8") as f:
-        for batch in rows.batches(10_000):
-            for text in batch:
-                if text:
-                    # Newlines inside a json/parquet document just make more lines,
-                    # which is what sentencepiece wants.
-                    f.write(text)
-                    f.write("\n")
-                    lines += 1
-    return lines
+def _refuse_overwrite(destdir: Path, splits, tokenizer_files) -> None:
+    _refuse_bad_destdir(destdir)
+    _refuse_existing(destdir, _outputs(splits, tokenizer_files))
 
 
 def _build(args, sources: dict[str, list[Source]], work: Path, out: Path) -> dict:
@@ -180,54 +174,22 @@ def _load_and_encode(args, sources: dict[str, list[Source]], work: Path, out: Pa
             f"{' and '.join(chat_flags)} apply to conversation or preference-pair rows; these inputs hold text: "
             "leave them out"
         )
+    metadata, model_path = place_tokenizer(args, out, lambda: _row_texts(rows["train"]))
     if args.tokenizer:
-        return _encode_hf(args, rows, sources, work, out, pool)
-    model_path = out / TOKENIZER_FILE
-    if args.spm_model:
-        shutil.copyfile(args.spm_model, model_path)
-    else:
-        text_file = work / "spm-train.txt"
-        lines = _write_training_text(rows["train"], text_file)
-        print(
-            f"training sentencepiece {args.spm_model_type} (vocab {args.vocab_size:,}) on {lines:,} lines",
-            flush=True,
-        )
-        trained = train_sentencepiece(text_file, work / "spm", args.vocab_size, args.spm_model_type, seed=args.seed)
-        shutil.copyfile(trained, model_path)
+        return _encode_hf(args, metadata, rows, sources, work, out, pool)
     tokenizer = SentencePieceTokenizer(model_path)
-    return {
-        "format": METADATA_FORMAT,
-        "tokenizer": TOKENIZER_FILE,
-        "vocab_size": tokenizer.vocab_size,
-        "dtype": best_fitting_dtype(tokenizer.vocab_size).name,
-        "special_ids": tokenizer.special_ids(),
-        "splits": _encode(rows, sources, model_path, tokenizer, work, out, pool),
-    }
+    metadata["splits"] = _encode(rows, sources, model_path, tokenizer, work, out, pool)
+    return metadata
 
 
-def _encode_hf(args, rows, sources, work: Path, out: Path, pool) -> dict:
+def _row_texts(rows):
+    for batch in rows.batches(10_000):
+        yield from batch
+
+
+def _encode_hf(args, metadata, rows, sources, work: Path, out: Path, pool) -> dict:
     """--tokenizer: the model's tokenizer files, copied into the data dir, encode it."""
-    for name, source in _tokenizer_outputs(args).items():
-        shutil.copyfile(source, out / name)
     tokenizer = HFTokenizer(out / HF_TOKENIZER_FILE)
-    names = tokenizer.special_tokens()
-    print(
-        f"tokenizer {args.tokenizer}: vocab {tokenizer.vocab_size:,}, "
-        + ", ".join(f"{key} {tokenizer.special_ids()[key]} ({token})" for key, token in names.items())
-        + ("" if tokenizer.pad_reason == "pad_token" else f"; pad is {tokenizer.pad_reason}"),
-        flush=True,
-    )
-    metadata = {
-        "format": METADATA_FORMAT,
-        "tokenizer": HF_TOKENIZER_FILE,
-        "tokenizer_kind": "hf",
-        "tokenizer_sha256": file_sha256(out / HF_TOKENIZER_FILE),
-        "tokenizer_source": os.path.abspath(args.tokenizer),
-        "vocab_size": tokenizer.vocab_size,
-        "dtype": best_fitting_dtype(tokenizer.vocab_size).name,
-        "special_ids": tokenizer.special_ids(),
-        "special_tokens": names,
-    }
     kind = getattr(next(iter(rows.values())), "kind", "text")
     if kind == "text":
         metadata["splits"] = _encode(rows, sources, out / HF_TOKENIZER_FILE, tokenizer, work, out, pool)
@@ -288,6 +250,15 @@ def _encode(rows, sources, model_path: Path, tokenizer, work: Path, out: Path, p
     return splits
 
 
+def _streams(args, sources) -> bool:
+    """The corpus path (data/corpus_run.py: streamed, sharded, resumable) takes text in
+    text/jsonl/parquet files; the rest (csv, arrow, saved datasets, conversations, a column
+    that is not text) goes through ``datasets``, merged into one file per split."""
+    if args.chat_template or args.max_length:
+        return False  # the datasets path says what these apply to
+    return all(streamable(split_sources, args.text_column) for split_sources in sources.values())
+
+
 def preprocess(options) -> Path:
     """Run preprocess; returns the data dir it wrote. ``options`` holds the value of each of its
     flags as an attribute: a PreprocessConfig (trainer/config/commands.py, where the flags are
@@ -297,17 +268,20 @@ def preprocess(options) -> Path:
     _check_args(args)
     destdir = Path(args.destdir)
     # Every input is checked before anything is written.
-    sources = {
-        split: resolve_sources(spec, args.input_format)
-        for split, spec in split_specs(args.trainpref, args.validpref, args.testpref).items()
-    }
+    specs = split_specs(args.trainpref, args.validpref, args.testpref)
+    sources = {split: resolve_sources(spec, args.input_format) for split, spec in specs.items()}
+    refuse_destdir_inside_inputs(specs.values(), destdir)
     if args.spm_model:
         _load_spm_model(args.spm_model)
     if args.tokenizer:
         HFTokenizer(args.tokenizer)  # its special ids and pad, refused now if it has none
     if args.chat_template:
         read_chat_template(args.tokenizer, args.chat_template)
-    tokenizer_files = _tokenizer_outputs(args)
+    tokenizer_files = tokenizer_outputs(args)
+    if _streams(args, sources):
+        _refuse_bad_destdir(destdir)
+        refuse = lambda names: _refuse_existing(destdir, names)  # noqa: E731
+        return preprocess_corpus(args, sources, destdir, tokenizer_files, refuse, EncodePool)
     _refuse_overwrite(destdir, sources, tokenizer_files)
 
     created = not destdir.exists()

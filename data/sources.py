@@ -53,11 +53,6 @@ def _format_of(path: Path, input_format: str) -> str:
     if path.is_dir():
         if (path / "dataset_dict.json").is_file():
             raise DataError(f"{path} is a saved DatasetDict; point at one of its splits, e.g. {path / 'train'}")
-        if not any((path / name).is_file() for name in _SAVED_DATASET_FILES):
-            raise DataError(
-                f"{path} is a directory but not a dataset saved with save_to_disk; "
-                f"pass its files or a glob such as '{path}/*.jsonl'"
-            )
         return "saved"
     if input_format != "auto":
         return input_format
@@ -74,16 +69,33 @@ def _format_of(path: Path, input_format: str) -> str:
     return _EXTENSION_FORMATS[suffix]
 
 
-def resolve_sources(spec: str, input_format: str = "auto") -> list[Source]:
-    """Files named by one spec: a path, a glob, or a comma-separated list of them, in order.
+def _plain_dir(path: Path) -> bool:
+    """A directory of input files (a corpus), not a saved dataset or DatasetDict."""
+    saved = (*_SAVED_DATASET_FILES, "dataset_dict.json")
+    return path.is_dir() and not any((path / name).is_file() for name in saved)
 
-    Globs expand sorted, so the same command always reads files in the same order.
+
+def _files_under(path: Path) -> list[Path]:
+    """Every file below a corpus directory, sorted by path (the same order run after run);
+    hidden files and dirs (.git, a .preprocess-partial) are skipped."""
+    files = (p for p in path.rglob("*") if p.is_file())
+    return sorted(p for p in files if not any(part.startswith(".") for part in p.relative_to(path).parts))
+
+
+def resolve_sources(spec: str, input_format: str = "auto") -> list[Source]:
+    """Files named by one spec: a path, a directory of files, a glob, or a comma-separated
+    list of them, in order.
+
+    Globs and directories expand sorted, so the same command always reads files in the same
+    order.
     """
     sources = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:
             continue
-        if Path(item).exists():
+        if _plain_dir(Path(item)):
+            paths = _files_under(Path(item))
+        elif Path(item).exists():
             paths = [Path(item)]
         elif any(c in item for c in "*?["):
             paths = [Path(p) for p in sorted(glob.glob(item, recursive=True)) if Path(p).is_file()]
@@ -99,6 +111,17 @@ def resolve_sources(spec: str, input_format: str = "auto") -> list[Source]:
     if not sources:
         raise DataError(f"no data in {spec!r} (no files, or only empty ones); pass files that hold text")
     return sources
+
+
+def refuse_destdir_inside_inputs(specs, destdir: Path) -> None:
+    """A --destdir inside an input directory would become input of the next run."""
+    target = destdir.resolve()
+    for spec in specs:
+        for item in (part.strip() for part in spec.split(",")):
+            if item and _plain_dir(Path(item)) and target.is_relative_to(Path(item).resolve()):
+                raise DataError(
+                    f"--destdir {destdir} is inside the input directory {item}; choose a --destdir outside it"
+                )
 
 
 def split_specs(trainpref: str | None, validpref: str | None, testpref: str | None) -> dict[str, str]:

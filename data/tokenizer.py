@@ -7,10 +7,12 @@ of data dir sees the same ``<pad>`` and ``</s>``; an HF tokenizer keeps its mode
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from data.dictionary import Dictionary
@@ -34,13 +36,14 @@ DEFAULT_SPM_SEED = 1
 
 
 def train_sentencepiece(
-    input_text_file: str | os.PathLike,
+    input_text: str | os.PathLike | Iterable[str],
     model_prefix: str | os.PathLike,
     vocab_size: int,
     model_type: str = DEFAULT_SPM_MODEL_TYPE,
     seed: int = DEFAULT_SPM_SEED,
 ) -> Path:
-    """Train a sentencepiece model on a one-sentence-per-line file; returns ``<prefix>.model``."""
+    """Train a sentencepiece model on a one-sentence-per-line file, or on sentences streamed
+    from an iterable (preprocess: no copy of a large corpus on disk); returns ``<prefix>.model``."""
     import sentencepiece as spm
 
     if model_type not in SPM_MODEL_TYPES:
@@ -53,9 +56,14 @@ def train_sentencepiece(
         # Fed through an iterator and written through model_writer, not input= and
         # model_prefix=, because sentencepiece records those two paths in the model:
         # two runs would differ by their temp dir names.
-        with open(input_text_file, encoding="utf-8") as lines:
+        with contextlib.ExitStack() as stack:
+            if isinstance(input_text, (str, os.PathLike)):
+                lines = stack.enter_context(open(input_text, encoding="utf-8"))
+                sentences = (line.rstrip("\n") for line in lines)
+            else:
+                sentences = iter(input_text)
             spm.SentencePieceTrainer.train(
-                sentence_iterator=(line.rstrip("\n") for line in lines),
+                sentence_iterator=sentences,
                 model_writer=model,
                 vocab_size=vocab_size,
                 model_type=model_type,
@@ -75,7 +83,8 @@ def train_sentencepiece(
                 # The training text has one sentence per line, so a newline inside a
                 # document (json/parquet rows) would otherwise never get a piece.
                 user_defined_symbols=["\n"],
-                # Bound memory on huge corpora: sample this many sentences (seeded above).
+                # Bound memory on huge corpora: a seeded reservoir sample of this many
+                # sentences of the whole stream (each read once, never all held).
                 input_sentence_size=10_000_000,
                 shuffle_input_sentence=True,
                 max_sentence_length=1 << 16,

@@ -35,6 +35,7 @@ FLAGS = [
     ("--max-length", "2048", "max_length", 2048),
     ("--workers", "3", "workers", 3),
     ("--seed", "7", "seed", 7),
+    ("--shard-mb", "0.5", "shard_mb", 0.5),  # issue 49 item 3: corpus-scale preprocess
 ]
 SWITCHES = ["--debug"]  # sets SHARDLM_DEBUG (cli.py), no field
 DEFAULTS = {
@@ -54,6 +55,7 @@ DEFAULTS = {
     "max_length": None,
     "workers": 1,
     "seed": None,
+    "shard_mb": None,
 }
 INPUT_FORMATS = ["auto", "text", "json", "parquet", "csv", "arrow"]
 

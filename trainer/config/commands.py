@@ -255,8 +255,18 @@ class PreprocessConfig:
         metavar="N",
         type=positive_int,
     )
-    workers: int = _f(1, "encoding processes", type=positive_int)
+    workers: int = _f(
+        1, "encoding processes; text, jsonl and parquet files are shared among them by chunks", type=positive_int
+    )
     seed: Optional[int] = _f(None, f"seed for sentencepiece's sentence sampling (default: {DEFAULT_SPM_SEED})")
+    shard_mb: Optional[float] = _f(
+        None,
+        "text/jsonl/parquet inputs: MB of input files (on disk) per chunk, which one worker encodes into one shard "
+        "(train, train1, ... of --destdir; a killed run continues by shard); a .gz file is never cut "
+        "(default: the split's size / 64, between 1 and 256)",
+        metavar="MB",
+        type=positive_float,
+    )
 
 
 # Each command's options and the group of their key=value overrides.
