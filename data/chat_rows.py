@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from data.errors import DataError
+from data.iterator import grouped
 from data.sources import Source, chat_kind, import_datasets_offline, read_group
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
@@ -39,21 +40,17 @@ class ChatRows:
         return [(start, str(path)) for start, (path, _) in zip(self.starts, self.parts, strict=True)]
 
     def batches(self, size: int) -> Iterator[list]:
-        batch: list = []
+        return grouped(self._each_row(size), size)
+
+    def _each_row(self, read_size: int) -> Iterator:
+        """Every row, read ``read_size`` at a time."""
         for _, dataset in self.parts:
-            for lo in range(0, len(dataset), size):
-                columns = dataset[lo : lo + size]
+            for lo in range(0, len(dataset), read_size):
+                columns = dataset[lo : lo + read_size]
                 if self.kind == "conversations":
-                    rows = columns["messages"]
+                    yield from columns["messages"]
                 else:
-                    rows = list(zip(*(columns[name] for name in PAIR_COLUMNS), strict=True))
-                for row in rows:
-                    batch.append(row)
-                    if len(batch) == size:
-                        yield batch
-                        batch = []
-        if batch:
-            yield batch
+                    yield from zip(*(columns[name] for name in PAIR_COLUMNS), strict=True)
 
 
 def row_name(files: list[tuple[int, str]], row: int) -> str:

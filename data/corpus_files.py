@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from data.errors import DataError
+from data.iterator import grouped
 
 # Rows per batch handed to the tokenizer and held in memory at once.
 BATCH_ROWS = 1_000
@@ -261,12 +262,4 @@ def read_piece(piece: Piece, column: str) -> Iterator[str | None]:
 
 def batches(pieces: list[Piece], column: str, size: int = BATCH_ROWS) -> Iterator[list]:
     """The rows of a chunk in lists of ``size``."""
-    batch: list = []
-    for piece in pieces:
-        for row in read_piece(piece, column):
-            batch.append(row)
-            if len(batch) == size:
-                yield batch
-                batch = []
-    if batch:
-        yield batch
+    return grouped((row for piece in pieces for row in read_piece(piece, column)), size)

@@ -91,6 +91,18 @@ def batch_by_size(
     return [b.tolist() for b in np.split(np.asarray(order), cuts) if len(b)]
 
 
+def grouped(iterable, n):
+    """Lists of n consecutive items; the last list may be shorter (fairseq's GroupedIterator)."""
+    group = []
+    for item in iterable:
+        group.append(item)
+        if len(group) == n:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
 class EpochBatchIterator:
     """Collated batches for epoch 1, 2, …; this rank's share; same batches on every run.
 

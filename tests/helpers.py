@@ -81,7 +81,7 @@ def _merged(batches):
 
 
 def _updates(cfg, env, n_updates, with_gnorm, merge=1):
-    from trainer.train.loop import grouped
+    from data.iterator import grouped
     from trainer.train.main import build
 
     task, trainer, _ = build(cfg, env)

@@ -127,10 +127,10 @@ def _pending_gathers_rank(index, world, port, out):
     init (it steps the optimizer), and after one update."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    from data.iterator import grouped
     from helpers import compose
     from trainer.parallel import ranks as distributed
     from trainer.rendezvous import Rendezvous
-    from trainer.train.loop import grouped
     from trainer.train.main import build
 
     cfg = compose(BASE + ["--batch-size", "4", "--ddp-backend", "fully_sharded"])

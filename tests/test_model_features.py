@@ -126,9 +126,9 @@ def _gathers_rank(index, world, port, out):
 
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
+    from data.iterator import grouped
     from trainer.parallel import ranks
     from trainer.rendezvous import Rendezvous
-    from trainer.train.loop import grouped
     from trainer.train.main import build
 
     cfg = compose(BASE + FEATURES["layerdrop"] + BACKENDS["fsdp_update_freq_checkpoint"])

@@ -390,10 +390,10 @@ def _clipping_rank(index, world, ports, out):
     scaled by CLIP / (|g| + 1e-6), |g| the norm of the whole gradient over all ranks."""
     import torch
 
+    from data.iterator import grouped
     from helpers import DUMMY
     from trainer.parallel import ranks
     from trainer.rendezvous import Rendezvous
-    from trainer.train.loop import grouped
     from trainer.train.main import build
 
     fsdp = ["--ddp-backend", "fully_sharded", "--distributed-world-size", str(world)] if world > 1 else []

@@ -15,6 +15,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
+from data.iterator import grouped
 from trainer.config.schema import uses_fsdp
 from trainer.dryrun.device_checks import FakeDevices
 from trainer.dryrun.dry_inference import COMMANDS as INFERENCE
@@ -24,7 +25,6 @@ from trainer.dryrun.host_side import real_batches, unfaked_host_side
 from trainer.errors import USER_ERRORS
 from trainer.parallel.ranks import cuda_device_index, init_rank, teardown
 from trainer.rendezvous import Rendezvous
-from trainer.train.loop import grouped
 from trainer.train.main import build
 
 

@@ -4,6 +4,7 @@ import logging
 import math
 import time
 
+from data.iterator import grouped
 from data.position import convert_position
 from trainer.errors import UsageError
 from trainer.parallel.ranks import all_reduce_sum
@@ -11,18 +12,6 @@ from trainer.train.meters import LN2, TrainMeters, extra_fields, peak_memory, pe
 
 log = logging.getLogger("shardlm")
 STOPPED = "stopped"  # validate_and_save's answer when a stop signal ended its validation
-
-
-def grouped(iterable, n):
-    """Lists of n consecutive items; the last list may be shorter (fairseq's GroupedIterator)."""
-    group = []
-    for item in iterable:
-        group.append(item)
-        if len(group) == n:
-            yield group
-            group = []
-    if group:
-        yield group
 
 
 class ValidationStopped(Exception):
