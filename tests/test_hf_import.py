@@ -217,6 +217,7 @@ def test_eval_lm_reports_transformers_loss(hf):
                 max_tokens=None,
                 num_workers=0,
                 no_progress_bar=True,
+                ema=False,
             )
             loss = eval_lm(args, env)
             reference = _reference_loss(hf.models[name], stream, seq_starts, tok.eos, 24)
@@ -252,6 +253,7 @@ def test_greedy_generate_is_transformers(hf):
                 top_p=1.0,
                 seed=1,
                 no_kv_cache=False,
+                ema=False,
             )
         )
         == 0

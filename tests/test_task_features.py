@@ -203,6 +203,7 @@ def _eval_lm(index, path, data, out):
                 batch_size=8,
                 max_tokens=None,
                 num_workers=workers,
+                ema=False,
             )
             losses.append(eval_lm(args, env))
     finally:
