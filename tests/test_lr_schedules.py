@@ -309,11 +309,24 @@ def test_a_decay_branched_from_a_stable_checkpoint_continues_its_curve(tmp_path,
     decay = ["--max-update", "8", "--decay-updates", "4", "--decay-type", "cosine"]
     whole = run(common + decay + ["--no-save"], capfd)
     stable = run(common + ["--max-update", "4", "--decay-updates", "0", "--save-dir", tmp_path / "stable"], capfd)
-    branch = run(
-        common + decay + ["--restore-file", tmp_path / "stable" / "checkpoint_last", "--save-dir", tmp_path / "branch"],
-        capfd,
-    )
-    assert [r["num_updates"] for r in branch] == [5, 6, 7, 8]
+    branch_argv = common + decay + ["--continue-once", tmp_path / "stable" / "checkpoint_last"]
+    records, r = train_here(branch_argv + ["--save-dir", tmp_path / "branch"], capfd)
+    branch = records["train_inner"]
+    assert [r["num_updates"] for r in branch] == [5, 6, 7, 8] and "changes at once" not in r.stdout
+    # requeued, the same command resumes the branch's own checkpoint_last: nothing left to do
+    records, r = train_here(branch_argv + ["--save-dir", tmp_path / "branch"], capfd)
+    assert "train_inner" not in records and "num_updates: 8 >= max_update: 8" in r.stdout
+    # a branch whose decay began before its checkpoint: the lr jumps, and the log says so
+    late = common + [
+        "--max-update",
+        "6",
+        "--decay-updates",
+        "3",
+        "--continue-once",
+        tmp_path / "stable" / "checkpoint_last",
+    ]
+    _, r = train_here(late + ["--save-dir", tmp_path / "late"], capfd)
+    assert "the lr of update 5 is" in r.stdout and "0.003 under the checkpoint's: it changes at once" in r.stdout
     # the lr logged after update n is the schedule's at n: the decay's, ending at --min-lr
     expected = [wsd_reference(n, 0.003, 2, 0.0, 8, 4, 0.0003, "cosine") for n in range(1, 9)]
     assert [r["lr"] for r in whole] == pytest.approx(expected, rel=1e-5)

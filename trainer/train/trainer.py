@@ -11,6 +11,7 @@ loss_scale/sample_size (about 1e-4 at a million tokens) and flush small gradient
 import contextlib
 import hashlib
 import logging
+import math
 import time
 
 import torch
@@ -87,6 +88,15 @@ class Trainer:
         if not reset:
             self.schedule.load_state_dict(state.get("lr_scheduler"))
         self.lr = self.schedule.apply(self.optimizer, self.num_updates - self.lr_updates_offset)
+        saved_lr = state.get("lr")
+        if not reset and saved_lr is not None and not math.isclose(self.lr, saved_lr, rel_tol=1e-6):
+            # Allowed (a WSD decay branches this way), but a jump of the lr should not go unseen.
+            if self.env.is_master:
+                log.warning(
+                    f"the lr of update {self.num_updates + 1} is {self.lr:.6g} under this run's schedule, "
+                    f"{saved_lr:.6g} under the checkpoint's: it changes at once (a decay branched after its "
+                    "start, or another --lr or schedule)"
+                )
 
     def next_lr(self):
         """The lr of the next update (fairseq's get_lr once lr_step_update has run)."""
