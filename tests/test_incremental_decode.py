@@ -5,8 +5,10 @@ Face tokenizer.json (byte-level BPE as Llama 3's and GPT-2's, Llama 2's sentence
 decoders, a Metaspace decoder, a fairseq dict's), and fairseq dict.txt. The old quadratic
 functions are kept here as the reference."""
 
+import importlib.util
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -41,53 +43,21 @@ SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|pad|>"]
 
 
 # ----------------------------------------------------------------------- the reference
-def old_continuation_text(decode, context_ids, new_ids):
-    context = list(context_ids[-8:])
-    before = decode(context)
-    whole = decode(context + list(new_ids))
-    return whole[len(before) :] if whole.startswith(before) else decode(new_ids)
+def _bench_module(name):
+    """A module of bench/ (not a package): the old functions live there, beside their benchmark."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def old_text_offsets(decode, prompt_ids, new_ids):
-    offsets = [len(decode(prompt_ids[:i])) for i in range(len(prompt_ids))]
-    base = len(decode(prompt_ids))
-    return offsets + [base + len(old_continuation_text(decode, prompt_ids, new_ids[:j])) for j in range(len(new_ids))]
-
-
-class OldStopText:
-    def __init__(self, decode_new, stops):
-        self._decode_new = decode_new
-        self._stops = stops
-        self.ids, self.text, self.sent, self.stopped = [], "", 0, False
-
-    def push(self, token_id):
-        self.ids.append(token_id)
-        self.text = self._decode_new(self.ids)
-        cuts = [i for i in (self.text.find(s) for s in self._stops) if i >= 0]
-        if cuts:
-            self.text, self.stopped = self.text[: min(cuts)], True
-            return self._send(len(self.text))
-        hold = max([_overlap(self.text, s) for s in self._stops] + [1 if self.text.endswith("\ufffd") else 0])
-        return self._send(len(self.text) - hold)
-
-    def flush(self):
-        return self._send(len(self.text))
-
-    def _send(self, upto):
-        delta = self.text[self.sent : upto] if upto > self.sent else ""
-        self.sent = max(self.sent, upto)
-        return delta
-
-    def kept_tokens(self, prompt_len, offsets):
-        end = prompt_len + len(self.text)
-        return sum(1 for o in offsets if o < end) if self.stopped else len(self.ids)
-
-
-def _overlap(text, stop):
-    for n in range(min(len(text), len(stop) - 1), 0, -1):
-        if stop.startswith(text[-n:]):
-            return n
-    return 0
+_old = _bench_module("old_serve_text")
+OldStopText, old_continuation_text, old_text_offsets = (
+    _old.OldStopText,
+    _old.old_continuation_text,
+    _old.old_text_offsets,
+)
 
 
 # ----------------------------------------------------------------------- the tokenizers
