@@ -92,8 +92,15 @@ class DecoderLayer(nn.Module):
 
     def attention(self, x, cache=None, rope=None, mask=None):
         B, T, _ = x.shape
-        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv_proj(x).view(B, T, H + 2 * KV, D).split((H, KV, KV), dim=2)
+        qkv = self.qkv_proj(x)
+        # The heads this process holds: all of them, or under tensor parallelism a share of
+        # the query heads with their key/value heads (trainer/parallel/tensor_parallel.py
+        # orders qkv_proj's rows so), as the projection's width says.
+        D = self.head_dim
+        heads = qkv.shape[-1] // D
+        KV = heads * self.num_kv_heads // (self.num_heads + 2 * self.num_kv_heads)
+        H = heads - 2 * KV
+        q, k, v = qkv.view(B, T, heads, D).split((H, KV, KV), dim=2)
         if self.q_norm is not None:  # Qwen3: per head, before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -123,8 +130,8 @@ class DecoderLayer(nn.Module):
             )
         y = self.out_proj(y.transpose(1, 2).reshape(B, T, H * D))
         if self.c_attn is not None:
-            C = y.shape[-1]
-            y = (y.view(B, T, H, C // H) * self.c_attn[:, None]).view(B, T, C)
+            C, heads = y.shape[-1], self.num_heads  # all heads' scales: out_proj's output is whole
+            y = (y.view(B, T, heads, C // heads) * self.c_attn[:, None]).view(B, T, C)
         return y if self.attn_ln is None else self.attn_ln(y)
 
     def feed_forward(self, x):

@@ -23,16 +23,24 @@ import torch
 
 from models import chunks  # the chunk's size, shared with trainer/plan/ledger.py
 
+# A vocabulary split by rows over several processes (tensor parallelism): weight holds rows
+# `offset` … of it, and each process sees every position. The caller (the trainer's
+# parallel room) passes an object with `offset` and two in-place reductions over the
+# processes holding the other rows, `max_(t)` and `sum_(t)`, each returning t: the chunk's
+# max logit, sum of exponentials and target logit are made whole with them; grad_w is this
+# shard's, and grad_x each process's share (their sum over the processes is grad_x).
+
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target, ignore_index):
-        """x: N×d hidden states, weight: V×d, target: N ids → summed loss (fp32, nats)."""
+    def forward(ctx, x, weight, target, ignore_index, shard=None):
+        """x: N×d hidden states, weight: V×d, target: N ids → summed loss (fp32, nats).
+        shard: with weight a shard of the vocabulary's rows, how they join (above)."""
         needs_x, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = torch.empty_like(x) if needs_x else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if needs_w else None
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
-        for chunk_losses in _chunks(x, weight, target, ignore_index, grad_x, grad_w):
+        for chunk_losses in _chunks(x, weight, target, ignore_index, grad_x, grad_w, shard=shard):
             loss += chunk_losses.sum()
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
@@ -44,18 +52,18 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_x, grad_w = ctx.saved_tensors
         gx = grad_x.mul_(grad_loss.to(grad_x.dtype)) if grad_x is not None else None
         gw = grad_w.mul_(grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
-        return gx, gw, None, None
+        return gx, gw, None, None, None
 
 
 class LinearCrossEntropyPerRow(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target, ignore_index, row_length):
+    def forward(ctx, x, weight, target, ignore_index, row_length, shard=None):
         """x: N×d hidden states of N // row_length rows, weight: V×d, target: N ids → each
         row's summed loss (fp32, nats)."""
         with torch.no_grad():
-            losses = torch.cat(list(_chunks(x, weight, target, ignore_index, None, None)))
+            losses = torch.cat(list(_chunks(x, weight, target, ignore_index, None, None, shard=shard)))
         ctx.save_for_backward(x, weight, target)
-        ctx.ignore_index, ctx.row_length = ignore_index, row_length
+        ctx.ignore_index, ctx.row_length, ctx.shard = ignore_index, row_length, shard
         return losses.view(-1, row_length).sum(dim=1)
 
     @staticmethod
@@ -66,15 +74,15 @@ class LinearCrossEntropyPerRow(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if needs_w else None
         # Each position's gradient is its row's: the chunks' softmax − one-hot are scaled by it.
         scale = grad_rows.float().repeat_interleave(ctx.row_length)
-        for _ in _chunks(x, weight, target, ctx.ignore_index, grad_x, grad_w, scale):
+        for _ in _chunks(x, weight, target, ctx.ignore_index, grad_x, grad_w, scale, ctx.shard):
             pass
-        return grad_x, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+        return grad_x, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
 
-def _chunks(x, weight, target, ignore_index, grad_x, grad_w, scale=None):
+def _chunks(x, weight, target, ignore_index, grad_x, grad_w, scale=None, shard=None):
     """Yields each chunk's per-position losses (fp32, 0 where ignored), filling grad_x's
     rows and adding into grad_w as it goes (where given), each position's gradient scaled
-    by `scale` (N, fp32; None: by 1)."""
+    by `scale` (N, fp32; None: by 1). shard: a vocabulary shard (above)."""
     n, vocab = x.shape[0], weight.shape[0]
     chunk = chunks.loss_chunk_rows(vocab, x.device.type)
     # One chunk's buffers, allocated once and reused by every chunk: fp32 logits, and
@@ -101,10 +109,11 @@ def _chunks(x, weight, target, ignore_index, grad_x, grad_w, scale=None):
             low,
             grad_w_low,
             None if scale is None else scale[part],
+            shard,
         )
 
 
-def _chunk(xs, weight, ts, ignore_index, grad_x, grad_w, logits_buf, low_buf, grad_w_low, scale=None):
+def _chunk(xs, weight, ts, ignore_index, grad_x, grad_w, logits_buf, low_buf, grad_w_low, scale=None, shard=None):
     """One chunk's per-position losses; writes its rows of grad_x and adds into grad_w. The logits
     are made in logits_buf (fp32) by way of low_buf (the inputs' dtype; None under fp32),
     which then holds the gradient, and W's gradient by way of grad_w_low (likewise); a
@@ -115,20 +124,29 @@ def _chunk(xs, weight, ts, ignore_index, grad_x, grad_w, logits_buf, low_buf, gr
     else:
         logits = logits_buf[:rows].copy_(torch.mm(xs, weight.t(), out=low_buf[:rows]))
     keep = ts != ignore_index
-    safe = torch.where(keep, ts, torch.zeros_like(ts))
+    mine = keep
+    if shard is not None:  # ids counted from this shard's first row; the others' targets are not here
+        ts = ts - shard.offset
+        mine = keep & (ts >= 0) & (ts < weight.shape[0])
+    safe = torch.where(mine, ts, torch.zeros_like(ts))
     picked = logits.gather(1, safe[:, None]).squeeze(1)
     # The log-sum-exp by hand, in place over the logits: torch.logsumexp would allocate a
     # second chunk-sized tensor, and the softmax for the gradients would take another pass
     # of exp. exp(logits - max) / its sum is the softmax itself.
     top = logits.amax(dim=-1, keepdim=True)
+    if shard is not None:
+        picked = shard.sum_(torch.where(mine, picked, torch.zeros_like(picked)))
+        top = shard.max_(top)
     total = logits.sub_(top).exp_().sum(dim=-1)
+    if shard is not None:
+        total = shard.sum_(total)
     lse = total.log() + top.squeeze(1)
     loss = torch.where(keep, lse - picked, torch.zeros_like(lse))
     if grad_x is None and grad_w is None:
         return loss
     # softmax − one-hot, zero on ignored rows, in place over the logits
     grad = logits.div_(total[:, None])
-    grad[torch.arange(len(ts), device=xs.device), safe] -= 1.0
+    grad[torch.arange(len(ts), device=xs.device), safe] -= mine.to(grad.dtype)
     grad.mul_((keep if scale is None else keep * scale)[:, None])
     if low_buf is not None:
         grad = low_buf[:rows].copy_(grad)
@@ -159,14 +177,16 @@ def _add_low_into(total, part):
         total[start : start + rows] += part[start : start + rows]
 
 
-def linear_cross_entropy(x, weight, target, ignore_index=-100):
+def linear_cross_entropy(x, weight, target, ignore_index=-100, shard=None):
     """Summed cross-entropy (nats) of the logits x @ weight.T against target, over rows
-    whose target is not ignore_index. x: (..., d), target: (...)."""
-    return LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, target.reshape(-1), ignore_index)
+    whose target is not ignore_index. x: (..., d), target: (...). shard: a vocabulary shard (above)."""
+    return LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, target.reshape(-1), ignore_index, shard)
 
 
-def linear_cross_entropy_per_row(x, weight, target, ignore_index=-100):
+def linear_cross_entropy_per_row(x, weight, target, ignore_index=-100, shard=None):
     """Each row's summed cross-entropy (nats, fp32) of the logits x @ weight.T against
     target, over positions whose target is not ignore_index. x: B×T×d, target: B×T → B."""
     B, T = target.shape
-    return LinearCrossEntropyPerRow.apply(x.reshape(B * T, x.shape[-1]), weight, target.reshape(-1), ignore_index, T)
+    return LinearCrossEntropyPerRow.apply(
+        x.reshape(B * T, x.shape[-1]), weight, target.reshape(-1), ignore_index, T, shard
+    )

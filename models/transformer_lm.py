@@ -323,15 +323,17 @@ class TransformerLM(nn.Module):
         weight = self.embed_tokens.weight if self.output_projection is None else self.output_projection.weight
         return self.loss(x, weight, target, per_row=True)
 
-    def loss(self, x, weight, target, per_row=False):
+    def loss(self, x, weight, target, per_row=False, shard=None):
+        """shard: with weight a shard of the vocabulary's rows (tensor parallelism), how the
+        shards join (models/linear_cross_entropy.py)."""
         device = x.device.type
         if torch.is_autocast_enabled(device):  # the op runs outside autocast: cast as it would
             dtype = torch.get_autocast_dtype(device)
             x, weight = x.to(dtype), weight.to(dtype)
         with torch.autocast(device, enabled=False):
             if per_row:
-                return linear_cross_entropy_per_row(x, weight, target, ignore_index=self.padding_idx)
-            return linear_cross_entropy(x, weight, target, ignore_index=self.padding_idx)
+                return linear_cross_entropy_per_row(x, weight, target, ignore_index=self.padding_idx, shard=shard)
+            return linear_cross_entropy(x, weight, target, ignore_index=self.padding_idx, shard=shard)
 
 
 def build_model(cfg, vocab_size, max_positions, device=None, padding_idx=1, seed=1):

@@ -76,6 +76,12 @@ class CommonConfig:
         "compile each decoder layer with torch.compile (inductor) before sharding; "
         "the first updates are slower while it compiles (on a CPU it needs a C++ compiler)",
     )
+    model_parallel_size: int = _f(
+        1,
+        "tensor parallelism (Megatron's, with sequence parallelism): split each layer's heads, "
+        "feed-forward width and the vocabulary over N ranks of a node, which see the same batches; "
+        "FSDP (--ddp-backend fully_sharded / hybrid_shard) shards over the world size / N others",
+    )
 
 
 @dataclass

@@ -19,6 +19,7 @@ from trainer.config.schema import ddp_backend, uses_fsdp
 from trainer.cpu.gloo_comms import prefetch_in_background, use_gloo_fast_comms
 from trainer.errors import UsageError
 from trainer.parallel.grad_sync import EarlyGather, GradSync
+from trainer.parallel.tensor_parallel import apply_tensor_parallel, row_orders
 
 log = logging.getLogger("shardlm")
 
@@ -104,16 +105,32 @@ def compile_layers(model):
         layer.compile()
 
 
-def device_mesh(hybrid, shard_group_size, env):
-    """1-D mesh for fully_sharded; (replicate, shard) for hybrid_shard."""
+def device_meshes(hybrid, shard_group_size, env):
+    """(FSDP's mesh, the tensor-parallel mesh or None): 1-D for fully_sharded, (replicate,
+    shard) for hybrid_shard; under --model-parallel-size N both are dimensions of one mesh
+    whose last, "tp", holds N consecutive ranks (a node's, so its traffic stays inside)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    dp, tp = env.world_size // env.tp, env.tp
     if not hybrid:
-        return init_device_mesh(env.device.type, (env.world_size,))
-    shard = shard_group_size or env.local_world_size
-    if env.world_size % shard:
-        raise UsageError(f"--shard-group-size {shard} does not divide the world size {env.world_size}")
-    return init_device_mesh(env.device.type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+        if tp == 1:
+            return init_device_mesh(env.device.type, (env.world_size,)), None
+        mesh = init_device_mesh(env.device.type, (dp, tp), mesh_dim_names=("shard", "tp"))
+        return mesh["shard"], mesh["tp"]
+    # --shard-group-size counts ranks: a shard group holds whole tensor-parallel groups
+    shard = (shard_group_size or env.local_world_size) // tp
+    if not shard or dp % shard:
+        given = shard_group_size or env.local_world_size
+        raise UsageError(
+            f"--shard-group-size {given} does not divide the world size {env.world_size}"
+            if tp == 1
+            else f"--shard-group-size {given} must be a multiple of --model-parallel-size {tp} "
+            f"and divide the world size {env.world_size}"
+        )
+    if tp == 1:
+        return init_device_mesh(env.device.type, (dp // shard, shard), mesh_dim_names=("replicate", "shard")), None
+    mesh = init_device_mesh(env.device.type, (dp // shard, shard, tp), mesh_dim_names=("replicate", "shard", "tp"))
+    return mesh["replicate", "shard"], mesh["tp"]
 
 
 def shard_model(model, sharding, env):
@@ -123,10 +140,10 @@ def shard_model(model, sharding, env):
     ranks {layer id: unit} of the layers chained for forward prefetch (else None)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    kwargs = dict(
-        mesh=device_mesh(sharding.hybrid, sharding.shard_group_size, env),
-        reshard_after_forward=sharding.reshard_after_forward,
-    )
+    mesh, tp_mesh = device_meshes(sharding.hybrid, sharding.shard_group_size, env)
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh)
+    kwargs = dict(mesh=mesh, reshard_after_forward=sharding.reshard_after_forward)
     if sharding.param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=sharding.param_dtype, reduce_dtype=sharding.reduce_dtype)
     if sharding.cpu_offload:
@@ -180,7 +197,9 @@ def shard_model(model, sharding, env):
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
     background = prefetch = None
-    if env.device.type == "cpu" and env.world_size > 1:
+    # The CPU ranks' own collectives take over FSDP's on a 1-D or HSDP mesh; under tensor
+    # parallelism FSDP's run as they are.
+    if env.device.type == "cpu" and env.world_size > 1 and tp_mesh is None:
         can_defer = not sharding.hybrid and sharding.reduce_dtype in (None, torch.float32)
         background = use_gloo_fast_comms(model, units + norms, can_defer)
         prefetch_in_background(model, units)
@@ -200,9 +219,12 @@ def materialize_shards(model, shard_device, compute_device, seed):
     from torch.distributed.tensor import distribute_tensor
 
     model.to_empty(device=shard_device)
+    orders = row_orders(model)  # tensor parallelism's order of qkv_proj's and fc1's rows
     for name, p in model.named_parameters():
         full = torch.empty(p.shape, dtype=p.dtype, device=compute_device)
         model.init_parameter(name, full, seed)
+        if name in orders:
+            full = full[orders[name].to(compute_device)]
         p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
 
 
@@ -258,7 +280,10 @@ def freeze(model, cfg, env):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         sharding = sharding_of(cfg)
-        kwargs = dict(mesh=device_mesh(sharding.hybrid, sharding.shard_group_size, env), reshard_after_forward=True)
+        mesh, tp_mesh = device_meshes(sharding.hybrid, sharding.shard_group_size, env)
+        if tp_mesh is not None:
+            apply_tensor_parallel(model, tp_mesh)
+        kwargs = dict(mesh=mesh, reshard_after_forward=True)
         if sharding.param_dtype is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=sharding.param_dtype)
         if sharding.cpu_offload:

@@ -26,10 +26,24 @@ class DistEnv:
     local_world_size: int
     device: torch.device
     init_method: str = ""
+    # --model-parallel-size: consecutive ranks of this many split one model replica and read
+    # the same batches (tensor parallelism); the data is sharded over the others.
+    tp: int = 1
+    data_group: object = None  # the ranks of other batches, with this one (None: all)
 
     @property
     def is_master(self):
         return self.rank == 0
+
+    @property
+    def data_rank(self):
+        """Which share of the batches this rank reads."""
+        return self.rank // self.tp
+
+    @property
+    def data_size(self):
+        """How many shares the batches are split into."""
+        return self.world_size // self.tp
 
 
 def select_device(cfg, local_rank=0, local_world_size=1):
@@ -95,7 +109,8 @@ def init_rank(cfg, rdv, needs_process_group):
     threads = host_threads(device, cfg.distributed_training.cpu_offload, rdv.local_world_size, usable_cores())
     if threads is not None:
         torch.set_num_threads(threads)
-    env = DistEnv(rdv.rank, rdv.world_size, rdv.local_rank, rdv.local_world_size, device, rdv.init_method)
+    tp = cfg.common.model_parallel_size
+    env = DistEnv(rdv.rank, rdv.world_size, rdv.local_rank, rdv.local_world_size, device, rdv.init_method, tp)
     if rdv.world_size > 1 or (needs_process_group and not dist.is_initialized()):
         if rdv.init_method:
             # The store keeps the long timeout: ranks of a cluster job start minutes apart,
@@ -112,6 +127,8 @@ def init_rank(cfg, rdv, needs_process_group):
             world_size=rdv.world_size,
             timeout=collective_timeout(cfg),
         )
+    if tp > 1 and rdv.world_size > 1:
+        env.data_group, _ = dist.new_subgroups_by_enumeration([list(range(t, rdv.world_size, tp)) for t in range(tp)])
     return env
 
 
@@ -140,6 +157,16 @@ def all_reduce_sum(values, env):
     return t.tolist()
 
 
+def data_sum(values, env):
+    """all_reduce_sum over the ranks of distinct batches: the ranks of one tensor-parallel
+    group saw the same ones (token counts, validation sums)."""
+    if env.data_size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, group=env.data_group)
+    return t.tolist()
+
+
 def on_device(values, env):
     """Host numbers as a float64 tensor on the rank's device, copied without waiting for it:
     from pinned memory, queued (a plain copy, or one from pageable memory, may wait for the
@@ -150,10 +177,11 @@ def on_device(values, env):
 
 
 def on_device_sum(tensor, env):
-    """`tensor` summed over ranks, in place, left on the device: the host goes on at once
-    (NCCL queues the sum behind the work that computes it; gloo's is done on return)."""
-    if env.world_size > 1:
-        dist.all_reduce(tensor)
+    """`tensor` summed over the ranks of distinct batches (all but tensor parallelism's
+    copies), in place, left on the device: the host goes on at once (NCCL queues the sum
+    behind the work that computes it; gloo's is done on return)."""
+    if env.data_size > 1:
+        dist.all_reduce(tensor, group=env.data_group)
     return tensor
 
 

@@ -7,7 +7,7 @@ import time
 from data.iterator import grouped
 from data.position import convert_position
 from trainer.errors import UsageError
-from trainer.parallel.ranks import all_reduce_sum
+from trainer.parallel.ranks import data_sum
 from trainer.train.meters import LN2, TrainMeters, extra_fields, peak_memory, perplexity
 
 log = logging.getLogger("shardlm")
@@ -44,7 +44,7 @@ class TrainLoop:
         return {
             "iterator": {
                 **self.itr.state_dict(),
-                "world_size": self.env.world_size,
+                "world_size": self.env.data_size,  # the batches' shares
                 # the order's batch: the per-rank batch times its split (convert_position)
                 "batch_size": dataset.batch_size and dataset.batch_size * self.itr.split,
                 "split": self.itr.split,
@@ -75,7 +75,7 @@ class TrainLoop:
                 self.load_mixture_position(saved)
             else:
                 dataset = self.cfg.dataset
-                position = convert_position(saved, self.env.world_size, dataset.batch_size, dataset.max_tokens)
+                position = convert_position(saved, self.env.data_size, dataset.batch_size, dataset.max_tokens)
                 self.itr.split_batches(position["split"])
                 self.itr.load_state_dict(position)
         if not checkpoint_cfg.reset_meters and not checkpoint_cfg.reset_dataloader:
@@ -339,7 +339,7 @@ class TrainLoop:
                 extras_sum = extras_sum + extras
         names = self.trainer.objective.extras
         extras_sum = [float(x) for x in extras_sum] if names and nbatches else [0.0] * len(names)
-        loss_sum, ntokens, nsentences, sample_size, *extras_sum = all_reduce_sum(
+        loss_sum, ntokens, nsentences, sample_size, *extras_sum = data_sum(
             [float(loss_sum), *counts, *extras_sum], self.env
         )
         return [loss_sum, ntokens, nsentences, sample_size, nbatches, *extras_sum]

@@ -295,7 +295,7 @@ def sample_counts(batches):
 def loss_scaler(cfg, env):
     """fp16's dynamic loss scale (fairseq's flags, on torch's GradScaler)."""
     common = cfg.common
-    window = common.fp16_scale_window or max(int(2**14 / env.world_size / cfg.optimization.update_freq), 1)
+    window = common.fp16_scale_window or max(int(2**14 / env.data_size / cfg.optimization.update_freq), 1)
     if env.device.type == "cpu" and env.is_master:
         log.warning(
             "--fp16 on a CPU: there are no fast fp16 kernels here, so it runs but slowly; "
@@ -320,18 +320,24 @@ def micro_batch_seed(seed, num_updates, micro_batch):
 def global_grad_norm(grads):
     """The L2 norm of all gradients together, as a plain tensor on every rank. FSDP2's
     gradients are DTensor shards: the norm of each rank's shards, squared, summed over the
-    mesh dimensions the gradients are sharded on (replicas of HSDP hold the same values),
-    in one collective, rather than one DTensor op per gradient, each paying DTensor's
+    mesh dimensions the gradients are sharded on (replicas of HSDP hold the same values,
+    and so do a tensor-parallel group's for the parameters it replicates), in one
+    collective per layout, rather than one DTensor op per gradient, each paying DTensor's
     dispatch in Python."""
-    local = local_shards(grads)
-    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local))) if local else torch.zeros(())
     sharded = [g for g in grads if isinstance(g, DTensor)]
     if not sharded:
-        return norm
-    mesh, placements = sharded[0].device_mesh, sharded[0].placements
-    if len(sharded) < len(grads) or any(g.device_mesh != mesh or g.placements != placements for g in sharded):
+        local = local_shards(grads)
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local))) if local else torch.zeros(())
+    if len(sharded) < len(grads):
         return torch.nn.utils.get_total_norm(grads).full_tensor()  # not a layout parallelize() builds
-    partial = [Partial("sum") if pl.is_shard() else Replicate() for pl in placements]
-    # Under --cpu-offload the shards are on the host and the mesh is the GPUs': sum there.
-    squared = (norm**2).to(mesh.device_type)
-    return DTensor.from_local(squared, mesh, partial).full_tensor().sqrt()
+    layouts = {}
+    for g in sharded:
+        layouts.setdefault((g.device_mesh, g.placements), []).append(g)
+    total = None
+    for (mesh, placements), group in layouts.items():
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local_shards(group))))
+        partial = [Replicate() if pl.is_replicate() else Partial("sum") for pl in placements]  # _StridedShard too
+        # Under --cpu-offload the shards are on the host and the mesh is the GPUs': sum there.
+        squared = DTensor.from_local((norm**2).to(mesh.device_type), mesh, partial).full_tensor()
+        total = squared if total is None else total + squared
+    return total.sqrt()

@@ -1,0 +1,114 @@
+"""Tensor parallelism (--model-parallel-size) trains the model one process trains: per-update
+loss and gradient norm on real gloo ranks, alone (TP 2) and composed with FSDP and HSDP,
+equal one process reading the same sequences, for a Llama with grouped-query attention,
+a Qwen3 (per-head norms) and fairseq's transformer_lm."""
+
+from pathlib import Path
+
+import pytest
+
+from helpers import _rank_worker, multi_rank_losses, update_losses
+
+UPDATES = 3
+SMALL = [
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "64",
+    "--decoder-ffn-embed-dim",
+    "96",
+    "--decoder-attention-heads",
+    "4",
+]
+LLAMA = ["--arch", "llama3_2_1b", *SMALL, "--decoder-kv-heads", "2", "--decoder-head-dim", "16"]
+QWEN3 = ["--arch", "qwen3_0_6b", *SMALL, "--decoder-kv-heads", "2", "--decoder-head-dim", "16"]
+GPT = ["--arch", "transformer_lm", *SMALL, "--dropout", "0", "--attention-dropout", "0", "--decoder-learned-pos"]
+RUN = [
+    "--task",
+    "dummy_lm",
+    "--dict-size",
+    "250",
+    "--dataset-size",
+    "256",
+    "--tokens-per-sample",
+    "32",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.003",
+    "--clip-norm",
+    "0.5",
+    "--no-save",
+    "--max-valid-steps",
+    "2",
+]
+
+# (ranks, model, flags): each run's tensor-parallel degree is --model-parallel-size.
+LAYOUTS = {
+    "llama_tp2": (2, LLAMA, ["--batch-size", "2", "--update-freq", "2", "--ddp-backend", "fully_sharded"]),
+    "qwen3_fsdp2_tp2": (4, QWEN3, ["--batch-size", "2", "--ddp-backend", "fully_sharded"]),
+    "gpt_tp2_bf16_checkpointed": (
+        2,
+        GPT,
+        ["--batch-size", "2", "--ddp-backend", "fully_sharded", "--bf16", "--checkpoint-activations"],
+    ),
+    # two replicas, each one rank of FSDP shards (the fourth dimension's smallest case) × TP 2
+    "llama_hsdp2_tp2": (4, LLAMA, ["--batch-size", "2", "--ddp-backend", "hybrid_shard", "--shard-group-size", "2"]),
+}
+
+
+def tp_losses(name, tmp_path, tp=2):
+    world, model, flags = LAYOUTS[name]
+    argv = model + RUN + flags
+    # one process holds one shard: no replicas, no shard groups
+    alone = " ".join(argv).replace("hybrid_shard --shard-group-size 2", "fully_sharded").split()
+    ref = update_losses(alone, UPDATES, with_gnorm=True, merge=world // tp)
+    got = multi_rank_losses(argv + ["--model-parallel-size", str(tp)], world, UPDATES, tmp_path)
+    return ref, got
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_tensor_parallel_equals_one_process(name, tmp_path):
+    (ref_loss, ref_gnorm), (loss, gnorm) = tp_losses(name, tmp_path)
+    tol = 2e-2 if "bf16" in name else 1e-5
+    assert loss == pytest.approx(ref_loss, rel=tol, abs=tol)
+    assert gnorm == pytest.approx(ref_gnorm, rel=tol, abs=tol)
+
+
+def _broken_rank(index, argv, world, port, n_updates, out, broken):
+    """A rank of the run with one of tensor parallelism's reductions taken out."""
+    import torch.distributed as dist
+
+    from trainer.parallel import ranks, tensor_parallel
+
+    if broken == "vocab_shards":  # each rank's loss over its own rows of the vocabulary only
+        tensor_parallel.VocabShard.sum_ = lambda self, t: t
+        tensor_parallel.VocabShard.max_ = lambda self, t: t
+    elif broken == "token_counts":  # counted on every rank of a tensor-parallel group, as if other batches
+
+        def world_sum(tensor, env):
+            dist.all_reduce(tensor)
+            return tensor
+
+        ranks.on_device_sum = world_sum
+        import trainer.train.trainer
+
+        trainer.train.trainer.on_device_sum = world_sum
+    _rank_worker(index, argv, world, port, n_updates, out)
+
+
+@pytest.mark.parametrize("broken", ["vocab_shards", "token_counts"])
+def test_a_missing_reduction_fails(broken, tmp_path):
+    """The equality above fails when a reduction tensor parallelism needs is taken out."""
+    import json
+
+    from helpers import run_ranks
+    from trainer.rendezvous import free_port
+
+    world, model, flags = LAYOUTS["llama_tp2"]
+    argv = model + RUN + flags
+    ref_loss, ref_gnorm = update_losses(argv, UPDATES, with_gnorm=True)
+    out = tmp_path / "ranks"
+    run_ranks(_broken_rank, (argv + ["--model-parallel-size", "2"], world, free_port(), UPDATES, str(out), broken), 2)
+    got = json.loads(Path(f"{out}.0").read_text())
+    assert got["gnorms"] != pytest.approx(ref_gnorm, rel=1e-3) or got["losses"] != pytest.approx(ref_loss, rel=1e-3)

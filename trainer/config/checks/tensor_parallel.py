@@ -1,0 +1,54 @@
+"""Checks of --model-parallel-size (tensor parallelism, trainer/parallel/tensor_parallel.py):
+what it composes with, and a model it can split into equal shares."""
+
+from models.config import kv_heads
+from trainer.config.checks.values import positive
+from trainer.config.schema import uses_fsdp
+from trainer.errors import UsageError
+
+# Optimizers whose step reads a whole matrix (or its rows' and columns' sums), which
+# tensor parallelism splits across ranks: their steps are not built for those shares yet.
+WHOLE_MATRIX_OPTIMIZERS = ("muon", "adafactor", "lamb")
+
+
+def check_tensor_parallel(cfg):
+    positive(cfg, "common.model_parallel_size")
+    n = cfg.common.model_parallel_size
+    if n == 1:
+        return
+    flag = f"--model-parallel-size {n}"
+    distributed, model = cfg.distributed_training, cfg.model
+    if not uses_fsdp(cfg):
+        raise UsageError(
+            f"{flag} composes with --ddp-backend fully_sharded or hybrid_shard, which shard over the other ranks "
+            f"(got {distributed.ddp_backend})"
+        )
+    world = distributed.distributed_world_size
+    if world > 1 and world % n:
+        raise UsageError(f"{flag} must divide --distributed-world-size {world}")
+    if cfg.common.compile:
+        raise UsageError(f"{flag} and --compile: compiling the split layers is not supported yet; drop --compile")
+    if cfg.optimizer._name in WHOLE_MATRIX_OPTIMIZERS:
+        raise UsageError(
+            f"{flag}: --optimizer {cfg.optimizer._name} steps whole matrices, which tensor parallelism splits "
+            "across ranks; use adam (or another per-element optimizer), or --model-parallel-size 1"
+        )
+    if model.adaptive_input or model.adaptive_softmax_cutoff is not None:
+        raise UsageError(
+            f"{flag}: the adaptive input and softmax cut the vocabulary into bands of other widths, which are "
+            "not split across ranks; train them with --model-parallel-size 1"
+        )
+    if model.quant_noise_pq > 0 or model.quant_noise_scalar > 0:
+        raise UsageError(f"{flag}: Quant-Noise draws its noise over whole weights; leave it at 1")
+    if model.scale_fc:
+        raise UsageError(
+            f"{flag}: --scale-fc normalizes the feed-forward's hidden width, which tensor parallelism splits "
+            "across ranks; drop one of them"
+        )
+    for what, count in (
+        ("--decoder-attention-heads", model.decoder_attention_heads),
+        ("key/value heads (--decoder-kv-heads)", kv_heads(model)),
+        ("--decoder-ffn-embed-dim", model.decoder_ffn_embed_dim),
+    ):
+        if count % n:
+            raise UsageError(f"{flag} must divide the model's {what}, {count}: each rank holds an equal share")

@@ -1,0 +1,202 @@
+"""Tensor parallelism with sequence parallelism (Megatron-LM's layout, on torch's DTensor
+styles), applied to the bare model before FSDP shards it over the data-parallel ranks.
+
+Within a decoder layer, on the `tp` mesh dimension:
+- attention's qkv_proj is column-parallel by heads: each process holds its query heads
+  and the key/value heads they read (grouped-query attention's groups stay whole), and
+  out_proj is row-parallel;
+- the feed-forward's fc1 (gate and up under --gated-ffn) is column-parallel, fc2
+  row-parallel;
+- between them the residual stream, its norms and its dropout are split by sequence
+  positions: an all-gather before each column-parallel projection, a reduce-scatter after
+  each row-parallel one.
+The token embedding and the output projection are split by vocabulary rows: the embedding
+sums the processes' rows (an all-reduce), and the loss is computed on the vocabulary shards
+(models/linear_cross_entropy.py) without ever holding B×T×V logits. What runs before the
+first layer (positions, the embedding norm) runs whole on every process.
+
+qkv_proj and a gated fc1 stack several matrices by rows (DecoderLayer.weight_blocks): a
+plain split of their rows would give a process some of q's rows and none of v's. So under
+tensor parallelism their rows are ordered per process (`tp_row_order`): process r's
+query heads, then its key heads, then its value heads. Checkpoints keep the model's own
+order (trainer/checkpoint/tp_rows.py maps between them), so a run resumes on any layout.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def tp_row_order(blocks, n):
+    """The rows of a parameter stacking `blocks` (row counts, in order) as n processes hold
+    them under tensor parallelism: process 0's share of each block, then process 1's, …
+    Returns a LongTensor `order` with tp_layout = model_layout[order]."""
+    starts = [sum(blocks[:i]) for i in range(len(blocks))]
+    order = [
+        start + r * (size // n) + i for r in range(n) for start, size in zip(starts, blocks) for i in range(size // n)
+    ]
+    return torch.tensor(order, dtype=torch.long)
+
+
+def fused_rows(model):
+    """{parameter name: its row blocks} of the parameters whose rows tensor parallelism
+    reorders: every layer's qkv_proj (and its bias), a gated fc1 (and its bias)."""
+    fused = {}
+    for i, layer in enumerate(model.layers):
+        for name, blocks in layer.weight_blocks().items():
+            module = name.rsplit(".", 1)[0]
+            for kind in ("weight", "bias"):
+                if getattr(getattr(layer, module), kind, None) is not None:
+                    fused[f"layers.{i}.{module}.{kind}"] = tuple(blocks)
+    return fused
+
+
+def _replicate(name, module, mesh):
+    for pname, p in list(module.named_parameters(recurse=False)):
+        module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+
+
+def _shard_rows(name, module, mesh):
+    for pname, p in list(module.named_parameters(recurse=False)):
+        module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
+
+
+class ReplicatedCompute(ParallelStyle):
+    """A module every process of the group runs whole on the same input (what comes before
+    the first layer): its parameters are replicated, and so are their gradients, each
+    process computing all of it."""
+
+    def _apply(self, module, mesh):
+        def inputs(mod, args, mesh):
+            return tuple(
+                DTensor.from_local(a, mesh, [Replicate()], run_check=False) if torch.is_tensor(a) else a for a in args
+            )
+
+        return distribute_module(module, mesh, _replicate, inputs, lambda mod, out, mesh: out.to_local())
+
+
+class Replicated(ParallelStyle):
+    """A module whose input already is a DTensor (split by sequence positions): its
+    parameters are replicated, and their gradients summed over the group by DTensor."""
+
+    def _apply(self, module, mesh):
+        return distribute_module(module, mesh, _replicate)
+
+
+class VocabRows(ParallelStyle):
+    """The untied output projection: its rows split by vocabulary, read only by the loss."""
+
+    def _apply(self, module, mesh):
+        return distribute_module(module, mesh, _shard_rows)
+
+
+def layer_plan(layer):
+    """The parallel style of each of a decoder layer's submodules."""
+    plan = {
+        "self_attn_layer_norm": SequenceParallel(),
+        "qkv_proj": ColwiseParallel(input_layouts=Shard(1)),
+        "out_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "final_layer_norm": SequenceParallel(),
+        "fc1": ColwiseParallel(input_layouts=Shard(1)),
+        "fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    if layer.q_norm is not None:  # per head, on this process's heads (dim 2 of B×T×H×D)
+        plan["q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if layer.attn_ln is not None:
+        plan["attn_ln"] = SequenceParallel()
+    return plan
+
+
+def to_sequence_shards(mesh):
+    """A decoder layer's forward pre-hook: the whole hidden states every process computed
+    before the first layer become this process's positions (a slice; its backward gathers
+    the gradients). A layer's input that already is split passes as it is."""
+
+    def hook(module, args, kwargs):
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
+        return (x, *args[1:]), kwargs
+
+    return hook
+
+
+class VocabShard:
+    """How a process's rows of the vocabulary join the others' in the loss
+    (models/linear_cross_entropy.py): reductions over the tensor-parallel group."""
+
+    def __init__(self, offset, group):
+        self.offset, self.group = offset, group
+
+    def max_(self, t):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t
+
+    def sum_(self, t):
+        dist.all_reduce(t, group=self.group)
+        return t
+
+
+def vocab_parallel_loss(model, mesh):
+    """The model's loss on vocabulary shards: every process takes all positions' hidden
+    states (gathered from their sequence shards) and its rows of the output projection;
+    the gradient of the hidden states each process makes is its share, summed over the
+    group as the gather's backward scatters it (Partial)."""
+    unsharded = model.loss
+    group = mesh.get_group()
+
+    def loss(x, weight, target, per_row=False):
+        if isinstance(x, DTensor):
+            x = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        else:  # whole on every process already: its gradient is each process's share
+            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+        _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+        return unsharded(x, weight.to_local(), target, per_row=per_row, shard=VocabShard(offset[0], group))
+
+    model.loss = loss
+
+
+def row_orders(model):
+    """{parameter name: row order} of the parameters whose rows tensor parallelism reorders
+    (tp_row_order), in a model split by apply_tensor_parallel; {} in any other."""
+    weight = model.layers[0].qkv_proj.weight if len(model.layers) else None
+    mesh = getattr(weight, "device_mesh", None)
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if "tp" not in names or mesh.size(names.index("tp")) == 1:
+        return {}
+    n = mesh.size(names.index("tp"))
+    return {name: tp_row_order(blocks, n) for name, blocks in fused_rows(model).items()}
+
+
+def apply_tensor_parallel(model, mesh):
+    """Split `model` (on the meta device) over the 1-D mesh `mesh` ("tp") as the module's
+    note says; row_orders(model) then says how qkv_proj's and fc1's rows are ordered."""
+    for layer in model.layers:
+        parallelize_module(layer, mesh, layer_plan(layer))
+        for attr in ("c_attn", "w_resid"):  # NormFormer's scales, on whole heads / channels
+            p = getattr(layer, attr)
+            if p is not None:
+                layer.register_parameter(attr, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+        layer.register_forward_pre_hook(to_sequence_shards(mesh), with_kwargs=True)
+    root = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    for name in ("embed_positions", "layernorm_embedding", "project_in_dim"):
+        if getattr(model, name) is not None:
+            root[name] = ReplicatedCompute()
+    if model.layer_norm is not None:
+        root["layer_norm"] = SequenceParallel()
+    if model.project_out_dim is not None:
+        root["project_out_dim"] = Replicated()
+    if model.output_projection is not None:
+        root["output_projection"] = VocabRows()
+    parallelize_module(model, mesh, root)
+    vocab_parallel_loss(model, mesh)
