@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import _rank_worker, multi_rank_losses, update_losses
+from helpers import _rank_worker, multi_rank_losses, train_updates, update_losses
 
 UPDATES = 3
 SMALL = [
@@ -112,3 +112,42 @@ def test_a_missing_reduction_fails(broken, tmp_path):
     run_ranks(_broken_rank, (argv + ["--model-parallel-size", "2"], world, free_port(), UPDATES, str(out), broken), 2)
     got = json.loads(Path(f"{out}.0").read_text())
     assert got["gnorms"] != pytest.approx(ref_gnorm, rel=1e-3) or got["losses"] != pytest.approx(ref_loss, rel=1e-3)
+
+
+# 4 sequences an update on every layout: TP 2 × FSDP 2 at 2 a rank, FSDP 4 at 1, one
+# process at 2 × --update-freq 2, TP 2 alone the same.
+RESUMED_ON = {
+    "fsdp4": (4, ["--batch-size", "1", "--ddp-backend", "fully_sharded"]),
+    "one_process": (1, ["--batch-size", "2", "--update-freq", "2"]),
+    "tp2": (
+        2,
+        ["--batch-size", "2", "--update-freq", "2", "--ddp-backend", "fully_sharded", "--model-parallel-size", "2"],
+    ),
+}
+SAVED = LLAMA + [a for a in RUN if a != "--no-save"] + ["--required-batch-size-multiple", "1"]
+
+
+@pytest.fixture(scope="module")
+def saved_on_tp2_fsdp2(tmp_path_factory):
+    """4 updates on TP 2 × FSDP 2, saved; and 8 updates of one process, not stopped."""
+    tmp = tmp_path_factory.mktemp("tp2_fsdp2")
+    flags = ["--batch-size", "2", "--ddp-backend", "fully_sharded", "--model-parallel-size", "2"]
+    first = train_updates(SAVED + flags + ["--max-update", "4", "--save-dir", str(tmp / "ckpt")], 4, tmp)
+    whole = train_updates(SAVED + RESUMED_ON["one_process"][1] + ["--max-update", "8", "--no-save"], 1, tmp)
+    return first, whole, tmp / "ckpt"
+
+
+@pytest.mark.parametrize("layout", list(RESUMED_ON))
+def test_a_tensor_parallel_checkpoint_resumes_on_any_layout(layout, saved_on_tp2_fsdp2, tmp_path):
+    """Saved at TP 2 × FSDP 2, resumed at FSDP 4, one process and TP 2: the same curve as a
+    run never stopped (the checkpoint holds the model's own rows, and the data position)."""
+    import shutil
+
+    first, whole, saved = saved_on_tp2_fsdp2
+    shutil.copytree(saved, tmp_path / "ckpt")
+    world, flags = RESUMED_ON[layout]
+    second = train_updates(SAVED + flags + ["--max-update", "8", "--save-dir", str(tmp_path / "ckpt")], world, tmp_path)
+    assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [5, 6, 7, 8], "an update ran twice"
+    for n, (loss, gnorm) in {**first, **second}.items():
+        assert loss == pytest.approx(whole[n][0], rel=1e-5), f"update {n}"
+        assert gnorm == pytest.approx(whole[n][1], rel=1e-4), f"update {n}"

@@ -44,6 +44,7 @@ from trainer.formats.hf.generation_config import generation_config, write_genera
 from trainer.formats.registry import open_model
 from trainer.formats.shardlm import checkpoint_dir
 from trainer.parallel.ranks import all_reduce_sum
+from trainer.parallel.tensor_parallel import row_orders
 
 log = logging.getLogger("shardlm")
 # 1: shardlm up to ebbae74, every piece's fields side by side; 2: one entry per named piece.
@@ -104,6 +105,7 @@ class Checkpointer:
         ema: --store-ema's average (trainer/train/ema.py), saved and restored with the model."""
         self.cfg, self.checkpoint_cfg, self.env = cfg, cfg.checkpoint, env
         self.model, self.optimizer, self.data_dir, self.ema = model, optimizer, data_dir, ema
+        self.row_orders = row_orders(getattr(model, "module", model))  # {} without tensor parallelism
         self.save_dir = Path(self.checkpoint_cfg.save_dir)
         self.pieces = {"checkpointer": self}  # name -> an object with state_dict / load_state_dict
         self.optimizer_pieces = set()  # saved and restored only with the optimizer's state
@@ -182,11 +184,17 @@ class Checkpointer:
             failed = files.write_failure(small_files, self.save_dir)
         self.agree_saved(failed, tmp, names[0])
         writer = dcp.FileSystemWriter(os.fspath(tmp))
+        # Tensor parallelism's rows are written in the model's own order (tp_rows.py).
+        planner = None
+        if self.row_orders:
+            from trainer.checkpoint.tp_rows import RowOrderSavePlanner  # DCP: imported where it is used
+
+            planner = RowOrderSavePlanner(self.row_orders)
         if self.checkpoint_cfg.save_async:
-            future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            future = dcp.async_save(state, storage_writer=writer, process_group=self.group, planner=planner)
             self.pending = (future, tmp, names, num_updates)
             return
-        failed = files.write_failure(lambda: dcp.save(state, storage_writer=writer), self.save_dir)
+        failed = files.write_failure(lambda: dcp.save(state, storage_writer=writer, planner=planner), self.save_dir)
         self.agree_saved(failed, tmp, names[0], agreed=True)
         # DCP's coordinator (rank 0) writes .metadata only after every rank has written
         # its shards, so rank 0 may publish as soon as save returns.
@@ -324,7 +332,7 @@ class Checkpointer:
             )
         state = {"ema": self.ema.state_dict()}
         check_shapes(path, state["ema"], self.cfg, prefix=checkpoint_dir.EMA_PREFIX)
-        load_tensors(path, state)
+        load_tensors(path, state, self.row_orders)
         log.info(f"the moving average of the weights starts from {path}'s (--ema-seed-model)")
 
     def restore_foreign(self, path, finetune):
@@ -371,7 +379,7 @@ class Checkpointer:
         never_stepped = check_optimizer_state(path, state["optim"]) if with_optim else set()
         for fqn in never_stepped:
             del state["optim"][fqn]
-        load_tensors(path, state)
+        load_tensors(path, state, self.row_orders)
         back = None if ids is None else {saved_id: i for i, saved_id in enumerate(ids)}
         state = {part: renumber_layers(tensors, back) for part, tensors in state.items()}
         from torch.distributed.checkpoint.state_dict import (

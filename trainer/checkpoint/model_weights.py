@@ -5,6 +5,7 @@ from trainer.checkpoint.tensors import check_shapes, load_tensors, tensor_state
 from trainer.errors import UsageError
 from trainer.formats.registry import open_model
 from trainer.formats.shardlm import checkpoint_dir
+from trainer.parallel.tensor_parallel import row_orders
 
 
 def load_model_weights(model, cfg, path):
@@ -23,7 +24,7 @@ def load_model_weights(model, cfg, path):
             return f"{reader.describe()}, {n:,} parameters"
     state = tensor_state(model, None, with_optimizer=False)
     check_shapes(found, state["model"], cfg)
-    load_tensors(found, state)
+    load_tensors(found, state, row_orders(model))
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     set_model_state_dict(model, state["model"])

@@ -171,13 +171,19 @@ def check_optimizer_state(path, optim_state):
     return never_stepped
 
 
-def load_tensors(path, state):
-    """Fill `state`'s tensors in place from checkpoint `path` (any world size, any backend)."""
+def load_tensors(path, state, row_orders=None):
+    """Fill `state`'s tensors in place from checkpoint `path` (any world size, any backend).
+    row_orders: tensor parallelism's orders of the model's rows (trainer/checkpoint/tp_rows.py)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+    planner = checkpoint_dir.NoBytesLoadPlanner()
+    if row_orders:
+        from trainer.checkpoint.tp_rows import row_order_load
+
+        planner = row_order_load(type(planner), row_orders)
     try:
-        dcp.load(state, storage_reader=checkpoint_dir.safe_reader(path), planner=checkpoint_dir.NoBytesLoadPlanner())
+        dcp.load(state, storage_reader=checkpoint_dir.safe_reader(path), planner=planner)
     except UsageError:
         raise
     except (Exception, CheckpointException) as e:  # a truncated or damaged shard: DCP's error is pages long

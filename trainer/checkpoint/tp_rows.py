@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -41,8 +42,11 @@ class RowChunks:
 
     def __init__(self, state_dict, orders):
         self.chunks = {}
-        if not orders:
-            return
+        orders = {
+            name: order
+            for name, order in orders.items()
+            if not name.startswith("layers.") or name.startswith("layers.0.")
+        }
         for key, obj in state_dict.items():
             order = self._order(key, obj, orders)
             if order is None:
@@ -65,6 +69,8 @@ class RowChunks:
         if not isinstance(obj, DTensor) or obj.dim() == 0:
             return None
         name = key.split(".", 1)[1] if "." in key else key
+        if name.startswith("layers."):  # every layer's are alike: a pruned model's are renumbered
+            name = "layers.0." + name.split(".", 2)[2]
         for param, order in orders.items():
             if (name == param or name.startswith(param + ".")) and obj.shape[0] == len(order):
                 return order
@@ -115,12 +121,8 @@ def row_order_load(planner_class, orders):
     class Planner(planner_class):
         def create_local_plan(self):
             self.row_chunks = RowChunks(self.state_dict, orders)
-            whole = self.state_dict
-            self.state_dict = {k: v for k, v in whole.items() if k not in self.row_chunks.chunks}
-            try:
-                plan = super().create_local_plan()
-            finally:
-                self.state_dict = whole
+            rest = {k: v for k, v in self.state_dict.items() if k not in self.row_chunks.chunks}
+            plan = create_default_local_load_plan(rest, self.metadata, not self.allow_partial_load)
             items = list(plan.items)
             for key, chunks in self.row_chunks.chunks.items():
                 md = self.metadata.state_dict_metadata[key]
