@@ -82,6 +82,12 @@ class CommonConfig:
         "feed-forward width and the vocabulary over N ranks of a node, which see the same batches; "
         "FSDP (--ddp-backend fully_sharded / hybrid_shard) shards over the world size / N others",
     )
+    context_parallel_size: int = _f(
+        1,
+        "context parallelism (Megatron's --context-parallel-size): each of N ranks holds 1/N of every "
+        "sequence's positions (a chunk from each end, which balances causal attention) and attention "
+        "gathers the others' keys and values; with --model-parallel-size, ranks are data × context × tensor",
+    )
 
 
 @dataclass

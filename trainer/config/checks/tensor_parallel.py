@@ -12,7 +12,9 @@ WHOLE_MATRIX_OPTIMIZERS = ("muon", "adafactor", "lamb")
 
 
 def check_tensor_parallel(cfg):
-    positive(cfg, "common.model_parallel_size")
+    positive(cfg, "common.model_parallel_size", "common.context_parallel_size")
+    if cfg.common.context_parallel_size > 1:
+        raise UsageError("--context-parallel-size is not built yet; leave it at 1")
     n = cfg.common.model_parallel_size
     if n == 1:
         return
