@@ -145,7 +145,9 @@ class DecoderLayer(nn.Module):
         return self.fc2(x)
 
     def forward(self, x, cache=None, rope=None, mask=None):
-        """cache: this layer's `KVCache.append` (generation only); None in training.
+        """cache: a function of this layer's new keys and values giving all it attends to:
+        `KVCache.append` in generation, the context's gather under context parallelism
+        (TransformerLM.forward's `context`, with its mask); None otherwise.
         rope: the (cos, sin) tables of x's positions (`rope_tables`), with --rope.
         mask: packed documents' B×1×T×T block-causal mask (models/documents.py), True where
         a query may attend a key; None: plain causal attention. With a cache: None, or a

@@ -243,6 +243,7 @@ class TransformerLM(nn.Module):
         noise_seed=None,
         segments=None,
         per_row=False,
+        context=None,
     ):
         """tokens: B×T token ids → B×T×V logits. With a `KVCache`, tokens are the next T
         positions after those cached: they are appended to it and attend to all of them.
@@ -257,7 +258,11 @@ class TransformerLM(nn.Module):
         values is one document, attending only to itself, its positions counted from 0;
         right padding may carry the last document's value or -1. None: one sequence a row.
         per_row: with `target`, a float32 vector of B summed cross-entropies (nats), one per
-        row (sequence log-likelihoods, e.g. DPO's), instead of their total."""
+        row (sequence log-likelihoods, e.g. DPO's), instead of their total.
+        context: under context parallelism, tokens are some positions of each sequence and
+        `context` (trainer/parallel/context_parallel.py) brings their global `positions`
+        (B×T), the sequence's length `span`, the `mask` of these queries over all its keys,
+        and `keys_values(k, v)`, which gives attention the whole sequence's."""
         if segments is not None and cache is not None:
             raise ValueError("segments (packed documents) cannot be decoded with a KV cache: pass one or the other")
         if per_row and (target is None or softmax_batch or self.adaptive_softmax is not None):
@@ -267,15 +272,18 @@ class TransformerLM(nn.Module):
         # The positions and mask are made once here and read by every layer: the documents'
         # with segments, the cache's rows' with a cache (a batch's rows at lengths of their own).
         start, positions, span, mask = 0, None, tokens.shape[1], None
-        if segments is not None:
+        if context is not None:
+            positions, span, mask = context.positions, context.span, context.mask
+        elif segments is not None:
             positions, mask = document_positions(segments), block_causal_mask(segments)
         elif cache is not None:
             start, positions, span, mask = cache.next_positions(tokens.shape[1], tokens.device)
         x = self.embed(tokens, start, positions, span)
         rope = self.rope_tables(start, span, x, positions)
         if cache is None:  # training, and generation without a cache
+            keys_values = None if context is None else context.keys_values
             for i in range(len(self.layers)) if layers is None or not self.training else layers:
-                x = self.layers[i](x, rope=rope, mask=mask)
+                x = self.layers[i](x, cache=keys_values, rope=rope, mask=mask)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cache=partial(cache.append, i), rope=rope, mask=mask)

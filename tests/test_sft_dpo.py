@@ -277,6 +277,17 @@ def test_ranks_train_as_one_process(chat, task, backend, update_freq, tmp_path):
         assert sharded[n] == pytest.approx(expected[n], rel=1e-5)
 
 
+def test_context_parallel_sft_trains_as_one_process(chat, tmp_path):
+    """--context-parallel-size 2: each rank holds half of every packed row's positions (a
+    chunk from each end), its documents' masks over the whole row: one process's run."""
+    flags = ["--ddp-backend", "fully_sharded", "--update-freq", "2", "--context-parallel-size", "2"]
+    split = train_updates(sft_argv(chat[0], "llama", *flags, batch_size=1), 2, tmp_path)
+    expected = one_process(chat, "sft", 2, tmp_path)
+    assert sorted(split) == sorted(expected) == [1, 2]
+    for n in expected:
+        assert split[n] == pytest.approx(expected[n], rel=1e-5)
+
+
 @pytest.mark.parametrize("task", list(ARGV))
 def test_resume_continues_the_run(chat, task, tmp_path):
     """Stopped after one update and started again, the run continues the uninterrupted

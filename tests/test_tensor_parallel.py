@@ -94,12 +94,19 @@ def _broken_rank(index, argv, world, port, n_updates, out, broken):
         import trainer.train.trainer
 
         trainer.train.trainer.on_device_sum = world_sum
+    elif broken == "kv_gradients":  # each rank keeps its own queries' gradient of its keys/values only
+        from trainer.parallel import context_parallel
+
+        def own_share(ctx, grad):
+            return grad.index_select(2, ctx.split.local.to(grad.device)), None, None
+
+        context_parallel.GatherKeysValues.backward = staticmethod(own_share)
     _rank_worker(index, argv, world, port, n_updates, out)
 
 
-@pytest.mark.parametrize("broken", ["vocab_shards", "token_counts"])
+@pytest.mark.parametrize("broken", ["vocab_shards", "token_counts", "kv_gradients"])
 def test_a_missing_reduction_fails(broken, tmp_path):
-    """The equality above fails when a reduction tensor parallelism needs is taken out."""
+    """The equalities here fail when a reduction tensor or context parallelism needs is taken out."""
     import json
 
     from helpers import run_ranks
@@ -109,7 +116,8 @@ def test_a_missing_reduction_fails(broken, tmp_path):
     argv = model + RUN + flags
     ref_loss, ref_gnorm = update_losses(argv, UPDATES, with_gnorm=True)
     out = tmp_path / "ranks"
-    run_ranks(_broken_rank, (argv + ["--model-parallel-size", "2"], world, free_port(), UPDATES, str(out), broken), 2)
+    parallel = ["--context-parallel-size" if broken == "kv_gradients" else "--model-parallel-size", "2"]
+    run_ranks(_broken_rank, (argv + parallel, world, free_port(), UPDATES, str(out), broken), 2)
     got = json.loads(Path(f"{out}.0").read_text())
     assert got["gnorms"] != pytest.approx(ref_gnorm, rel=1e-3) or got["losses"] != pytest.approx(ref_loss, rel=1e-3)
 
@@ -122,6 +130,10 @@ RESUMED_ON = {
     "tp2": (
         2,
         ["--batch-size", "2", "--update-freq", "2", "--ddp-backend", "fully_sharded", "--model-parallel-size", "2"],
+    ),
+    "cp2": (
+        2,
+        ["--batch-size", "2", "--update-freq", "2", "--ddp-backend", "fully_sharded", "--context-parallel-size", "2"],
     ),
 }
 SAVED = LLAMA + [a for a in RUN if a != "--no-save"] + ["--required-batch-size-multiple", "1"]
@@ -139,7 +151,7 @@ def saved_on_tp2_fsdp2(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(RESUMED_ON))
 def test_a_tensor_parallel_checkpoint_resumes_on_any_layout(layout, saved_on_tp2_fsdp2, tmp_path):
-    """Saved at TP 2 × FSDP 2, resumed at FSDP 4, one process and TP 2: the same curve as a
+    """Saved at TP 2 × FSDP 2, resumed at FSDP 4, one process, TP 2 and CP 2: the same curve as a
     run never stopped (the checkpoint holds the model's own rows, and the data position)."""
     import shutil
 
@@ -151,3 +163,29 @@ def test_a_tensor_parallel_checkpoint_resumes_on_any_layout(layout, saved_on_tp2
     for n, (loss, gnorm) in {**first, **second}.items():
         assert loss == pytest.approx(whole[n][0], rel=1e-5), f"update {n}"
         assert gnorm == pytest.approx(whole[n][1], rel=1e-4), f"update {n}"
+
+
+# Context parallelism: each of the ranks of a context group holds two chunks of every sequence.
+CONTEXT = {
+    "llama_cp2": (2, LLAMA, ["--batch-size", "2", "--update-freq", "2", "--ddp-backend", "fully_sharded"], 2, 1),
+    "gpt_cp2_tp2": (4, GPT, ["--batch-size", "2", "--ddp-backend", "fully_sharded"], 2, 2),
+    "qwen3_hsdp2_cp2": (
+        4,
+        QWEN3,
+        ["--batch-size", "2", "--ddp-backend", "hybrid_shard", "--shard-group-size", "2"],
+        2,
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CONTEXT)
+def test_context_parallel_equals_one_process(name, tmp_path):
+    world, model, flags, cp, tp = CONTEXT[name]
+    argv = model + RUN + flags
+    alone = " ".join(argv).replace("hybrid_shard --shard-group-size 2", "fully_sharded").split()
+    ref_loss, ref_gnorm = update_losses(alone, UPDATES, with_gnorm=True, merge=world // (cp * tp))
+    parallel = ["--context-parallel-size", str(cp), "--model-parallel-size", str(tp)]
+    loss, gnorm = multi_rank_losses(argv + parallel, world, UPDATES, tmp_path)
+    assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-5)
+    assert gnorm == pytest.approx(ref_gnorm, rel=1e-5, abs=1e-5)

@@ -26,10 +26,15 @@ class DistEnv:
     local_world_size: int
     device: torch.device
     init_method: str = ""
-    # --model-parallel-size: consecutive ranks of this many split one model replica and read
-    # the same batches (tensor parallelism); the data is sharded over the others.
+    # Ranks are ordered data × context × tensor: --model-parallel-size consecutive ranks
+    # split one model replica (tensor parallelism), --context-parallel-size groups of them
+    # split each sequence's positions; all of these read the same batches.
     tp: int = 1
-    data_group: object = None  # the ranks of other batches, with this one (None: all)
+    cp: int = 1
+    # The ranks whose tokens are other than this one's, with it (all but its tensor-parallel
+    # copies): token counts, losses and validation sums run over them. None: all ranks.
+    data_group: object = None
+    cp_group: object = None  # this rank's context group (None without one)
 
     @property
     def is_master(self):
@@ -38,11 +43,21 @@ class DistEnv:
     @property
     def data_rank(self):
         """Which share of the batches this rank reads."""
-        return self.rank // self.tp
+        return self.rank // (self.tp * self.cp)
 
     @property
     def data_size(self):
         """How many shares the batches are split into."""
+        return self.world_size // (self.tp * self.cp)
+
+    @property
+    def cp_rank(self):
+        """Which of its context group's shares of each sequence this rank holds."""
+        return self.rank // self.tp % self.cp
+
+    @property
+    def token_ranks(self):
+        """How many ranks hold tokens of their own (data × context)."""
         return self.world_size // self.tp
 
 
@@ -109,8 +124,12 @@ def init_rank(cfg, rdv, needs_process_group):
     threads = host_threads(device, cfg.distributed_training.cpu_offload, rdv.local_world_size, usable_cores())
     if threads is not None:
         torch.set_num_threads(threads)
-    tp = cfg.common.model_parallel_size
-    env = DistEnv(rdv.rank, rdv.world_size, rdv.local_rank, rdv.local_world_size, device, rdv.init_method, tp)
+    tp, cp = cfg.common.model_parallel_size, cfg.common.context_parallel_size
+    if rdv.world_size % (tp * cp):
+        raise UsageError(
+            f"--model-parallel-size {tp} × --context-parallel-size {cp} must divide the world size {rdv.world_size}"
+        )
+    env = DistEnv(rdv.rank, rdv.world_size, rdv.local_rank, rdv.local_world_size, device, rdv.init_method, tp, cp)
     if rdv.world_size > 1 or (needs_process_group and not dist.is_initialized()):
         if rdv.init_method:
             # The store keeps the long timeout: ranks of a cluster job start minutes apart,
@@ -127,8 +146,13 @@ def init_rank(cfg, rdv, needs_process_group):
             world_size=rdv.world_size,
             timeout=collective_timeout(cfg),
         )
-    if tp > 1 and rdv.world_size > 1:
-        env.data_group, _ = dist.new_subgroups_by_enumeration([list(range(t, rdv.world_size, tp)) for t in range(tp)])
+    world = rdv.world_size
+    if tp > 1:
+        env.data_group, _ = dist.new_subgroups_by_enumeration([list(range(t, world, tp)) for t in range(tp)])
+    if cp > 1:
+        env.cp_group, _ = dist.new_subgroups_by_enumeration(
+            [[base + c * tp for c in range(cp)] for base in range(world) if base // tp % cp == 0]
+        )
     return env
 
 
@@ -158,9 +182,9 @@ def all_reduce_sum(values, env):
 
 
 def data_sum(values, env):
-    """all_reduce_sum over the ranks of distinct batches: the ranks of one tensor-parallel
-    group saw the same ones (token counts, validation sums)."""
-    if env.data_size == 1:
+    """all_reduce_sum over the ranks whose tokens are their own (env.data_group): the ranks
+    of one tensor-parallel group saw the same ones (token counts, validation sums)."""
+    if env.token_ranks == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=env.device)
     dist.all_reduce(t, group=env.data_group)
@@ -177,10 +201,10 @@ def on_device(values, env):
 
 
 def on_device_sum(tensor, env):
-    """`tensor` summed over the ranks of distinct batches (all but tensor parallelism's
-    copies), in place, left on the device: the host goes on at once (NCCL queues the sum
+    """`tensor` summed over the ranks whose tokens are their own (all but tensor
+    parallelism's copies), in place, left on the device: the host goes on at once (NCCL queues the sum
     behind the work that computes it; gloo's is done on return)."""
-    if env.data_size > 1:
+    if env.token_ranks > 1:
         dist.all_reduce(tensor, group=env.data_group)
     return tensor
 

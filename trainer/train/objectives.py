@@ -29,6 +29,8 @@ class TokenLoss:
 
     def __call__(self, model, batch, device, **kwargs):
         segments = batch.get("segments") if self.per_document else None
+        if "context" in batch:  # context parallelism: this rank's positions, documents in its mask
+            kwargs["context"], segments = batch["context"], None
         if segments is not None:
             kwargs["segments"] = segments.to(device, non_blocking=True)
         loss = model(

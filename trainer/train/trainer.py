@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from trainer.config.schema import uses_fsdp
+from trainer.parallel.context_parallel import ContextSplit
 from trainer.parallel.parallelize import mixed_precision_dtype
 from trainer.parallel.ranks import all_reduce_sum, on_device, on_device_sum
 from trainer.train.deferred_read import BACKOFF, LOSS_SCALE, DeferredRead, numerical_fault
@@ -40,6 +41,9 @@ class Trainer:
     def __init__(self, cfg, model, env, pad, grad_sync, objective=None):
         self.cfg, self.model, self.env, self.pad, self.grad_sync = cfg, model, env, pad, grad_sync
         self.objective = objective or build_objective(cfg)
+        # --context-parallel-size: each batch cut to this rank's positions before it is counted
+        per_document = getattr(self.objective, "per_document", False)
+        self.context = ContextSplit(env, per_document, pad) if env.cp > 1 else None
         self.optimizer = build_muon(model, cfg) if cfg.optimizer._name == "muon" else build_optimizer(model, cfg)
         if cfg.optimizer._name == "cpu_adam" and env.is_master:
             log.info(CPU_ADAM)
@@ -131,6 +135,8 @@ class Trainer:
         acts on it when the run's DeferredRead reads it (settle())."""
         start = time.perf_counter()
         self.model.train()
+        if self.context is not None:
+            samples = [self.context(batch) for batch in samples]
         counts = on_device_sum(on_device(sample_counts(samples), self.env), self.env)
         # Gradients are divided by the sample size (tokens; dpo's pairs) of the whole update
         # after backward; DDP averages gradients over ranks, which the factor undoes (FSDP
@@ -276,6 +282,8 @@ class Trainer:
         """(summed loss on the device, its extra sums or None, [tokens, sentences, sample
         size]) of a validation batch."""
         self.model.eval()
+        if self.context is not None:
+            batch = self.context(batch)
         loss, extras = self.loss_sum(batch)  # a dummy batch runs too: sharded forwards are collective
         if batch.get("dummy"):
             loss, extras = torch.zeros_like(loss), None if extras is None else torch.zeros_like(extras)

@@ -3,18 +3,18 @@
 Each problem is one UsageError line that names the fix. Runs on the config, so a bad
 value is caught the same way whether it came from a flag, a file or an override. One
 check per config group, in the module of its kind: run.py (common, distributed_training,
-checkpoint, ema), tensor_parallel.py (--model-parallel-size), optim.py (optimization,
-optimizer), lr_scheduler.py, model.py, data.py (task, dataset); values.py holds the range
-checks they share. A check that compares two groups sits with the group it limits, after
-the group it reads is checked.
+checkpoint, ema), parallel_dims.py (--model-parallel-size, --context-parallel-size),
+optim.py (optimization, optimizer), lr_scheduler.py, model.py, data.py (task, dataset);
+values.py holds the range checks they share. A check that compares two groups sits with
+the group it limits, after the group it reads is checked.
 """
 
 from trainer.config.checks.data import check_dataset, check_task
 from trainer.config.checks.lr_scheduler import check_lr_scheduler
 from trainer.config.checks.model import _check_model_features, check_adaptive_vocab, check_model, parse_model_overrides
 from trainer.config.checks.optim import check_optimization, check_optimizer
+from trainer.config.checks.parallel_dims import check_parallel_dims
 from trainer.config.checks.run import check_checkpoint, check_common, check_distributed, check_ema
-from trainer.config.checks.tensor_parallel import check_tensor_parallel
 from trainer.config.checks.values import check_fields
 
 # Imported from here by cli.py, trainer/launch/sweep.py, trainer/plan/search.py,
@@ -34,7 +34,7 @@ GROUP_CHECKS = (
     check_task,
     check_dataset,
     check_ema,
-    check_tensor_parallel,
+    check_parallel_dims,
 )
 
 

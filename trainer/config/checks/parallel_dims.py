@@ -1,5 +1,6 @@
-"""Checks of --model-parallel-size (tensor parallelism, trainer/parallel/tensor_parallel.py):
-what it composes with, and a model it can split into equal shares."""
+"""Checks of --model-parallel-size (tensor parallelism, trainer/parallel/tensor_parallel.py)
+and --context-parallel-size (trainer/parallel/context_parallel.py): what each composes
+with, and a model tensor parallelism can split into equal shares."""
 
 from models.config import kv_heads
 from trainer.config.checks.values import positive
@@ -11,10 +12,27 @@ from trainer.errors import UsageError
 WHOLE_MATRIX_OPTIMIZERS = ("muon", "adafactor", "lamb")
 
 
-def check_tensor_parallel(cfg):
+def check_parallel_dims(cfg):
     positive(cfg, "common.model_parallel_size", "common.context_parallel_size")
-    if cfg.common.context_parallel_size > 1:
-        raise UsageError("--context-parallel-size is not built yet; leave it at 1")
+    check_context_parallel(cfg)
+    check_tensor_parallel(cfg)
+
+
+def check_context_parallel(cfg):
+    n = cfg.common.context_parallel_size
+    if n == 1:
+        return
+    flag = f"--context-parallel-size {n}"
+    if cfg.task._name == "dpo":
+        raise UsageError(f"{flag}: dpo scores whole sequences on one rank; train dpo with --context-parallel-size 1")
+    if cfg.common.compile:
+        raise UsageError(f"{flag} and --compile: compiling attention's key/value gather is not supported yet")
+    world, tp = cfg.distributed_training.distributed_world_size, cfg.common.model_parallel_size
+    if world > 1 and world % (n * tp):
+        raise UsageError(f"{flag} × --model-parallel-size {tp} must divide --distributed-world-size {world}")
+
+
+def check_tensor_parallel(cfg):
     n = cfg.common.model_parallel_size
     if n == 1:
         return

@@ -1,0 +1,132 @@
+"""Context parallelism (--context-parallel-size N): each of N ranks holds 1/N of every
+sequence's positions, and attention gathers the others' keys and values (Llama 3's way:
+an all-gather of K/V per layer, whose backward reduce-scatters their gradients).
+
+Causal attention costs a query in proportion to its position, so a plain split would give
+the last rank most of the work: the sequence is cut into 2N chunks and rank r holds chunk r
+and chunk 2N-1-r (one from each end). Everything else a layer does is per position and
+runs on the rank's own positions; the tokens' positions (RoPE, learned, sinusoidal) stay
+global, and packed documents keep their per-document masks. Ranks of one context group read
+the same batches; each counts and scores its own positions, so token counts and losses are
+summed over them as over data-parallel ranks. Parameters are replicated over the group and
+FSDP shards them over it as over more data-parallel ranks.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from models.documents import document_positions
+
+
+def local_positions(length, n, r):
+    """The positions (of a sequence of `length`) context rank r of n holds: chunk r and
+    chunk 2n-1-r of 2n as even as can be."""
+    chunks = torch.arange(length).tensor_split(2 * n)
+    return torch.cat((chunks[r], chunks[2 * n - 1 - r]))
+
+
+class GatherKeysValues(torch.autograd.Function):
+    """This rank's keys (or values), B×H×T_r×D at its positions, → the whole sequence's,
+    B×H×T×D in order; backward sums every rank's gradient of them and keeps this rank's."""
+
+    @staticmethod
+    def forward(ctx, local, split, group):
+        ctx.split, ctx.group = split, group
+        padded = _pad(local, split.longest)
+        B, H, _, D = local.shape
+        # the ranks' parts one after the other along dim 0, as every backend takes them
+        out = torch.empty((split.n * B, *padded.shape[1:]), dtype=local.dtype, device=local.device)
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        flat = out.view(split.n, B, H, split.longest, D).permute(1, 2, 0, 3, 4).reshape(B, H, -1, D)
+        return flat.index_select(2, split.gathered_index.to(local.device))
+
+    @staticmethod
+    def backward(ctx, grad):
+        split = ctx.split
+        B, H, _, D = grad.shape
+        flat = grad.new_zeros(B, H, split.n * split.longest, D)
+        flat.index_copy_(2, split.gathered_index.to(grad.device), grad)
+        parts = flat.view(B, H, split.n, split.longest, D).permute(2, 0, 1, 3, 4).reshape(split.n * B, H, -1, D)
+        mine = grad.new_empty(B, H, split.longest, D)
+        dist.reduce_scatter_tensor(mine, parts, group=ctx.group)
+        return mine[:, :, : split.local_length], None, None
+
+
+def _pad(t, length):
+    if t.shape[2] == length:
+        return t
+    return torch.cat((t, t.new_zeros(*t.shape[:2], length - t.shape[2], t.shape[3])), dim=2)
+
+
+@dataclass
+class SequenceSplit:
+    """How a sequence of `length` positions is split over the n ranks of a context group."""
+
+    length: int
+    n: int
+    rank: int
+
+    def __post_init__(self):
+        per_rank = [local_positions(self.length, self.n, r) for r in range(self.n)]
+        self.local = per_rank[self.rank]
+        self.local_length = len(self.local)
+        self.longest = max(len(p) for p in per_rank)
+        # where each position of the sequence sits in the ranks' gathered, padded parts
+        slots = torch.cat([r * self.longest + torch.arange(len(p)) for r, p in enumerate(per_rank)])
+        self.gathered_index = slots[torch.argsort(torch.cat(per_rank))]
+
+
+class Context:
+    """What the model's forward takes (TransformerLM.forward's `context`) on a context rank:
+    its tokens' global positions, the sequence's length, the mask of its queries over all
+    keys, and the function attention gathers keys and values with."""
+
+    def __init__(self, positions, span, mask, split, group):
+        self.positions, self.span, self.mask = positions, span, mask
+        self.split, self.group = split, group
+
+    def keys_values(self, k, v):
+        return GatherKeysValues.apply(k, self.split, self.group), GatherKeysValues.apply(v, self.split, self.group)
+
+
+class ContextSplit:
+    """Cuts each batch to this rank's positions (Trainer.train_step / valid_step)."""
+
+    def __init__(self, env, per_document, pad):
+        self.env, self.per_document, self.pad = env, per_document, pad
+        self.n, self.rank, self.group = env.cp, env.cp_rank, env.cp_group
+
+    def __call__(self, batch):
+        tokens, target = batch["src_tokens"], batch["target"]
+        B, T = tokens.shape
+        split = SequenceSplit(T, self.n, self.rank)
+        local = split.local
+        device = self.env.device
+        segments = batch.get("segments") if self.per_document else None
+        if segments is None:
+            positions = local.expand(B, -1)
+            allowed = torch.arange(T)[None, :] <= local[:, None]  # causal, in global positions
+            mask = allowed.expand(B, 1, -1, -1)
+        else:
+            positions = document_positions(segments)[:, local]
+            same = segments[:, local, None] == segments[:, None, :]
+            mask = (same & (torch.arange(T)[None, None, :] <= local[None, :, None]))[:, None]
+        mine_target = target[:, local]
+        ntokens = int((mine_target != self.pad).sum())
+        return {
+            **{k: v for k, v in batch.items() if k not in ("segments",)},
+            "src_tokens": tokens[:, local],
+            "target": mine_target,
+            "ntokens": ntokens,
+            # each sequence counted once in the group: by its first rank
+            "nsentences": batch["nsentences"] if self.rank == 0 else 0,
+            "context": Context(
+                positions.to(device, non_blocking=True),
+                T,
+                mask.to(device, non_blocking=True),
+                split,
+                self.group,
+            ),
+        }
