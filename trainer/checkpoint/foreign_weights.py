@@ -1,11 +1,12 @@
 """A model written by another trainer (a Hugging Face directory, a fairseq-train checkpoint:
-trainer/formats/) into the model of a run, plain, DDP-wrapped or sharded: each rank reads
-the rows of its own shards only, through the format's reader, so no rank holds the model."""
+trainer/formats/) into the model of a run, plain, DDP-wrapped or sharded (FSDP, tensor
+parallelism): each rank reads the rows of its own shards only, through the format's reader,
+so no rank holds the model."""
 
 import torch
 
 from trainer.errors import UsageError
-from trainer.parallel.parallelize import local_rows
+from trainer.parallel.tensor_parallel import local_pieces, row_orders
 
 
 @torch.no_grad()
@@ -21,10 +22,12 @@ def load_rows(model, reader):
             raise UsageError(
                 f"{reader.path}: {name} is {list(reader.specs[name][0])}, the run's model needs {list(p.shape)}"
             )
+    orders = row_orders(model)
     for name, p in params.items():
-        local, first = local_rows(p)
-        if local.numel():
-            local.copy_(reader.rows(name, first, first + local.shape[0], local.dtype))
+        for local, first, count, cols in local_pieces(p, orders.get(name)):
+            if local.numel():
+                rows = reader.rows(name, first, first + count, local.dtype)
+                local.copy_(rows if cols is None else rows[:, cols])
     return sum(p.numel() for p in params.values())
 
 
@@ -32,16 +35,18 @@ def load_moments(model, optimizer, run):
     """The optimizer's state from another trainer's Adam (trainer/formats/reader.py
     ForeignRun): each parameter's exp_avg and exp_avg_sq, this rank's rows only, and its step."""
     model = getattr(model, "module", model)
+    orders = row_orders(model)
     for name, p in model.named_parameters():
-        local, first = local_rows(p)
-        moments = run.moments(name, first, first + local.shape[0])
-        if moments is None:
-            continue
-        state = {"step": torch.tensor(float(moments["step"]), dtype=torch.float32, device=p.device)}
-        for key in ("exp_avg", "exp_avg_sq"):
-            whole = torch.zeros_like(p)
-            mine, _ = local_rows(whole)
-            if mine.numel():
-                mine.copy_(moments[key])
-            state[key] = whole
-        optimizer.state[p] = state
+        state = {key: torch.zeros_like(p) for key in ("exp_avg", "exp_avg_sq")}
+        # this rank's pieces of the parameter and of each moment, alike
+        pieces = zip(*(local_pieces(t, orders.get(name)) for t in [p, *state.values()]))
+        for (_, first, count, cols), *mine in pieces:
+            moments = run.moments(name, first, first + count)
+            if moments is None:
+                break
+            state["step"] = torch.tensor(float(moments["step"]), dtype=torch.float32, device=p.device)
+            for key, (local, *_) in zip(("exp_avg", "exp_avg_sq"), mine):
+                if local.numel():
+                    local.copy_(moments[key] if cols is None else moments[key][:, cols])
+        if "step" in state:
+            optimizer.state[p] = state

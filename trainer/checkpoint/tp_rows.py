@@ -21,19 +21,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-
-def runs(order, start, length):
-    """[(local row, model row, count)] of rows start … start+length-1 of the process-ordered
-    layout, as runs of consecutive rows of the model's order."""
-    rows = order[start : start + length].tolist()
-    out = []
-    for i, row in enumerate(rows):
-        if out and out[-1][1] + out[-1][2] == row:
-            local, first, count = out[-1]
-            out[-1] = (local, first, count + 1)
-        else:
-            out.append((i, row, 1))
-    return out
+from trainer.parallel.tensor_parallel import runs
 
 
 class RowChunks:

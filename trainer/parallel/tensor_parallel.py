@@ -47,6 +47,36 @@ def tp_row_order(blocks, n):
     return torch.tensor(order, dtype=torch.long)
 
 
+def runs(order, start, length):
+    """[(local row, model row, count)] of rows start … start+length-1 of the process-ordered
+    layout, as runs of consecutive rows of the model's order."""
+    rows = order[start : start + length].tolist()
+    out = []
+    for i, row in enumerate(rows):
+        if out and out[-1][1] + out[-1][2] == row:
+            local, first, count = out[-1]
+            out[-1] = (local, first, count + 1)
+        else:
+            out.append((i, row, 1))
+    return out
+
+
+def local_pieces(p, order=None):
+    """[(a view of this rank's part of parameter p, its first row in the model's order, row
+    count, its columns or None for all)]: FSDP gives a rank rows, tensor parallelism rows or
+    columns, and of a reordered parameter (`order`: row_orders) runs of the model's rows."""
+    if not isinstance(p, DTensor):
+        return [(p.data, 0, p.shape[0], None)]
+    local = p.to_local()
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if tuple(shape) != tuple(local.shape):
+        raise RuntimeError(f"unexpected shard layout of a {list(p.shape)} parameter: local {list(local.shape)}")
+    cols = slice(offset[1], offset[1] + shape[1]) if p.dim() > 1 and shape[1] != p.shape[1] else None
+    if order is None:
+        return [(local, offset[0], shape[0], cols)]
+    return [(local[i : i + count], row, count, cols) for i, row, count in runs(order, offset[0], shape[0])]
+
+
 def fused_rows(model):
     """{parameter name: its row blocks} of the parameters whose rows tensor parallelism
     reorders: every layer's qkv_proj (and its bias), a gated fc1 (and its bias)."""
