@@ -133,7 +133,11 @@ def eval_lm_main(argv=None):
         from trainer.config.compose import compose_config
 
         cfg = compose_config(
-            [("distributed_training.distributed_world_size", args.distributed_world_size), ("common.cpu", args.cpu)],
+            [
+                ("distributed_training.distributed_world_size", args.distributed_world_size),
+                ("common.cpu", args.cpu),
+                ("common.model_parallel_size", args.model_parallel_size),
+            ],
             [],
             None,
             None,

@@ -353,21 +353,24 @@ def test_language_modeling_per_document_attention(chat, tmp_path, capsys):
     assert eval_lm("complete") == eval_lm("eos")
 
 
-def test_eval_lm_scores_the_assistants_tokens(chat, tmp_path, capsys):
-    """eval-lm on conversations scores their target tokens only: sft's loss before any step."""
+@pytest.mark.parametrize("ranks", [[], ["--distributed-world-size", "2", "--model-parallel-size", "2"]])
+def test_eval_lm_scores_the_assistants_tokens(chat, tmp_path, capfd, ranks):
+    """eval-lm on conversations scores their target tokens only: sft's loss before any step;
+    with --model-parallel-size 2 the model split over 2 ranks, each reading its own rows and
+    columns of the Hugging Face weights, scores the same."""
     import math
 
     import cli
 
     root, _ = chat
     expected = train_updates(sft_argv(root, "llama", "--sample-break-mode", "eos"), 1, tmp_path)[1][0]
-    capsys.readouterr()
-    argv = [str(root / "llama-sft"), "--path", str(root / "llama"), "--gen-subset", "train"]
+    capfd.readouterr()
+    argv = [str(root / "llama-sft"), "--path", str(root / "llama"), "--gen-subset", "train", *ranks]
     assert cli.COMMANDS["eval-lm"](argv + ["--tokens-per-sample", str(TOKENS_PER_SAMPLE), "--batch-size", "4"]) in (
         0,
         None,
     )
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     loss = float(next(x for x in out.splitlines() if x.startswith("Loss (base 2):")).split(":")[1].split(",")[0])
     assert loss == pytest.approx(expected / math.log(2), abs=1e-4)
 

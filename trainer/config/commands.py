@@ -47,6 +47,13 @@ class EvalLMConfig:
     batch_size: Optional[int] = _f(None, "blocks per batch", alias="--max-sentences", type=positive_int)
     max_tokens: Optional[int] = _f(None, "tokens per batch (default 36000 without --batch-size)", type=positive_int)
     distributed_world_size: int = _f(1, "ranks to spawn", type=positive_int)
+    model_parallel_size: int = _f(
+        1,
+        "split the model's heads, width and vocabulary over N ranks (tensor parallelism, as train's); "
+        "the blocks are shared out over the world size / N groups",
+        alias="--tensor-parallel-size",
+        type=positive_int,
+    )
     cpu: bool = _f(False, "evaluate on the CPU even when a GPU is present")
     num_workers: int = _f(
         1, "processes that read and collate batches ahead (0: in the evaluating process)", type=non_negative_int

@@ -81,6 +81,7 @@ class CommonConfig:
         "tensor parallelism (Megatron's, with sequence parallelism): split each layer's heads, "
         "feed-forward width and the vocabulary over N ranks of a node, which see the same batches; "
         "FSDP (--ddp-backend fully_sharded / hybrid_shard) shards over the world size / N others",
+        alias="--tensor-parallel-size",
     )
     context_parallel_size: int = _f(
         1,

@@ -33,7 +33,7 @@ from data.tokenizer import load_tokenizer
 from trainer.errors import UsageError
 from trainer.formats.fairseq.checkpoint_file import check_fairseq_dictionary, is_fairseq_checkpoint
 from trainer.inference.load import load_model
-from trainer.parallel.ranks import all_reduce_sum, init_rank, teardown
+from trainer.parallel.ranks import data_sum, init_rank, teardown
 
 log = logging.getLogger("shardlm")
 
@@ -77,8 +77,8 @@ def eval_batches(dataset, args, pad, bos, env):
         batch_size=args.batch_size,
         max_tokens=args.max_tokens,
         seed=1,
-        num_shards=env.world_size,
-        shard_id=env.rank,
+        num_shards=env.data_size,  # a tensor-parallel group scores the same blocks
+        shard_id=env.data_rank,
         shuffle=False,
         # fairseq-eval-lm's order: blocks by size (seed 1), or in order with a context window
         sort_by_size=args.context_window == 0,
@@ -102,7 +102,7 @@ def eval_lm(args, env):
     # The loss skips the targets the batches are padded with: the data's pad id (a Hugging
     # Face model has none of its own; config.json's pad_token_id is often its eos).
     model, cfg, model_tok = load_model(
-        args.path, env.device, getattr(args, "model_overrides", None), pad=tok.pad, ema=args.ema
+        args.path, env.device, getattr(args, "model_overrides", None), pad=tok.pad, ema=args.ema, env=env
     )
     tokens_per_sample = args.tokens_per_sample or cfg.task.tokens_per_sample
     if args.context_window >= tokens_per_sample:
@@ -129,7 +129,7 @@ def eval_lm(args, env):
     dataset = split_dataset(cfg, args, tokens_per_sample - args.context_window, data_dir, tok)
     start = time.perf_counter()
     loss_sum, ntokens = evaluate(model, dataset, args, tok.pad, tok.bos if add_bos else None, env)
-    loss_sum, ntokens = all_reduce_sum([loss_sum, ntokens], env)
+    loss_sum, ntokens = data_sum([loss_sum, ntokens], env)
     elapsed = max(time.perf_counter() - start, 1e-9)
     loss = loss_sum / max(ntokens, 1) / math.log(2)
     if env.is_master:

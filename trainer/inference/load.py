@@ -16,10 +16,12 @@ from models.config import TransformerLMConfig
 from models.transformer_lm import build_model
 from trainer.checkpoint.tensors import renumber_layers, saved_layer_ids
 from trainer.config.checks import _check_model_features
+from trainer.config.checks.parallel_dims import check_model_splits
 from trainer.config.schema import TaskConfig, model_positions
 from trainer.errors import UsageError
 from trainer.formats.hf.generation_config import GENERATION_CONFIG
 from trainer.formats.registry import open_model
+from trainer.parallel.tensor_parallel import apply_tensor_parallel, local_pieces, row_orders, tensor_parallel_mesh
 
 log = logging.getLogger("shardlm")
 SIDE_FILES = (*TOKENIZER_FILES, "metadata.json", GENERATION_CONFIG)
@@ -38,7 +40,7 @@ def max_positions(reader):
     return model_positions(reader.cfg)
 
 
-def load_model(path, device="cpu", model_overrides=None, pad=None, dtype=None, ema=False):
+def load_model(path, device="cpu", model_overrides=None, pad=None, dtype=None, ema=False, env=None):
     """(model in eval mode, config, tokenizer or None) from a checkpoint, an export or a
     Hugging Face model directory. model_overrides: model keys to change first (eval-lm's
     --model-overrides). pad: the pad id of the data the model will score, whose targets its
@@ -46,7 +48,9 @@ def load_model(path, device="cpu", model_overrides=None, pad=None, dtype=None, e
     changes no logit (an embedding's padding_idx only zeroes that row's gradient).
     dtype: the weights' dtype (default fp32, whatever they were saved in); each tensor is
     cast as it is read, so no fp32 copy of the whole model is ever made. ema: the moving
-    average of the weights a checkpoint of train --store-ema holds, in place of its weights."""
+    average of the weights a checkpoint of train --store-ema holds, in place of its weights.
+    env: a rank of several whose tensor-parallel groups (env.tp > 1) split the model, each
+    rank reading its own rows and columns of each weight (trainer/parallel/tensor_parallel.py)."""
     src = open_run_model(path, ema)
     try:
         if model_overrides:
@@ -59,9 +63,14 @@ def load_model(path, device="cpu", model_overrides=None, pad=None, dtype=None, e
             device="meta",
             padding_idx=pad if pad is not None else src.cfg.get("padding_idx", 1),
         )
+        split = env is not None and env.tp > 1
+        if split:
+            check_model_splits(src.cfg.model, env.tp, f"--model-parallel-size {env.tp}")
+            apply_tensor_parallel(model, tensor_parallel_mesh(env))
         model.to_empty(device=device)
         if dtype is not None:
             model.to(dtype)
+        orders = row_orders(model)
         params = dict(model.named_parameters())
         # A model pruned by --decoder-layers-to-keep reads the layers it keeps, renumbered.
         renamed = renumber_layers({name: name for name in params}, saved_layer_ids(src.cfg.model, src.specs))
@@ -71,10 +80,15 @@ def load_model(path, device="cpu", model_overrides=None, pad=None, dtype=None, e
             raise UsageError(f"{src.path} has no tensor {missing[0]}; it is not a shardlm model of this config")
         with torch.no_grad():
             for name, p in params.items():
-                t = src.get(saved_name[name])
-                if tuple(t.shape) != tuple(p.shape):
-                    raise UsageError(f"{src.path}: {name} is {list(t.shape)}, its config implies {list(p.shape)}")
-                p.copy_(t)
+                shape = tuple(src.specs[saved_name[name]][0])
+                if shape != tuple(p.shape):
+                    raise UsageError(f"{src.path}: {name} is {list(shape)}, its config implies {list(p.shape)}")
+                if not split:
+                    p.copy_(src.get(saved_name[name]))
+                    continue
+                for local, first, count, cols in local_pieces(p, orders.get(name)):
+                    rows = src.rows(saved_name[name], first, first + count, local.dtype)
+                    local.copy_(rows if cols is None else rows[:, cols])
     finally:
         src.close()
     model.eval()

@@ -208,6 +208,15 @@ def row_orders(model):
     return {name: tp_row_order(blocks, n) for name, blocks in fused_rows(model).items()}
 
 
+def tensor_parallel_mesh(env):
+    """The "tp" dimension of a (world / N, N) mesh of env's ranks: a model split for
+    inference (eval-lm), its ranks ordered as train's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(env.device.type, (env.world_size // env.tp, env.tp), mesh_dim_names=("dp", "tp"))
+    return mesh["tp"]
+
+
 def apply_tensor_parallel(model, mesh):
     """Split `model` (on the meta device) over the 1-D mesh `mesh` ("tp") as the module's
     note says; row_orders(model) then says how qkv_proj's and fc1's rows are ordered."""

@@ -53,14 +53,20 @@ def check_tensor_parallel(cfg):
             f"{flag}: --optimizer {cfg.optimizer._name} steps whole matrices, which tensor parallelism splits "
             "across ranks; use adam (or another per-element optimizer), or --model-parallel-size 1"
         )
-    if model.adaptive_input or model.adaptive_softmax_cutoff is not None:
+    check_model_splits(model, n, flag)
+
+
+def check_model_splits(model, n, flag):
+    """Refuse, in one line, a model (its config) tensor parallelism of degree n cannot split.
+    A saved config may predate an option: it reads as off."""
+    if getattr(model, "adaptive_input", False) or getattr(model, "adaptive_softmax_cutoff", None) is not None:
         raise UsageError(
             f"{flag}: the adaptive input and softmax cut the vocabulary into bands of other widths, which are "
             "not split across ranks; train them with --model-parallel-size 1"
         )
-    if model.quant_noise_pq > 0 or model.quant_noise_scalar > 0:
+    if getattr(model, "quant_noise_pq", 0) > 0 or getattr(model, "quant_noise_scalar", 0) > 0:
         raise UsageError(f"{flag}: Quant-Noise draws its noise over whole weights; leave it at 1")
-    if model.scale_fc:
+    if getattr(model, "scale_fc", False):
         raise UsageError(
             f"{flag}: --scale-fc normalizes the feed-forward's hidden width, which tensor parallelism splits "
             "across ranks; drop one of them"
