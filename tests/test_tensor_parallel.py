@@ -52,6 +52,12 @@ LAYOUTS = {
         GPT,
         ["--batch-size", "2", "--ddp-backend", "fully_sharded", "--bf16", "--checkpoint-activations"],
     ),
+    # LayerDrop at 0.5 of 2 layers: some updates run none, and the final norm splits the positions
+    "llama_tp2_layerdrop": (
+        2,
+        LLAMA,
+        ["--batch-size", "2", "--ddp-backend", "fully_sharded", "--decoder-layerdrop", "0.5"],
+    ),
     # fairseq's FSDP line: fp16 with its loss scale, parameters offloaded, layers recomputed
     "llama_tp2_fp16_offload": (
         2,

@@ -238,4 +238,9 @@ def apply_tensor_parallel(model, mesh):
     if model.output_projection is not None:
         root["output_projection"] = VocabRows()
     parallelize_module(model, mesh, root)
+    # LayerDrop may run no layer at all: what follows the layers splits the positions then
+    # (before its own style's hook), and takes split ones as they are.
+    for name in ("layer_norm", "project_out_dim"):
+        if getattr(model, name) is not None:
+            getattr(model, name).register_forward_pre_hook(to_sequence_shards(mesh), with_kwargs=True, prepend=True)
     vocab_parallel_loss(model, mesh)
