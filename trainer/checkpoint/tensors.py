@@ -179,7 +179,7 @@ def load_tensors(path, state, row_orders=None):
 
     planner = checkpoint_dir.NoBytesLoadPlanner()
     if row_orders:
-        from trainer.checkpoint.tp_rows import row_order_load
+        from trainer.checkpoint.tp_rows import row_order_load  # DCP planners: imported where used
 
         planner = row_order_load(type(planner), row_orders)
     try:
