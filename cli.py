@@ -184,7 +184,11 @@ def serve_main(argv=None):
         from trainer.rendezvous import infer_rendezvous
 
         cfg = compose_config(
-            [("distributed_training.distributed_world_size", args.distributed_world_size), ("common.cpu", args.cpu)],
+            [
+                ("distributed_training.distributed_world_size", args.distributed_world_size),
+                ("common.cpu", args.cpu),
+                ("common.model_parallel_size", args.model_parallel_size),
+            ],
             [],
             None,
             None,

@@ -17,17 +17,15 @@ class BatchKVCache:
     per layer, allocated once), and each row's length."""
 
     def __init__(self, model, max_batch, max_len=None):
-        layer = model.layers[0]
-        p = layer.out_proj.weight  # its device and dtype (an adaptive input has no single table)
         self.max_batch, self.max_len = max_batch, max_len or model.max_positions
-        shape = (max_batch, layer.num_kv_heads, self.max_len, layer.head_dim)
-        self.k = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in model.layers]
-        self.v = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in model.layers]
+        # Made by each layer's first append, as many heads as its keys: grouped-query
+        # attention's kv heads only, and under tensor parallelism this process's share.
+        self.k, self.v = [None] * len(model.layers), [None] * len(model.layers)
         self.lengths = []  # positions stored in each active row
 
     @staticmethod
     def bytes_needed(model, max_batch, max_len):
-        """What __init__ allocates for `model` (its weights' dtype), in bytes."""
+        """What the buffers take for `model` (its weights' dtype), in bytes, all heads held."""
         layer = model.layers[0]
         per_row = layer.num_kv_heads * max_len * layer.head_dim * layer.out_proj.weight.element_size()
         return 2 * len(model.layers) * max_batch * per_row
@@ -50,7 +48,8 @@ class BatchKVCache:
             n = self.lengths[last]
             for buffers in (self.k, self.v):
                 for b in buffers:
-                    b[row, :, :n] = b[last, :, :n]
+                    if b is not None:
+                        b[row, :, :n] = b[last, :, :n]
             self.lengths[row] = n
         self.lengths.pop()
 
@@ -85,6 +84,10 @@ class CacheRows:
     def append(self, layer, k, v):
         """Store layer `layer`'s keys/values (B×H×T×D) at each row's next positions; return
         the rows' keys/values up to the longest row's new length (a view of the buffers)."""
+        cache = self.cache
+        if cache.k[layer] is None:
+            shape = (cache.max_batch, k.shape[1], cache.max_len, k.shape[3])
+            cache.k[layer], cache.v[layer] = k.new_zeros(shape), v.new_zeros(shape)
         self.cache.k[layer][self._row_ids, :, self._positions] = k.transpose(1, 2)
         self.cache.v[layer][self._row_ids, :, self._positions] = v.transpose(1, 2)
         end = max(self.lengths) + k.shape[2]

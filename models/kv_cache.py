@@ -1,7 +1,5 @@
 """The keys and values of the positions generated so far (models/generate.py)."""
 
-import torch
-
 
 class KVCache:
     """Every layer's keys and values of the positions decoded so far, in buffers allocated
@@ -10,12 +8,10 @@ class KVCache:
     position; models/batch_cache.py holds rows at positions of their own."""
 
     def __init__(self, model, batch_size=1, max_len=None):
-        layer = model.layers[0]
-        p = layer.out_proj.weight  # its device and dtype (an adaptive input has no single table)
-        self.max_len = max_len or model.max_positions
-        shape = (batch_size, layer.num_kv_heads, self.max_len, layer.head_dim)  # grouped-query: the kv heads only
-        self.k = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in model.layers]
-        self.v = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in model.layers]
+        self.batch_size, self.max_len = batch_size, max_len or model.max_positions
+        # Made by the first append, as many heads as the keys it brings: grouped-query
+        # attention's kv heads only, and under tensor parallelism this process's share.
+        self.k, self.v = [None] * len(model.layers), [None] * len(model.layers)
         self.length = 0  # positions stored so far = the position of the next token
 
     def next_positions(self, num_tokens, device):
@@ -30,6 +26,9 @@ class KVCache:
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; {end} were asked for")
+        if self.k[layer] is None:
+            shape = (self.batch_size, k.shape[1], self.max_len, k.shape[3])
+            self.k[layer], self.v[layer] = k.new_zeros(shape), v.new_zeros(shape)
         self.k[layer][:, :, self.length : end] = k
         self.v[layer][:, :, self.length : end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]

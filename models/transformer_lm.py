@@ -302,6 +302,10 @@ class TransformerLM(nn.Module):
             return self.row_losses(x, target)
         if target is not None:
             return self.output_loss(x, target)
+        return self.logits(x)
+
+    def logits(self, x):
+        """B×T×V logits of hidden states x (the adaptive softmax's log-probabilities)."""
         if self.adaptive_softmax is not None:  # log-probabilities serve as logits
             return self.adaptive_softmax.log_probs(x)
         if self.output_projection is not None:

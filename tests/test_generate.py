@@ -11,8 +11,8 @@ from models.transformer_lm import KVCache, build_model
 VOCAB, MAX_POSITIONS = 50, 32
 
 
-def tiny_model(positions="sinusoidal", **overrides):
-    cfg = TransformerLMConfig(
+def tiny_config(positions="sinusoidal", **overrides):
+    return TransformerLMConfig(
         decoder_layers=2,
         decoder_embed_dim=64,
         decoder_ffn_embed_dim=128,
@@ -22,7 +22,10 @@ def tiny_model(positions="sinusoidal", **overrides):
         no_token_positional_embeddings=positions == "none",
         **overrides,
     )
-    return build_model(cfg, VOCAB, MAX_POSITIONS, seed=3).eval()
+
+
+def tiny_model(positions="sinusoidal", **overrides):
+    return build_model(tiny_config(positions, **overrides), VOCAB, MAX_POSITIONS, seed=3).eval()
 
 
 def tokens(n, seed=0):

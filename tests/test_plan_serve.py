@@ -30,16 +30,22 @@ def test_components_scale():
     assert one["gathered_parameters"] == 0 < four["gathered_parameters"]  # one rank gathers nothing
 
 
+def allocated(model):
+    """The bytes of a 5-row BatchKVCache of `model`, allocated by its first forward."""
+    cache = BatchKVCache(model, 5, MAX_POSITIONS)
+    cache.add_row()
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]), cache=cache.rows(0, 1))
+    return sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+
+
 def test_kv_cache_matches_the_engine():
     """The cache BatchKVCache allocates, in bytes, for plain and grouped-query attention."""
     for overrides, kv in (({}, 0), ({"decoder_kv_heads": 1}, 1)):
-        model = tiny_model(**overrides)
-        cache = BatchKVCache(model, 5, MAX_POSITIONS)
-        measured = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+        measured = allocated(tiny_model(**overrides))
         assert kv_cache_bytes(shape(kv_heads=kv), ServeSetup("cpu", 1, 5, MAX_POSITIONS)) == measured
     # serve --bf16: the cache takes the weights' dtype
-    half = BatchKVCache(tiny_model().to(torch.bfloat16), 5, MAX_POSITIONS)
-    measured = sum(t.numel() * t.element_size() for t in half.k + half.v)
+    measured = allocated(tiny_model().to(torch.bfloat16))
     assert kv_cache_bytes(shape(), ServeSetup("cpu", 1, 5, MAX_POSITIONS, elem=2)) == measured
 
 

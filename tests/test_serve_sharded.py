@@ -18,10 +18,10 @@ openai = pytest.importorskip("openai")
 PROMPTS = ["the quick brown fox", "a big tree", "house", "the lazy dog sees a cat and"]
 
 
-def _torchrun(path, port):
+def _torchrun(path, port, *extra):
     bin_dir = Path(sys.executable).parent
     argv = [bin_dir / "torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), bin_dir / "serve"]
-    argv += ["--path", str(path), "--port", str(port), "--cpu"]
+    argv += ["--path", str(path), "--port", str(port), "--cpu", *extra]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -87,9 +87,12 @@ def _answers(url):
     return texts, scored.choices[0].logprobs.token_logprobs, chat.choices[0].message.content
 
 
-def test_two_torchrun_ranks_serve_as_one_process_and_stop_together(model_dir):  # noqa: F811
+@pytest.mark.parametrize("split", [[], ["--model-parallel-size", "2"]], ids=["fsdp", "tensor_parallel"])
+def test_two_torchrun_ranks_serve_as_one_process_and_stop_together(model_dir, split):  # noqa: F811
+    """FSDP (each layer gathered for its forward) or tensor parallelism (each rank its share
+    of every layer's heads and width, and of the vocabulary, read from the checkpoint)."""
     one, two = free_port(), free_port()
-    procs = [_start(model_dir, one), _torchrun(model_dir, two)]
+    procs = [_start(model_dir, one), _torchrun(model_dir, two, *split)]
     try:
         for proc, port in zip(procs, (one, two)):
             _wait_healthy(proc, f"http://127.0.0.1:{port}")

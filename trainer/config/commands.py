@@ -145,6 +145,13 @@ class ServeConfig:
     distributed_world_size: int = _f(
         1, "ranks to spawn: the model is sharded across them (FSDP); rank 0 serves HTTP", type=positive_int
     )
+    model_parallel_size: int = _f(
+        1,
+        "split the model's heads, width and vocabulary over the ranks instead (tensor parallelism: each rank "
+        "computes its share of every layer); the world size or 1",
+        alias="--tensor-parallel-size",
+        type=positive_int,
+    )
 
 
 @dataclass

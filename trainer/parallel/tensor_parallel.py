@@ -195,6 +195,20 @@ def vocab_parallel_loss(model, mesh):
 
     model.loss = loss
 
+    def logits(x):
+        """Inference's whole logits: each process's vocabulary rows, gathered."""
+        if isinstance(x, DTensor):
+            x = x.redistribute(mesh, [Replicate()]).to_local()
+        weight = model.embed_tokens.weight if model.output_projection is None else model.output_projection.weight
+        local = x @ weight.to_local().t()
+        shape = (*local.shape[:-1], weight.shape[0])
+        stride = tuple(int(torch.Size(shape)[i + 1 :].numel()) for i in range(len(shape)))
+        return DTensor.from_local(
+            local, mesh, [Shard(local.dim() - 1)], shape=torch.Size(shape), stride=stride
+        ).full_tensor()
+
+    model.logits = logits
+
 
 def row_orders(model):
     """{parameter name: row order} of the parameters whose rows tensor parallelism reorders

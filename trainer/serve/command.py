@@ -75,12 +75,13 @@ def serve(args, loaded=None, broadcast=None):
     return 0
 
 
-def check_cache_fits(model, args, ranks_here=1):
+def check_cache_fits(model, args, ranks_here=1, heads_share=1):
     """Refuse, before allocating it, a KV cache this device cannot hold: it is --max-batch rows
     of every position, and a long-context model's positions (Llama 3's 131072) make that far
-    more than its weights. ranks_here: the ranks on this host, which share a CPU's memory."""
+    more than its weights. ranks_here: the ranks on this host, which share a CPU's memory;
+    heads_share: the ranks the heads are split over (tensor parallelism), each caching its own."""
     positions = min(args.max_positions or model.max_positions, model.max_positions)
-    need = BatchKVCache.bytes_needed(model, args.max_batch, positions) / 2**30
+    need = BatchKVCache.bytes_needed(model, args.max_batch, positions) / heads_share / 2**30
     device = next(model.parameters()).device
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0] / 2**30

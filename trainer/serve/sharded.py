@@ -1,7 +1,10 @@
 """serve with the model sharded across ranks (--distributed-world-size N, torchrun, SLURM).
 
 Every rank loads the model and shards it with FSDP (trainer/parallel/serve_steps.py): each
-layer is gathered for its forward, a collective all ranks join. Rank 0 runs the HTTP server
+layer is gathered for its forward, a collective all ranks join; or, with --model-parallel-size
+N (the world size), splits it by heads, width and vocabulary as training's tensor
+parallelism does, each rank reading only its share (every forward's collectives are the
+layers' own). Rank 0 runs the HTTP server
 over the batched Engine, which broadcasts each cache operation and forward before running
 it; the other ranks run the same ones (`follow_ops`) until rank 0 sends ("close",).
 
@@ -26,12 +29,21 @@ def run(args, cfg, rdv):
     """One rank of a sharded serve (launched like eval-lm: spawned, torchrun or SLURM)."""
     env = init_rank(cfg, rdv, needs_process_group=True)
     try:
-        model, model_cfg, tokenizer = load_model(args.path, env.device, dtype=weights_dtype(args), ema=args.ema)
+        if env.tp not in (1, env.world_size):
+            raise UsageError(
+                f"serve --model-parallel-size {env.tp}: split the model over all {env.world_size} ranks "
+                "(--model-parallel-size equal to the world size) or shard it with FSDP (1)"
+            )
+        model, model_cfg, tokenizer = load_model(
+            args.path, env.device, dtype=weights_dtype(args), ema=args.ema, env=env
+        )
         if tokenizer is None:
             raise UsageError(f"{args.path} has no tokenizer: serve reads and writes text, so it needs the model's own")
-        shard_for_serving(model.eval(), env.device)
-        # every rank holds the whole cache: each checks its own, so that none is left waiting
-        serve_command.check_cache_fits(model, args, ranks_here=env.local_world_size)
+        if env.tp == 1:
+            shard_for_serving(model.eval(), env.device)
+        # every rank holds its cache (under tensor parallelism its heads' share): each checks
+        # its own, so that none is left waiting
+        serve_command.check_cache_fits(model, args, ranks_here=env.local_world_size, heads_share=env.tp)
         group = op_group()
         if env.rank == 0:
             broadcast = functools.partial(broadcast_op, group=group)
