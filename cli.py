@@ -163,9 +163,21 @@ def generate_main(argv=None):
         from trainer.config.command_checks import check_generate
 
         check_generate(args)
-        from trainer.inference.generate import generate
+        from trainer.inference import generate
 
-        return generate(args)
+        if args.model_parallel_size == 1:
+            return generate.generate(args)
+        # A model split over ranks: they start here, and take the prompts read once
+        import functools
+
+        from trainer.config.compose import compose_config
+        from trainer.launch.launcher import launch
+
+        prompts = None if args.chat else generate.read_prompts(args)
+        n = args.model_parallel_size
+        settings = [("distributed_training.distributed_world_size", n), ("common.model_parallel_size", n)]
+        cfg = compose_config([*settings, ("common.cpu", args.cpu)], [], None, None)
+        return launch(cfg, functools.partial(generate.run, args, prompts), prog="generate")
     except UsageError as e:
         return _fail("generate", e, 2)
     except DataError as e:

@@ -214,6 +214,8 @@ def test_generate_is_seeded_and_the_kv_cache_changes_nothing(trained, capsys, mo
     assert generate(*args, "--seed", "5") == (0, a, "")
     assert generate(*args, "--seed", "5", "--no-kv-cache") == (0, a, "")
     assert generate(*args, "--seed", "6")[1] != a
+    # split over 2 ranks by heads and vocabulary: every rank samples the same tokens, rank 0 prints them
+    assert _run("generate", *args, "--seed", "5", "--model-parallel-size", "2").stdout == a
     lines = a.splitlines()
     assert len(lines) == 2 and lines[0].startswith("rara") and len(lines[0]) > len("rara")
     stdin = generate("--path", ckpt, "--max-new-tokens", "24", "--top-k", "20", "--seed", "5", stdin="rara\nlesabi\n")

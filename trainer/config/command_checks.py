@@ -55,3 +55,9 @@ def check_eval_lm(args):
 def check_generate(args):
     if not args.temperature >= 0 or args.temperature == float("inf") or args.top_k < 0 or not 0 < args.top_p <= 1:
         raise UsageError("need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
+    if args.model_parallel_size > 1 and args.chat:
+        raise UsageError(
+            "generate --chat reads its conversations as they are typed, on one process: chat with a model split "
+            f"over ranks through serve --distributed-world-size {args.model_parallel_size} "
+            f"--model-parallel-size {args.model_parallel_size}"
+        )

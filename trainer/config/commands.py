@@ -110,6 +110,13 @@ class GenerateConfig:
         metavar="FILE",
     )
     cpu: bool = _f(False, "sample on the CPU even when a GPU is present")
+    model_parallel_size: int = _f(
+        1,
+        "split the model over N ranks started here, by heads, width and vocabulary (tensor parallelism, as "
+        "train's): for a model too big for one device",
+        alias="--tensor-parallel-size",
+        type=positive_int,
+    )
 
 
 @dataclass

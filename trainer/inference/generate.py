@@ -15,22 +15,31 @@ from trainer.formats.fairseq.checkpoint_file import check_fairseq_dictionary, is
 from trainer.formats.registry import model_files_dir
 from trainer.inference import chat
 from trainer.inference.load import load_model
+from trainer.parallel.ranks import init_rank, teardown
 
 
-def generate(args):
+def read_prompts(args):
+    """--prompt's, else one per line of stdin (read before the model is loaded, so an empty
+    stdin is refused first)."""
+    prompts = args.prompt if args.prompt else [line.rstrip("\n") for line in sys.stdin]
+    if not prompts:
+        raise UsageError("no prompts: pass --prompt TEXT, or one prompt per line on stdin")
+    return prompts
+
+
+def generate(args, prompts=None, env=None):
     """Print the continuation of each prompt (--prompt, else one per line of stdin), or with
-    --chat the assistant's reply to each conversation."""
+    --chat the assistant's reply to each conversation. env: a rank of a model split over
+    ranks (--model-parallel-size, `run`): every rank samples the same tokens from the same
+    gathered logits and seed, and rank 0 prints them."""
     chatting = getattr(args, "chat", False)
     _check_chat_flags(args, chatting)
-    # Prompts first: an empty stdin is refused before the model is loaded. A chat from stdin
-    # is read turn by turn, after the model is loaded, as its user types.
+    # A chat from stdin is read turn by turn, after the model is loaded, as its user types.
     conversations = _conversations(args) if chatting else None
-    prompts = None if chatting else args.prompt if args.prompt else [line.rstrip("\n") for line in sys.stdin]
-    if prompts == []:
-        raise UsageError("no prompts: pass --prompt TEXT, or one prompt per line on stdin")
+    prompts = None if chatting else prompts or read_prompts(args)
     # On a GPU when there is one, as eval-lm and serve: sampling is a forward per token.
-    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-    model, cfg, tokenizer = load_model(args.path, device, ema=args.ema)
+    device = env.device if env is not None else "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    model, cfg, tokenizer = load_model(args.path, device, ema=args.ema, env=env)
     files_dir = model_files_dir(args.path)
     if getattr(args, "data", None):
         tokenizer = _data_tokenizer(args.data, args.path, tokenizer, model.vocab_size)
@@ -53,9 +62,18 @@ def generate(args):
     for i, prompt in enumerate(prompts):
         ids = start + tokenizer.encode(prompt)
         new = _sample(args, model, tokenizer, ids, stop, seed=args.seed + i)
-        # Decoded whole: a piece's leading space belongs to the text around it.
-        print(tokenizer.decode(ids[len(start) :] + new), flush=True)
+        if env is None or env.is_master:  # decoded whole: a piece's leading space belongs to the text around it
+            print(tokenizer.decode(ids[len(start) :] + new), flush=True)
     return 0
+
+
+def run(args, prompts, cfg, rdv):
+    """One rank of generate --model-parallel-size N (launched like eval-lm)."""
+    env = init_rank(cfg, rdv, needs_process_group=True)
+    try:
+        return generate(args, prompts, env)
+    finally:
+        teardown()
 
 
 def _sample(args, model, tokenizer, ids, stop, seed):
