@@ -12,8 +12,6 @@ summed over them as over data-parallel ranks. Parameters are replicated over the
 FSDP shards them over it as over more data-parallel ranks.
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
@@ -40,14 +38,14 @@ class GatherKeysValues(torch.autograd.Function):
         out = torch.empty((split.n * B, *padded.shape[1:]), dtype=local.dtype, device=local.device)
         dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
         flat = out.view(split.n, B, H, split.longest, D).permute(1, 2, 0, 3, 4).reshape(B, H, -1, D)
-        return flat.index_select(2, split.gathered_index.to(local.device))
+        return flat.index_select(2, split.gathered_index)
 
     @staticmethod
     def backward(ctx, grad):
         split = ctx.split
         B, H, _, D = grad.shape
         flat = grad.new_zeros(B, H, split.n * split.longest, D)
-        flat.index_copy_(2, split.gathered_index.to(grad.device), grad)
+        flat.index_copy_(2, split.gathered_index, grad)
         parts = flat.view(B, H, split.n, split.longest, D).permute(2, 0, 1, 3, 4).reshape(split.n * B, H, -1, D)
         mine = grad.new_empty(B, H, split.longest, D)
         dist.reduce_scatter_tensor(mine, parts, group=ctx.group)
@@ -60,22 +58,20 @@ def _pad(t, length):
     return torch.cat((t, t.new_zeros(*t.shape[:2], length - t.shape[2], t.shape[3])), dim=2)
 
 
-@dataclass
 class SequenceSplit:
-    """How a sequence of `length` positions is split over the n ranks of a context group."""
+    """How a sequence of `length` positions is split over the n ranks of a context group;
+    its index tensors on `device`, made once for each length."""
 
-    length: int
-    n: int
-    rank: int
-
-    def __post_init__(self):
-        per_rank = [local_positions(self.length, self.n, r) for r in range(self.n)]
-        self.local = per_rank[self.rank]
-        self.local_length = len(self.local)
+    def __init__(self, length, n, rank, device):
+        self.n = n
+        per_rank = [local_positions(length, n, r) for r in range(n)]
+        self.local_host = per_rank[rank]  # to cut the batch's host tensors with
+        self.local = self.local_host.to(device)
+        self.local_length = len(self.local_host)
         self.longest = max(len(p) for p in per_rank)
         # where each position of the sequence sits in the ranks' gathered, padded parts
         slots = torch.cat([r * self.longest + torch.arange(len(p)) for r, p in enumerate(per_rank)])
-        self.gathered_index = slots[torch.argsort(torch.cat(per_rank))]
+        self.gathered_index = slots[torch.argsort(torch.cat(per_rank))].to(device)
 
 
 class Context:
@@ -97,22 +93,31 @@ class ContextSplit:
     def __init__(self, env, per_document, pad):
         self.env, self.per_document, self.pad = env, per_document, pad
         self.n, self.rank, self.group = env.cp, env.cp_rank, env.cp_group
+        self.splits = {}  # SequenceSplit by sequence length
+
+    def split(self, length):
+        if length not in self.splits:
+            self.splits[length] = SequenceSplit(length, self.n, self.rank, self.env.device)
+        return self.splits[length]
 
     def __call__(self, batch):
         tokens, target = batch["src_tokens"], batch["target"]
         B, T = tokens.shape
-        split = SequenceSplit(T, self.n, self.rank)
-        local = split.local
+        split = self.split(T)
         device = self.env.device
+        # The mask (this rank's queries × every key) is made where attention reads it: on a
+        # GPU, from the positions there, never copied from the host.
+        keys = torch.arange(T, device=device)
         segments = batch.get("segments") if self.per_document else None
         if segments is None:
-            positions = local.expand(B, -1)
-            allowed = torch.arange(T)[None, :] <= local[:, None]  # causal, in global positions
-            mask = allowed.expand(B, 1, -1, -1)
+            positions = split.local.expand(B, -1)
+            mask = (keys[None, :] <= split.local[:, None]).expand(B, 1, -1, -1)  # causal, in global positions
         else:
-            positions = document_positions(segments)[:, local]
-            same = segments[:, local, None] == segments[:, None, :]
-            mask = (same & (torch.arange(T)[None, None, :] <= local[None, :, None]))[:, None]
+            segments = segments.to(device, non_blocking=True)
+            positions = document_positions(segments)[:, split.local]
+            same = segments[:, split.local, None] == segments[:, None, :]
+            mask = (same & (keys[None, None, :] <= split.local[None, :, None]))[:, None]
+        local = split.local_host
         mine_target = target[:, local]
         ntokens = int((mine_target != self.pad).sum())
         return {
@@ -122,11 +127,5 @@ class ContextSplit:
             "ntokens": ntokens,
             # each sequence counted once in the group: by its first rank
             "nsentences": batch["nsentences"] if self.rank == 0 else 0,
-            "context": Context(
-                positions.to(device, non_blocking=True),
-                T,
-                mask.to(device, non_blocking=True),
-                split,
-                self.group,
-            ),
+            "context": Context(positions, T, mask, split, self.group),
         }
