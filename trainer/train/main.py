@@ -116,8 +116,9 @@ def train(cfg, env):
     lock = lock_save_dir(cfg, env)
     try:
         task, trainer, fpt = build(cfg, env)
+        layout = f" (data {env.data_size} x context {env.cp} x tensor {env.tp})" if env.tp * env.cp > 1 else ""
         log.info(
-            f"training on {env.world_size} rank(s), device {env.device}, backend "
+            f"training on {env.world_size} rank(s){layout}, device {env.device}, backend "
             f"{cfg.distributed_training.ddp_backend}, {torch.get_num_threads()} threads per rank"
         )
         checkpointer = Checkpointer(
