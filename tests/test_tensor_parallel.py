@@ -10,16 +10,7 @@ import pytest
 from helpers import _rank_worker, multi_rank_losses, train_updates, update_losses
 
 UPDATES = 3
-SMALL = [
-    "--decoder-layers",
-    "2",
-    "--decoder-embed-dim",
-    "64",
-    "--decoder-ffn-embed-dim",
-    "96",
-    "--decoder-attention-heads",
-    "4",
-]
+SMALL = "--decoder-layers 2 --decoder-embed-dim 64 --decoder-ffn-embed-dim 96 --decoder-attention-heads 4".split()
 LLAMA = ["--arch", "llama3_2_1b", *SMALL, "--decoder-kv-heads", "2", "--decoder-head-dim", "16"]
 QWEN3 = ["--arch", "qwen3_0_6b", *SMALL, "--decoder-kv-heads", "2", "--decoder-head-dim", "16"]
 GPT = ["--arch", "transformer_lm", *SMALL, "--dropout", "0", "--attention-dropout", "0", "--decoder-learned-pos"]
