@@ -4,7 +4,7 @@ trainer/config/commands.py) and this host, then the report of the plan."""
 import json
 
 from trainer.config.checks import check_config
-from trainer.config.schema import model_positions
+from trainer.config.schema import model_positions, uses_fsdp
 from trainer.errors import UsageError
 from trainer.host import host_memory_gb, runs_on_gpu
 from trainer.plan import report, serve
@@ -23,12 +23,37 @@ def plan_report(cfg, opts):
             "plan always picks the flags that fit; --auto-tune and --memory-budget-gb are "
             "train's, so drop them here and give --device-memory-gb / --host-memory-gb"
         )
-    check_config(cfg)
+    check_planned_config(cfg)
     device, device_gb, host_gb, ranks_per_host = planned_machine(cfg, opts)
     if opts.serve:
         return serve_report(cfg, opts, vocab, device, device_gb)
     plan = report.make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab, opts.path)
     return report.as_json(plan) if opts.format == "json" else report.as_text(cfg, plan)
+
+
+def check_planned_config(cfg):
+    """train's checks of the config, but --context-parallel-size is planned before `train`
+    runs it (trainer/config/checks/tensor_parallel.py refuses it until it is built): checked
+    here as context parallelism will need it."""
+    cp = cfg.common.context_parallel_size
+    if cp > 1:
+        world, n = cfg.distributed_training.distributed_world_size, cfg.common.model_parallel_size
+        if not uses_fsdp(cfg):
+            raise UsageError(f"--context-parallel-size {cp} composes with --ddp-backend fully_sharded or hybrid_shard")
+        if world % (cp * n):
+            raise UsageError(
+                f"--context-parallel-size {cp} × --model-parallel-size {n} must divide --distributed-world-size {world}"
+            )
+        if cfg.task.tokens_per_sample % (2 * cp):
+            raise UsageError(
+                f"--context-parallel-size {cp}: --tokens-per-sample {cfg.task.tokens_per_sample} must split into "
+                f"{2 * cp} equal chunks (two a rank)"
+            )
+        cfg.common.context_parallel_size = 1
+    try:
+        check_config(cfg)
+    finally:
+        cfg.common.context_parallel_size = cp
 
 
 def planned_machine(cfg, opts):
