@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from plan_helpers import SETUP, cfg_of, plan_json
 
-from trainer.plan.ledger import layer_activation_bytes, rope_table_bytes
+from trainer.plan.ledger import layer_activation_bytes, predict, rope_table_bytes
 from trainer.plan.search import model_shape
 from trainer.plan.shapes import tensor_parallel_share
 
@@ -153,3 +153,92 @@ def test_prediction_matches_a_measured_tensor_parallel_run(world, tmp_path, caps
     )
     print(f"world {world}, TP 2: predicted {predicted} GB, measured {measured} GB")
     assert predicted == pytest.approx(measured, rel=0.10)
+
+
+def test_collectives_of_the_tensor_and_context_parallel_groups():
+    """Per layer and micro-batch, TP's 2 all-gathers and 2 reduce-scatters of B×T×d in each
+    forward (a checkpointed layer's forward runs twice) and their mirror in backward, with the
+    embedding's all-reduce and the loss's gather and scatter; CP's gather of every position's
+    K and V in each forward, and in backward again with their gradients' reduce-scatter.
+    FSDP's traffic is of the rank's share of the model, over world / TP ranks."""
+    from trainer.plan.comm import comm_bytes
+
+    shape = model_shape(cfg_of("--task", "dummy_lm", "--dict-size", "1000", *LLAMA), 1000)
+    tp2 = replace(SETUP, tp=2, shard=2, update_freq=2)
+    share, hidden = tensor_parallel_share(shape, 2), SETUP.tokens * shape.dim * 4
+    comm = comm_bytes(share, tp2)
+    assert comm["tensor_parallel"] == pytest.approx(2 * (shape.layers * 8 * hidden + 4 * hidden) / 2)
+    ckpt = comm_bytes(share, replace(tp2, checkpoint_activations=True))["tensor_parallel"]
+    assert ckpt == pytest.approx(2 * (shape.layers * 12 * hidden + 4 * hidden) / 2)
+    assert comm["all_gather"] == pytest.approx(2 * (share.params + share.layer_params) * 4 / 2)
+    cp2 = replace(SETUP, cp=2)
+    kv = 2 * SETUP.sequences * SETUP.seq_len * shape.kv * shape.hd * 4
+    assert comm_bytes(shape, cp2)["context_parallel"] == pytest.approx(shape.layers * 3 * kv / 2)
+    assert comm_bytes(shape, cp2)["tensor_parallel"] == comm_bytes(shape, SETUP)["context_parallel"] == 0
+
+
+def test_context_parallelism_splits_activations_not_states():
+    """Each CP rank holds 1/cp of every sequence's positions: a layer saves half as much at
+    cp 2; the parameters, replicated over CP, are sharded by FSDP over data × context ranks
+    as before; the K/V gathers add a transient of every position's keys and values."""
+    shape = model_shape(cfg_of("--task", "dummy_lm", "--dict-size", "1000", *LLAMA), 1000)
+    cp2 = replace(SETUP, cp=2)
+    assert layer_activation_bytes(shape, cp2) * 2 == layer_activation_bytes(shape, SETUP)
+    one, two = predict(shape, SETUP), predict(shape, cp2)
+    assert two.components["parameters"] == one.components["parameters"]
+    assert two.components["activations"] < 0.6 * one.components["activations"]
+
+
+def test_plan_takes_the_layout_flags_and_refuses_what_cannot_split(capsys):
+    """plan --model-parallel-size / --context-parallel-size plan that layout (CP before train
+    runs it); a degree that does not divide the world, the heads or the sequence gets one line."""
+    import cli
+
+    run = ["--arch", "llama3_1_8b", "--bf16", "--ddp-backend", "fully_sharded", "--device-memory-gb", "80"]
+    run += ["--distributed-world-size", "8", "--tokens-per-sample", "8192", "--batch-size", "1"]
+    alone = plan_json(capsys, *run)
+    tp = plan_json(capsys, *run, "--model-parallel-size", "2")
+    cp = plan_json(capsys, *run, "--context-parallel-size", "2")
+    assert tp["components"]["parameters"] == pytest.approx(alone["components"]["parameters"], rel=0.01)
+    assert tp["components"]["activations"] < alone["components"]["activations"] / 1.5
+    assert cp["components"]["activations"] < alone["components"]["activations"] / 1.9
+    assert tp["comm_gb"]["tensor_parallel"] > 0 and cp["comm_gb"]["context_parallel"] > 0
+    for flags, message in (
+        (["--context-parallel-size", "3"], "must divide --distributed-world-size 8"),
+        (["--model-parallel-size", "3"], "must divide --distributed-world-size 8"),
+        (["--context-parallel-size", "2", "--tokens-per-sample", "8191"], "must split into 4 equal chunks"),
+        (["--model-parallel-size", "8", "--decoder-kv-heads", "4"], "must divide the model's key/value heads"),
+    ):
+        assert cli.plan_main(run + flags) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+LLAMA_70B_ON_64 = ["--arch", "llama3_1_70b", "--bf16", "--ddp-backend", "fully_sharded", "--tokens-per-sample", "8192"]
+LLAMA_70B_ON_64 += ["--distributed-world-size", "64", "--batch-size", "1"]
+
+
+def test_the_search_tries_layouts_on_gpus_only_when_no_flag_set_fits_a_smaller_one(capsys):
+    """On GPUs the search goes on to a larger tensor- or context-parallel group only when no
+    flag set fits the smaller one, keeps the global batch (--update-freq rises as the
+    data-parallel ranks fall), tries TP degrees that divide a node's 8 GPUs and the heads, and
+    stops at the layout it chose; --auto-tune's search leaves CP at 1 (train refuses it yet)."""
+    from trainer.plan.search import choose, setup_of
+
+    fits_alone = plan_json(capsys, *LLAMA_70B_ON_64, "--device-memory-gb", "80", "--host-memory-gb", "2048")
+    assert fits_alone["recommended"] == "--checkpoint-activations"  # FSDP 64 fits: no layout tried
+    assert not any("parallel-size" in c["flags"] for c in fits_alone["candidates"])
+    p = plan_json(capsys, *LLAMA_70B_ON_64, "--device-memory-gb", "24", "--host-memory-gb", "2048")
+    rec = p["recommended"].split()
+    tp = int(rec[rec.index("--model-parallel-size") + 1]) if "--model-parallel-size" in rec else 1
+    cp = int(rec[rec.index("--context-parallel-size") + 1]) if "--context-parallel-size" in rec else 1
+    assert p["recommended_per_rank_gb"] <= 24 and tp * cp > 1 and 8 % tp == 0
+    assert int(rec[rec.index("--update-freq") + 1]) * int(rec[rec.index("--batch-size") + 1]) == tp * cp
+    smaller = [c for c in p["candidates"] if c["flags"].count("parallel-size") == 0]
+    assert smaller and not any(c["fits"] for c in smaller)
+    cfg = cfg_of("--task", "dummy_lm", "--dict-size", "128256", *LLAMA_70B_ON_64)
+    shape = model_shape(cfg, 128256)
+    tried, choice = choose(shape, setup_of(cfg, "cuda", 8), 24, 2048, context_parallel=False)
+    assert choice and {s.cp for _, s, _, _ in tried} == {1} and choice[1].tp > 1
+    cpu, _ = choose(shape, setup_of(cfg, "cpu", 64), 24, 2048)
+    assert {(s.tp, s.cp) for _, s, _, _ in cpu} == {(1, 1)}  # CPU ranks keep the layout given
