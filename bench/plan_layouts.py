@@ -13,9 +13,10 @@ import contextlib
 import io
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchlib import ROOT
+
+sys.path.insert(0, str(ROOT))  # bench scripts run as files: the repository's modules come after this
 
 import cli  # noqa: E402
 
