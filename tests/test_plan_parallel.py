@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from plan_helpers import SETUP, cfg_of, plan_json
 
-from trainer.plan.ledger import layer_activation_bytes, predict, rope_table_bytes
+from trainer.plan.ledger import layer_activation_bytes, predict, rope_table_bytes, simulate
 from trainer.plan.search import model_shape
 from trainer.plan.shapes import tensor_parallel_share
 
@@ -73,6 +73,10 @@ def _split_layer_rank(index, port, out):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.layers[0](x, rope=rope)
         result[str(dtype)] = {"params": sum(p.numel() for p in local), "saved": sum(saved.values())}
+    # the embedding's backward (the model's last, fp32 here): the gradient it makes for this
+    # rank's rows of the table
+    model.embed_tokens(torch.randint(0, VOCAB, (2, 8))).sum().backward()
+    result["embedding_grad_rows"] = model.embed_tokens.weight.grad.to_local().shape[0]
     dist.destroy_process_group()
     Path(f"{out}.{index}").write_text(json.dumps(result))
 
@@ -100,6 +104,15 @@ def test_a_tensor_parallel_rank_holds_and_saves_what_plan_counts(tmp_path):
             counted = layer_activation_bytes(share, setup) + rope_table_bytes(share, setup)
             assert got[dtype]["saved"] == counted, (rank, precision)
     assert share.params < shape.params / 2 + shape.dim * 8  # about half: only norms are whole
+    # DTensor makes the embedding's gradient for the whole vocabulary on every rank (no
+    # row-wise strategy for its backward), the ledger's transient at the root's backward:
+    # the whole table's gradient, its cut rows and, tied, their sum with the loss's
+    assert got["embedding_grad_rows"] == VOCAB
+    setup = replace(SETUP, world=2, shard=1, tp=2)
+    rows = share.vocab * share.dim * 4
+    walk = simulate(shape, setup)[0]
+    # beside the loss's gradient of the rows (kept) and the first layer's reduce-scatter input
+    assert walk.most["unsharded_gradients"] >= (2 + 1 + 1) * rows + rows + share.layer_params * 4
 
 
 # A model whose activations outweigh its runtime on 2 and 4 CPU ranks (tests/test_plan_cli.py's
@@ -175,6 +188,14 @@ def test_collectives_of_the_tensor_and_context_parallel_groups():
     kv = 2 * SETUP.sequences * SETUP.seq_len * shape.kv * shape.hd * 4
     assert comm_bytes(shape, cp2)["context_parallel"] == pytest.approx(shape.layers * 3 * kv / 2)
     assert comm_bytes(shape, cp2)["tensor_parallel"] == comm_bytes(shape, SETUP)["context_parallel"] == 0
+    # HSDP × TP: a shard group of 4 ranks holds 2 TP groups, so FSDP shards over 2, and 2 replicas all-reduce
+    from trainer.plan.search import setup_of
+
+    flags = ["--ddp-backend", "hybrid_shard", "--shard-group-size", "4", "--model-parallel-size", "2"]
+    hsdp = setup_of(cfg_of(*LLAMA, "--distributed-world-size", "8", *flags), "cpu", 8)
+    assert (hsdp.shard, hsdp.tp, hsdp.data_parallel) == (2, 2, 4)
+    all_reduce = comm_bytes(share, hsdp)["all_reduce"]
+    assert all_reduce == pytest.approx(2 * (share.params / 2) * 4 * 1 / 2)
 
 
 def test_context_parallelism_splits_activations_not_states():
