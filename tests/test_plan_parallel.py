@@ -2,7 +2,9 @@
 --context-parallel-size; trainer/plan/shapes.py tensor_parallel_share, ledger.py, comm.py,
 layouts.py): a tensor-parallel rank's parameters and a layer's saved activations against the
 real split layer on 2 gloo ranks, predicted against measured peaks of TP 2 and FSDP 2 × TP 2
-runs, the collectives counted, and the layouts the search tries on GPUs."""
+runs, the collectives counted, and the layouts the search tries on GPUs. Context parallelism
+is checked by arithmetic only: its measured cases (a CP 2 run against plan, and a split
+layer's saved bytes with its K/V gathers) come when `train` runs it."""
 
 import json
 import subprocess
