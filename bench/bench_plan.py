@@ -88,6 +88,7 @@ M109 = model(6, 1024, 32768)  # 109 M
 M51 = model(8, 640, 16384, batch=4)  # 50 M
 M298 = model(13, 1280, 32768)  # 298 M
 L76 = llama(8, 768, 2048, 12, 4, 32768)  # 76 M, tied (as Llama 3.2)
+L76_B4 = llama(8, 768, 2048, 12, 4, 32768, batch=4)
 Q53 = llama(6, 640, 1792, 8, 4, 32768, head=128, qwen=True)  # 53 M, heads 8 x 128 over a width of 640
 FSDP2 = ["--ddp-backend", "fully_sharded", "--distributed-world-size", "2"]
 CONFIGS = {
@@ -113,6 +114,14 @@ CONFIGS = {
     "qwen3 ddp 2 ranks 53M --checkpoint-activations": Q53
     + ["--distributed-world-size", "2", "--checkpoint-activations"],
     "qwen3 ddp 1 rank 53M --bf16": Q53 + ["--bf16"],
+    # tensor parallelism (--model-parallel-size): alone on 2 ranks, and composed with FSDP on 4;
+    # 4 sequences a rank, so that a rank's positions of the residual stream (B×T/2×d) are
+    # blocks the caching host allocator keeps (1 MiB and more), not glibc's
+    "llama tp 2 76M": L76_B4 + FSDP2 + ["--model-parallel-size", "2"],
+    "llama fsdp 2 x tp 2 76M --checkpoint-activations": L76_B4
+    + ["--ddp-backend", "fully_sharded", "--distributed-world-size", "4", "--model-parallel-size", "2"]
+    + ["--checkpoint-activations"],
+    "llama tp 2 76M --bf16": L76_B4 + FSDP2 + ["--model-parallel-size", "2", "--bf16"],
 }
 
 

@@ -123,7 +123,14 @@ def test_communication_bytes():
     assert comm_bytes(SHAPE, replace(uf, defer_grad_sync=True))["reduce_scatter"] == pytest.approx(P * c * 3 / 4)
     ddp = comm_bytes(SHAPE, replace(SETUP, backend="pytorch_ddp", shard=1))
     all_reduce = pytest.approx(2 * P * 4 * 3 / 4)
-    assert ddp == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": all_reduce, "all_to_all": 0}
+    assert ddp == {
+        "all_gather": 0,
+        "reduce_scatter": 0,
+        "all_reduce": all_reduce,
+        "all_to_all": 0,
+        "tensor_parallel": 0,
+        "context_parallel": 0,
+    }
     hybrid = comm_bytes(SHAPE, replace(SETUP, backend="hybrid_shard", shard=2))
     assert hybrid["all_reduce"] == pytest.approx(2 * (P / 2) * 4 * 1 / 2)
     assert sum(comm_bytes(SHAPE, replace(SETUP, world=1, shard=1)).values()) == 0

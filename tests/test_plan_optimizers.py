@@ -87,12 +87,8 @@ def test_step_communication():
     adam = comm_bytes(SHAPE, setup("adam", **two))
     assert adam["all_to_all"] == 0
     assert comm_bytes(SHAPE, setup("adafactor", **two))["all_reduce"] > adam["all_reduce"]
-    assert comm_bytes(SHAPE, setup("muon", world=1, ranks_per_host=1, shard=1, backend="pytorch_ddp")) == {
-        "all_gather": 0,
-        "reduce_scatter": 0,
-        "all_reduce": 0,
-        "all_to_all": 0,
-    }
+    alone = comm_bytes(SHAPE, setup("muon", world=1, ranks_per_host=1, shard=1, backend="pytorch_ddp"))
+    assert set(alone.values()) == {0}
 
 
 def test_the_flag_search_keeps_the_optimizer():

@@ -13,7 +13,12 @@ from trainer.rendezvous import infer_rendezvous
 
 def apply_choice(cfg, s: Setup):
     """Set the config's memory flags to those of Setup `s`."""
-    values = {"distributed_training.ddp_backend": s.backend, "optimization.update_freq": s.update_freq}
+    values = {
+        "distributed_training.ddp_backend": s.backend,
+        "optimization.update_freq": s.update_freq,
+        "common.model_parallel_size": s.tp,
+        "common.context_parallel_size": s.cp,
+    }
     values.update({key: value_in(s) for _, key, value_in in MEMORY_FLAGS})
     if s.sequences != sequences_per_batch(cfg):
         values["dataset.batch_size"], values["dataset.max_tokens"] = s.sequences, None

@@ -44,7 +44,9 @@ def norm_saved_bytes(m: ModelShape, s: Setup):
     """Per token, what one norm before a matmul saves, that matmul's saved input included."""
     elem = s.compute_bytes  # bytes of one element in the compute dtype
     stream = 4 if s.precision != "fp32" and not s.sharded else elem  # autocast keeps the residual stream fp32
-    return stream * m.dim + (4 if m.norm == "rmsnorm" else 8) + elem * m.dim  # input, (mean,) rstd, output
+    # input, (mean,) rstd, output. Under tensor parallelism the norm sees 1/tp of the positions
+    # (sequence parallelism) and the matmul keeps its input all-gathered over them.
+    return (stream * m.dim + (4 if m.norm == "rmsnorm" else 8)) / s.tp + elem * m.dim
 
 
 # Activations whose backward keeps their output, not their input: the tensor fc2 (or the
@@ -74,7 +76,7 @@ def document_mask_bytes(m: ModelShape, s: Setup):
     layer, which its backward keeps (counted on the real SDPA by tests/test_plan_tasks.py)."""
     if not s.packed_documents:
         return 0, 0
-    square = s.rows * s.seq_len**2
+    square = s.rows * s.local_seq_len * s.seq_len
     return square, square * s.compute_bytes
 
 
@@ -83,7 +85,7 @@ def rope_table_bytes(m: ModelShape, s: Setup):
     Under autocast no layer saves the fp32 pair itself, only its casts (layer_activation_bytes)."""
     if not m.rope or (s.precision != "fp32" and not s.sharded):
         return 0
-    return 2 * rope_rows(s) * s.seq_len * m.hd * s.compute_bytes
+    return 2 * rope_rows(s) * s.local_seq_len * m.hd * s.compute_bytes
 
 
 def rope_rows(s: Setup):
@@ -108,7 +110,7 @@ def layer_activation_bytes(m: ModelShape, s: Setup):
     if m.qk_norm:  # rstd per head (models/norms.py RMSNorm); its input is a view of qkv's output
         per_token += 4 * q_and_kv + (elem * m.qkv_width if cpu_matmul else 0)
     per_token += elem * ffn_saved_width(m)
-    masks = (m.dropout > 0) * 2 * m.dim * mask + (m.activation_dropout > 0) * m.ffn * mask
+    masks = (m.dropout > 0) * 2 * m.dim * mask / s.tp + (m.activation_dropout > 0) * m.ffn * mask
     if m.activation_dropout > 0 and m.activation_fn in ("relu", "tanh") and not m.gated:
         masks += m.ffn * elem  # fc2 now keeps the dropped output, the activation still its own
     if m.attention_dropout > 0 and s.device != "cuda":
@@ -120,7 +122,7 @@ def layer_activation_bytes(m: ModelShape, s: Setup):
         per_token += m.heads * 4  # the fused kernel's log-sum-exp
     # else models/cpu_attention.py: nothing more; backward recomputes
     # autocast casts the rope tables to q's and k's dtype in every layer: four T×head_dim copies
-    tables = 4 * rope_rows(s) * s.seq_len * m.hd * elem if m.rope and autocast else 0
+    tables = 4 * rope_rows(s) * s.local_seq_len * m.hd * elem if m.rope and autocast else 0
     # Quant-Noise: fc1 and fc2 keep the noised copy of their weights they multiplied by
     # (under autocast that copy's cast, as they would keep the weight's); with both noises
     # the scalar noise's clamp keeps the pq-noised copy too (in fp32 under autocast), and

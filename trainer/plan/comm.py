@@ -3,12 +3,17 @@
 from trainer.plan.optimizer_memory import optimizer_comm
 from trainer.plan.shapes import ModelShape, Setup
 
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "tensor_parallel", "context_parallel")
+
 
 def comm_bytes(m: ModelShape, s: Setup):
     """Bytes each rank receives per update, by collective (the size of what is gathered or
-    reduced, times the share of it that comes from other ranks)."""
+    reduced, times the share of it that comes from other ranks). FSDP's and the optimizer's
+    are over the data-parallel ranks; `tensor_parallel` and `context_parallel` count what
+    those groups exchange inside themselves. Under tensor parallelism `m` is the rank's share
+    (shapes.tensor_parallel_share)."""
     P, elem = m.params, s.compute_bytes  # bytes of one element in the compute dtype
-    out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "all_to_all": 0.0}
+    out = dict.fromkeys(COLLECTIVES, 0.0)
     if s.world == 1:
         return out
     for collective, nbytes in optimizer_comm(m, s).items():  # the step's own (adafactor, lamb, muon)
@@ -21,9 +26,22 @@ def comm_bytes(m: ModelShape, s: Setup):
         reduces = 1 if s.defer_grad_sync else s.update_freq
         reduce_bytes = 4 if (s.fp32_reduce_scatter or elem == 4) else elem
         out["reduce_scatter"] = reduces * P * reduce_bytes * share
-        replicas = s.world // S
+        replicas = s.world // (S * s.tp)
         if replicas > 1:  # hybrid_shard: the shards' gradients are all-reduced across copies
             out["all_reduce"] = reduces * 2 * (P / S) * reduce_bytes * (replicas - 1) / replicas
     else:
         out["all_reduce"] = 2 * P * 4 * (s.world - 1) / s.world
+    forwards = 2 if s.checkpoint_activations else 1  # a checkpointed layer's forward runs again in backward
+    hidden = s.tokens * m.dim * elem  # B × T × d of the rank's positions (all of a sequence's but CP's)
+    if s.tp > 1:
+        # per layer: an all-gather before qkv_proj and fc1 and a reduce-scatter after out_proj
+        # and fc2 in each forward, the mirror in backward; the embedding's all-reduce, the
+        # loss's all-gather of the final hidden states and its backward's reduce-scatter
+        per_layer = 4 * (forwards + 1) * hidden
+        out["tensor_parallel"] = s.update_freq * (m.layers * per_layer + 4 * hidden) * (s.tp - 1) / s.tp
+    if s.cp > 1:
+        # per layer: every position's keys and values gathered in each forward, and in
+        # backward gathered again and their gradients reduce-scattered
+        kv = 2 * s.rows * s.seq_len * m.kv * m.hd * elem
+        out["context_parallel"] = s.update_freq * m.layers * (forwards + 2) * kv * (s.cp - 1) / s.cp
     return out

@@ -4,7 +4,7 @@ trainer/config/commands.py) and this host, then the report of the plan."""
 import json
 
 from trainer.config.checks import check_config
-from trainer.config.schema import model_positions
+from trainer.config.schema import model_positions, uses_fsdp
 from trainer.errors import UsageError
 from trainer.host import host_memory_gb, runs_on_gpu
 from trainer.plan import report, serve
@@ -23,12 +23,23 @@ def plan_report(cfg, opts):
             "plan always picks the flags that fit; --auto-tune and --memory-budget-gb are "
             "train's, so drop them here and give --device-memory-gb / --host-memory-gb"
         )
-    check_config(cfg)
+    check_planned_config(cfg)
     device, device_gb, host_gb, ranks_per_host = planned_machine(cfg, opts)
     if opts.serve:
         return serve_report(cfg, opts, vocab, device, device_gb)
     plan = report.make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab, opts.path)
     return report.as_json(plan) if opts.format == "json" else report.as_text(cfg, plan)
+
+
+def check_planned_config(cfg):
+    """train's checks of the config, and what the planner's model of context parallelism
+    assumes: FSDP's states sharded over the data × context ranks."""
+    cp = cfg.common.context_parallel_size
+    if cp > 1 and not uses_fsdp(cfg):
+        raise UsageError(
+            f"plan --context-parallel-size {cp}: plan models it with --ddp-backend fully_sharded or hybrid_shard"
+        )
+    check_config(cfg)
 
 
 def planned_machine(cfg, opts):

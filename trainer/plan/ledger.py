@@ -30,7 +30,7 @@ from trainer.plan.comm import comm_bytes
 from trainer.plan.dpo_reference import per_row_loss, reference_forward, reference_model
 from trainer.plan.optimizer_memory import state_bytes
 from trainer.plan.optimizer_step import optimizer_step
-from trainer.plan.shapes import ModelShape, Setup
+from trainer.plan.shapes import ModelShape, Setup, tensor_parallel_share
 
 # The planner's names, importable from here as before the split into shapes, activations and comm.
 __all__ = [
@@ -152,8 +152,16 @@ class UpdateWalk:
         self.present = set()  # the layers gathered now
         self.act = layer_activation_bytes(m, s)
         # Recomputed under checkpointing, a layer saves its input itself, the one kept.
-        self.layer_input = s.tokens * m.dim * (4 if self.autocast else elem)
+        self.layer_input = s.tokens * m.dim * (4 if self.autocast else elem) / s.tp
         self.resid = 4 if self.autocast else elem  # the residual stream's element
+        # Tensor parallelism: a row-parallel projection's partial sums over every position,
+        # before their reduce-scatter (forward), and the gradient a column-parallel one makes
+        # for its gathered input, before its reduce-scatter (backward). Context parallelism:
+        # every position's keys and values gathered (forward), and in backward again with
+        # their gradients, before those are reduce-scattered.
+        self.tp_buffer = s.tokens * m.dim * elem if s.tp > 1 else 0
+        kv = 2 * s.rows * s.seq_len * m.kv * m.hd * elem if s.cp > 1 else 0
+        self.cp_forward, self.cp_backward = kv, 2 * kv
         self.low_copies = elem * m.matmul_params  # autocast's copies of one layer's weights
         self.reduce_bytes = 4 if s.fp32_reduce_scatter else elem
         # also the size of a unit's unsharded gradient kept in the reduce dtype (--defer-grad-sync)
@@ -161,7 +169,8 @@ class UpdateWalk:
         self.in_flight = 0  # the reduce-scatter input still alive behind the next layer's backward
         # On several CPU ranks gloo's transfers keep it until the next reduce-scatter starts
         # (trainer/cpu/gloo_comms.py), past that one's copy-in; FSDP2 lets it go before.
-        self.kept_by_gloo = s.device == "cpu" and s.world > 1
+        # Under tensor parallelism FSDP's own collectives run (trainer/parallel/parallelize.py).
+        self.kept_by_gloo = s.device == "cpu" and s.world > 1 and s.tp == 1
         # hybrid_shard: each unit's reduced shard in the reduce dtype, all-reduced across
         # replicas, is held by FSDP2 until the end of backward where it is not the gradient.
         self.all_reduced = 0
@@ -215,6 +224,7 @@ class UpdateWalk:
             self.gather(i)
             if self.prefetch:
                 self.gather(i + 1)
+            L.transient("activations", self.cp_forward + self.tp_buffer)
             if s.checkpoint_activations:
                 L.transient("activations", n * elem * 2 * (m.fc1_width + m.dim))  # computed, not saved
                 L.transient("document_mask", self.layer_mask)
@@ -227,7 +237,7 @@ class UpdateWalk:
                 L.add("document_mask", self.layer_mask)
             if s.reshard_after_forward and i + 1 < m.layers:  # the last layer's backward is next
                 self.release(i)
-        L.add("activations", n * m.dim * self.resid)  # the final norm's input
+        L.add("activations", n * m.dim * self.resid / s.tp)  # the final norm's input
 
     def loss(self):
         """The loss (models/linear_cross_entropy.py): a chunk of fp32 logits at a time; the
@@ -245,7 +255,8 @@ class UpdateWalk:
         # one chunk's buffers (fp32 logits, their low-precision product and gradient) and
         # W's gradient in low precision, added into the fp32 one (a CPU: a block at a time)
         rows = min(n, chunks.loss_chunk_rows(m.vocab, s.device))
-        L.transient("logits_and_loss", rows * m.vocab * (4 + low) + m.vocab * m.dim * low)
+        # under tensor parallelism, beside them: the hidden states gathered over every position
+        L.transient("logits_and_loss", rows * m.vocab * (4 + low) + m.vocab * m.dim * low + self.tp_buffer)
         if self.autocast:
             L.sub("mixed_precision_copies", m.vocab * m.dim * elem)
         if s.sharded and not m.scalar_noise:  # the root's weights are not read in backward: given back
@@ -278,14 +289,14 @@ class UpdateWalk:
                 L.add("unsharded_gradients", m.root_params * elem)  # the root's, reduced at the end
         elif mb.first:
             L.add("gradients", 4 * m.root_params)
-        L.sub("activations", n * m.dim * self.resid)
+        L.sub("activations", n * m.dim * self.resid / s.tp)
         # A layer's backward peaks at its first node (fc2's): every saved tensor of the layer is
         # still alive, with the gradient coming in (n×d) and the one fc2 makes for its input (n×ffn).
         # Later nodes free what they used before the next makes more; a gated feed-forward's
         # product node holds one more (the gradients of act(gate) and of up, its product's freed).
         act_grads = n * (m.dim + m.fc1_width) * elem
         # Or later, a CPU's low-precision attention backward, if it holds more.
-        attention_grads = cpu_attention_backward_bytes(m, s)
+        attention_grads = cpu_attention_backward_bytes(m, s) + self.cp_backward
         # FSDP: the layer's unsharded gradients appear as its backward goes. fc2's node makes
         # fc2's (so the first node holds only those); fc1's node, fc1's, when the feed-forward's
         # other saved tensors are freed and the gradients for fc1's output and input are alive
@@ -328,7 +339,13 @@ class UpdateWalk:
     def backward_root(self, mb: MicroBatch):
         """The embedding's backward, then (FSDP) the root's reduce-scatter."""
         m, s, L, elem = self.m, self.s, self.ledger, self.elem
-        if m.tied:
+        if s.tp > 1:
+            # DTensor has no row-wise strategy for the embedding's backward: it makes the
+            # whole vocabulary's gradient on every rank of the group, then cuts this rank's
+            # rows out of it, alive together for a moment, and with a tied weight the sum of
+            # those rows and the loss's gradient as well
+            L.transient("unsharded_gradients", (s.tp + 1 + m.tied) * m.vocab * m.dim * elem)
+        elif m.tied:
             # the embedding's backward makes a dense V×d gradient of its own, added into the
             # one the loss made for the same (tied) weight: both are alive for a moment
             L.transient(
@@ -375,8 +392,9 @@ class UpdateWalk:
 def simulate(m: ModelShape, s: Setup):
     """Walk one update (the second: the optimizer state exists) and return the Ledger of
     device memory, plus the bytes kept on the host (--cpu-offload, --offload-activations
-    on a GPU; on a CPU the device is the host and nothing moves)."""
-    walk = UpdateWalk(m, s)
+    on a GPU; on a CPU the device is the host and nothing moves). Under tensor parallelism
+    the walk is of the rank's share of the model (shapes.tensor_parallel_share)."""
+    walk = UpdateWalk(tensor_parallel_share(m, s.tp), s)
     walk.states()
     for micro in range(s.update_freq):
         mb = micro_batch(s, micro)
@@ -418,5 +436,5 @@ def predict(m: ModelShape, s: Setup):
     if s.device == "cpu":  # the device is the host: its ranks and their offloaded state
         host_rank += per_rank
     components = {k: round(v / GB, 3) for k, v in components.items()}
-    comm = {k: round(v / GB, 3) for k, v in comm_bytes(m, s).items()}
+    comm = {k: round(v / GB, 3) for k, v in comm_bytes(tensor_parallel_share(m, s.tp), s).items()}
     return Prediction(round(per_rank / GB, 3), round(host_rank * s.ranks_per_host / GB, 3), components, comm)

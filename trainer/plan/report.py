@@ -25,15 +25,17 @@ LABELS = {
 }
 
 
-def make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab=None, model_name=None):
+def make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab=None, model_name=None, context_parallel=True):
     """host_gb None: the host's memory is unknown; plans are not judged by it. vocab:
     (size, where it comes from) when not the data's (`train`'s own), as `plan` finds it
-    without DATA (search.published_vocab, search.apply_hf_config)."""
+    without DATA (search.published_vocab, search.apply_hf_config). context_parallel False:
+    the search leaves --context-parallel-size as given (dpo's runs unsplit)."""
     size, source = vocab or (vocab_size(cfg), None)
+    context_parallel = context_parallel and cfg.task._name != "dpo"
     m = model_shape(cfg, size)
     given = setup_of(cfg, device, ranks_per_host)
     p = predict(m, given)
-    tried, choice = choose(m, given, device_gb, host_gb)
+    tried, choice = choose(m, given, device_gb, host_gb, context_parallel)
     return dict(
         model=m,
         given=given,
@@ -84,6 +86,8 @@ def as_text(cfg, plan):
             ("checkpoint-activations", s.checkpoint_activations),
             ("offload-activations", s.offload_activations),
             ("cpu-offload", s.cpu_offload),
+            (f"tensor parallel {s.tp}", s.tp > 1),
+            (f"context parallel {s.cp}", s.cp > 1),
         )
         if on
     ]
@@ -93,8 +97,9 @@ def as_text(cfg, plan):
         f"vocabulary {m.vocab}{source})",
         f"{s.world} rank(s), {s.ranks_per_host} per host, {s.device}, {s.precision}, {', '.join(flags)}, "
         f"--optimizer {s.optimizer}",
-        f"batch per rank: {s.sequences}{' pairs (2 rows each)' if s.dpo else ''} x {s.seq_len} tokens, "
-        f"--update-freq {s.update_freq} ({s.tokens * s.update_freq * s.world:,} tokens per update)",
+        f"batch per data-parallel rank: {s.sequences}{' pairs (2 rows each)' if s.dpo else ''} x {s.seq_len} "
+        f"tokens, --update-freq {s.update_freq} ({s.rows * s.seq_len * s.update_freq * s.data_parallel:,} tokens "
+        "per update)",
         "",
         "per rank, at the peak of an update:",
     ]
@@ -112,11 +117,13 @@ def as_text(cfg, plan):
         f"communication per rank per update: all-gather {comm['all_gather']:.3f} GB, reduce-scatter "
         f"{comm['reduce_scatter']:.3f} GB, all-reduce {comm['all_reduce']:.3f} GB"
         + (f", all-to-all {comm['all_to_all']:.3f} GB" if comm["all_to_all"] else "")
+        + (f"; inside tensor-parallel groups {comm['tensor_parallel']:.3f} GB" if comm["tensor_parallel"] else "")
+        + (f"; inside context-parallel groups {comm['context_parallel']:.3f} GB" if comm["context_parallel"] else "")
     )
     lines += ["", "flag sets, fastest first (per-rank GB, host GB):"]
     for label, t, q, ok in plan["tried"]:
         extra = flags_of(t, s) or "(as given)"
-        lines.append(f"  {label:<24} {q.per_rank_gb:9.3f} {q.host_gb:10.3f}  {'fits' if ok else '-':<5} {extra}")
+        lines.append(f"  {label:<30} {q.per_rank_gb:9.3f} {q.host_gb:10.3f}  {'fits' if ok else '-':<5} {extra}")
     choice = plan["choice"]
     if choice is None:
         lines.append("recommended: nothing fits; add ranks (--distributed-world-size) or memory")

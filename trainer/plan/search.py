@@ -17,12 +17,14 @@ from data.errors import DataError
 from data.tokenizer import load_tokenizer
 from models.config import PUBLISHED_VOCABS, adaptive_bands, head_dim, kv_heads, num_layers
 from trainer.config.checks import check_adaptive_vocab
+from trainer.config.checks.parallel_dims import WHOLE_MATRIX_OPTIMIZERS
 from trainer.config.implied import implies_activation_checkpointing
 from trainer.config.model_source import hf_vocab_size
 from trainer.config.schema import ddp_backend, model_positions, vocabulary_data
 from trainer.errors import UsageError
 from trainer.formats.fairseq.checkpoint_file import is_fairseq_checkpoint
 from trainer.formats.registry import model_settings
+from trainer.plan.layouts import layout_label, layouts
 from trainer.plan.ledger import ModelShape, Setup, predict
 from trainer.plan.optimizer_memory import ELEMENTWISE_STATES
 from trainer.rendezvous import infer_rendezvous
@@ -172,11 +174,10 @@ def setup_of(cfg, device, ranks_per_host):
     """The Setup of a composed config (its implied settings resolved: trainer/config/implied.py)."""
     distributed, common = cfg.distributed_training, cfg.common
     world = distributed.distributed_world_size
+    tp, cp = common.model_parallel_size, common.context_parallel_size
     shard = 1
-    if distributed.ddp_backend == "fully_sharded":
-        shard = world
-    elif distributed.ddp_backend == "hybrid_shard":
-        shard = distributed.shard_group_size or min(ranks_per_host, world)
+    if distributed.ddp_backend in ("fully_sharded", "hybrid_shard"):
+        shard = fsdp_shard(distributed, world, ranks_per_host, tp)
     optimizer = cfg.optimizer
     # sgd keeps a momentum buffer only with momentum; adafactor's and muon's state is counted by shape
     states = ELEMENTWISE_STATES.get(optimizer._name, 1 if optimizer._name == "sgd" and optimizer.momentum else 0)
@@ -203,6 +204,33 @@ def setup_of(cfg, device, ranks_per_host):
         optimizer=optimizer._name,
         first_moment=optimizer._name == "adafactor" and optimizer.get("beta1") is not None,
         ema_bytes=ema_bytes(cfg),
+        tp=tp,
+        cp=cp,
+        model_parallel_ok=model_parallel_ok(cfg),
+    )
+
+
+def fsdp_shard(distributed, world, ranks_per_host, tp):
+    """Ranks FSDP shards a parameter over (trainer/parallel/parallelize.py device_meshes):
+    all but the tensor-parallel group's (context-parallel ranks shard like data-parallel
+    ones), or under hybrid_shard a shard group's, which holds whole tensor-parallel groups."""
+    if distributed.ddp_backend == "fully_sharded":
+        return max(1, world // tp)
+    return max(1, (distributed.shard_group_size or min(ranks_per_host, world)) // tp)
+
+
+def model_parallel_ok(cfg):
+    """Whether tensor parallelism can split this model and its optimizer's step
+    (trainer/config/checks/parallel_dims.py's rules, less the degree's own)."""
+    model = cfg.model
+    return not (
+        cfg.common.compile
+        or cfg.optimizer._name in WHOLE_MATRIX_OPTIMIZERS
+        or model.adaptive_input
+        or model.adaptive_softmax_cutoff is not None
+        or model.quant_noise_pq > 0
+        or model.quant_noise_scalar > 0
+        or model.scale_fc
     )
 
 
@@ -222,45 +250,42 @@ def with_flags(s: Setup, **flags):
     return replace(s, checkpoint_activations=True) if implies_activation_checkpointing(s) else s
 
 
-def flag_sets(s: Setup):
-    """(label, Setup) for every backend/flag combination worth trying, fastest first."""
+def flag_sets(s: Setup, m: ModelShape = None, context_parallel=True):
+    """(label, Setup) for every backend/flag combination worth trying, fastest first. With
+    the model `m`, on GPUs, the sharded flag sets are tried on each layout in turn
+    (layouts(): fewest model-parallel ranks first), a larger tensor- or context-parallel
+    group only when no flag set fits a smaller one: it puts collectives on every layer's
+    critical path and narrows every matmul. The offloads, which move states or activations
+    over PCIe, come last, on each layout in turn."""
     off = dict(checkpoint_activations=False, offload_activations=False, cpu_offload=False)
     sets, fsdp = [], s
     if not s.sharded:
         sets.append((s.backend, with_flags(s, **off)))
-        fsdp = replace(s, backend="fully_sharded", shard=s.world)
+        fsdp = replace(s, backend="fully_sharded", shard=s.world // s.tp)
         if s.world == 1:  # nothing to shard over: checkpointing is the next step
             sets.append((s.backend + " + checkpoint", with_flags(s, **{**off, "checkpoint_activations": True})))
+    groups = []
     if s.world > 1 or s.sharded:
-        sets += [
-            ("no reshard", with_flags(fsdp, reshard_after_forward=False, **off)),
-            ("reshard", with_flags(fsdp, reshard_after_forward=True, **off)),
-            (
-                "reshard + checkpoint",
-                with_flags(fsdp, reshard_after_forward=True, **{**off, "checkpoint_activations": True}),
-            ),
-        ]
+        groups.append(
+            [
+                ("no reshard", dict(reshard_after_forward=False, **off)),
+                ("reshard", dict(reshard_after_forward=True, **off)),
+                ("reshard + checkpoint", dict(reshard_after_forward=True, **{**off, "checkpoint_activations": True})),
+            ]
+        )
     if s.device == "cuda":  # on a CPU, both offloads keep the same bytes in the same memory
-        sets += [
-            (
-                "+ offload activations",
-                with_flags(fsdp, reshard_after_forward=True, offload_activations=True, cpu_offload=False),
-            ),
-            (
-                "+ cpu offload",
-                with_flags(
-                    fsdp,
-                    reshard_after_forward=True,
-                    checkpoint_activations=True,
-                    offload_activations=False,
-                    cpu_offload=True,
-                ),
-            ),
-            (
-                "+ both offloads",
-                with_flags(fsdp, reshard_after_forward=True, offload_activations=True, cpu_offload=True),
-            ),
-        ]
+        on = dict(reshard_after_forward=True)
+        groups.append(
+            [
+                ("+ offload activations", dict(on, offload_activations=True, cpu_offload=False)),
+                ("+ cpu offload", dict(on, checkpoint_activations=True, offload_activations=False, cpu_offload=True)),
+                ("+ both offloads", dict(on, offload_activations=True, cpu_offload=True)),
+            ]
+        )
+    layout_list = layouts(m, fsdp, context_parallel) if m is not None else [fsdp]
+    for group in groups:
+        for layout in layout_list:
+            sets += [(label + layout_label(layout), with_flags(layout, **flags)) for label, flags in group]
     return sets
 
 
@@ -297,6 +322,10 @@ def flags_of(s: Setup, given: Setup):
     """What to add to the command line to turn `given` into `s`: flags that switch a
     behaviour on, `key=false` overrides for one the user gave that is not needed."""
     out = [f"--ddp-backend {s.backend}"] if s.backend != given.backend else []
+    if s.tp != given.tp:
+        out.append(f"--model-parallel-size {s.tp}")
+    if s.cp != given.cp:
+        out.append(f"--context-parallel-size {s.cp}")
     for flag, key, value_in in MEMORY_FLAGS:
         implied = IMPLIED_FLAGS.get(flag, lambda _: False)
         want, have = value_in(s) and not implied(s), value_in(given) and not implied(given)
@@ -304,19 +333,21 @@ def flags_of(s: Setup, given: Setup):
             out.append(flag)
         elif have and not want:
             out.append(f"{key}=false")
-    if s.sequences != given.sequences:
+    if s.sequences != given.sequences or s.update_freq != given.update_freq:
         out.append(f"--batch-size {s.sequences} --update-freq {s.update_freq}")
     return " ".join(out)
 
 
-def choose(m: ModelShape, given: Setup, device_gb, host_gb):
+def choose(m: ModelShape, given: Setup, device_gb, host_gb, context_parallel=True):
     """Every candidate tried (label, Setup, Prediction, fits), and the first that fits (or None)."""
     tried, choice = [], None
-    for label, s in flag_sets(given):
+    for label, s in flag_sets(given, m, context_parallel):
+        if choice and (s.tp, s.cp) != (choice[1].tp, choice[1].cp):
+            continue  # a larger layout than the one chosen is never faster; its offloads neither
         for sb in micro_batches(s):
             p = predict(m, sb)
             ok = fits(p, device_gb, host_gb)
-            if sb.sequences == given.sequences or ok:
+            if sb.sequences == s.sequences or ok:
                 tried.append((label, sb, p, ok))
             if ok:
                 choice = choice or (label, sb, p)

@@ -1,7 +1,7 @@
 """What the planner knows of a run: the model's shape and the trainer's setup, from the
 config (trainer/plan/search.py builds both). Torch-free: plain numbers and flags."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from trainer.config.schema import SHARDED_BACKENDS
@@ -94,6 +94,22 @@ class ModelShape:
         return self.layers * self.layer_params + self.root_params
 
 
+def tensor_parallel_share(m: ModelShape, tp: int):
+    """The model one rank of a tensor-parallel group holds (trainer/parallel/tensor_parallel.py):
+    1/tp of the query and key/value heads, of the feed-forward's width and of the vocabulary's
+    rows; the norms, the width d and learned positions whole. Its parameter count is the rank's."""
+    if tp == 1:
+        return m
+    return replace(
+        m,
+        heads=m.heads // tp,
+        kv_heads=m.kv // tp,
+        head_dim=m.hd,
+        ffn=m.ffn // tp,
+        vocab=-(-m.vocab // tp),
+    )
+
+
 @dataclass
 class Setup:
     """What the trainer will do, from the config: precision, sharding, batch."""
@@ -126,6 +142,23 @@ class Setup:
     # --store-ema: bytes per parameter of the moving average (trainer/train/ema.py), sharded as
     # the parameters are; 4 with --ema-fp32 or fp32 training, else 2; 0 without it.
     ema_bytes: int = 0
+    # --model-parallel-size (trainer/parallel/tensor_parallel.py) and --context-parallel-size:
+    # ranks are data × context × tensor; `shard` above counts FSDP's ranks (data × context).
+    tp: int = 1
+    cp: int = 1
+    # the model and optimizer are ones tensor parallelism splits (no adaptive bands, Quant-Noise,
+    # --scale-fc, whole-matrix optimizer or --compile): the search may try tp > 1
+    model_parallel_ok: bool = True
+
+    @property
+    def data_parallel(self):
+        """Ranks that read distinct batches: the world over the tensor and context groups."""
+        return max(1, self.world // (self.tp * self.cp))
+
+    @property
+    def local_seq_len(self):
+        """Positions of each sequence this rank holds: all of them, or 1/cp under context parallelism."""
+        return self.seq_len // self.cp
 
     @property
     def sharded(self):
@@ -144,7 +177,9 @@ class Setup:
 
     @property
     def tokens(self):
-        return self.rows * self.seq_len
+        """Tokens of the micro-batch the rank's layers see: its share of the sequence under
+        context parallelism (the tensor-parallel split of the residual stream is the ledger's)."""
+        return self.rows * self.local_seq_len
 
     @property
     def compute_bytes(self):

@@ -1,0 +1,55 @@
+"""The tensor- and context-parallel layouts the flag search (trainer/plan/search.py) tries
+on GPUs: --model-parallel-size and --context-parallel-size degrees a model and a job can
+take, each with the micro-batches that keep the global batch. Torch-free."""
+
+from dataclasses import replace
+from math import gcd
+
+from trainer.plan.comm import comm_bytes
+from trainer.plan.shapes import ModelShape, Setup, tensor_parallel_share
+
+
+def layout_label(s: Setup):
+    return (f", tp {s.tp}" if s.tp > 1 else "") + (f", cp {s.cp}" if s.cp > 1 else "")
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def with_layout(s: Setup, tp, cp):
+    """s on tp × cp model-parallel ranks, FSDP's shards and the micro-batches adjusted so the
+    global batch (sequences per update over the data-parallel ranks) stays; None where it
+    cannot (its sequences do not split over the data-parallel ranks)."""
+    dp = s.world // (tp * cp)
+    total = s.sequences * s.update_freq * s.data_parallel
+    group = s.shard * s.tp  # ranks of a shard group, tensor-parallel ones included
+    if total % dp or group % tp or s.seq_len % (2 * cp if cp > 1 else 1):
+        return None
+    per_rank = total // dp
+    sequences = gcd(s.sequences, per_rank)
+    return replace(s, tp=tp, cp=cp, shard=group // tp, sequences=sequences, update_freq=per_rank // sequences)
+
+
+def layouts(m: ModelShape, s: Setup, context_parallel=True):
+    """The sharded Setup s on each tensor- and context-parallel layout worth trying: on GPUs,
+    tensor-parallel groups inside a node (divisors of its GPUs that divide the query and
+    key/value heads and the feed-forward width), context-parallel ones of any size that
+    divides the world and splits each sequence into 2 × cp chunks; fewest model-parallel
+    ranks first, then fewest bytes received per rank (comm.comm_bytes: tensor parallelism
+    divides FSDP's traffic, context parallelism's own is smaller). Elsewhere s alone.
+    context_parallel False: no cp > 1 (dpo, whose whole-sequence scores train runs unsplit)."""
+    if s.device != "cuda" or not s.sharded or s.world == 1 or not s.model_parallel_ok:
+        return [s]
+    node = min(s.ranks_per_host, s.world)
+    tps = [t for t in divisors(node) if m.heads % t == 0 and m.kv % t == 0 and m.ffn % t == 0]
+    cps = divisors(s.world) if context_parallel else [1]
+    out = [with_layout(s, t, c) for t in tps for c in cps if s.world % (t * c) == 0]
+    out = [o for o in out if o is not None]
+    if not any(o.tp == s.tp and o.cp == s.cp for o in out):
+        out.append(s)
+
+    def key(o):
+        return o.tp * o.cp, sum(comm_bytes(tensor_parallel_share(m, o.tp), o).values())
+
+    return sorted(out, key=key)
