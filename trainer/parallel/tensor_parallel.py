@@ -22,9 +22,12 @@ query heads, then its key heads, then its value heads. Checkpoints keep the mode
 order (trainer/checkpoint/tp_rows.py maps between them), so a run resumes on any layout.
 """
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
@@ -120,6 +123,30 @@ class Replicated(ParallelStyle):
 
     def _apply(self, module, mesh):
         return distribute_module(module, mesh, _replicate)
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """The token embedding split by vocabulary rows: each process looks the ids up in its own
+    rows (zeros for the others'), an all-reduce sums the processes' lookups, and backward makes
+    the gradient of this process's rows alone. (torch's RowwiseParallel on an embedding makes
+    the whole table's gradient on every process, then keeps its rows: V×d where V/N×d does.)"""
+
+    def _apply(self, module, mesh):
+        distribute_module(module, mesh, _shard_rows)
+        module.forward = functools.partial(_lookup_vocab_rows, module, mesh)
+        return module
+
+
+def _lookup_vocab_rows(module, mesh, ids):
+    weight = module.weight  # this process's rows (FSDP has gathered them for the forward)
+    local = weight.to_local()
+    _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    rows = ids - offset[0]
+    outside = (rows < 0) | (rows >= local.shape[0])
+    pad = module.padding_idx
+    pad = pad - offset[0] if pad is not None and 0 <= pad - offset[0] < local.shape[0] else None
+    mine = F.embedding(rows.masked_fill(outside, 0), local, pad).masked_fill(outside[..., None], 0)
+    return DTensor.from_local(mine, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
 
 class VocabRows(ParallelStyle):
@@ -241,7 +268,7 @@ def apply_tensor_parallel(model, mesh):
             if p is not None:
                 layer.register_parameter(attr, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
         layer.register_forward_pre_hook(to_sequence_shards(mesh), with_kwargs=True)
-    root = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    root = {"embed_tokens": VocabParallelEmbedding()}
     for name in ("embed_positions", "layernorm_embedding", "project_in_dim"):
         if getattr(model, name) is not None:
             root[name] = ReplicatedCompute()

@@ -339,15 +339,10 @@ class UpdateWalk:
     def backward_root(self, mb: MicroBatch):
         """The embedding's backward, then (FSDP) the root's reduce-scatter."""
         m, s, L, elem = self.m, self.s, self.ledger, self.elem
-        if s.tp > 1:
-            # DTensor has no row-wise strategy for the embedding's backward: it makes the
-            # whole vocabulary's gradient on every rank of the group, then cuts this rank's
-            # rows out of it, alive together for a moment, and with a tied weight the sum of
-            # those rows and the loss's gradient as well
-            L.transient("unsharded_gradients", (s.tp + 1 + m.tied) * m.vocab * m.dim * elem)
-        elif m.tied:
-            # the embedding's backward makes a dense V×d gradient of its own, added into the
-            # one the loss made for the same (tied) weight: both are alive for a moment
+        if m.tied:
+            # the embedding's backward makes a dense V×d gradient of its own (under tensor
+            # parallelism of the rank's V/N rows: m is its share), added into the one the loss
+            # made for the same (tied) weight: both are alive for a moment
             L.transient(
                 "gradients" if not s.sharded else "unsharded_gradients", m.vocab * m.dim * (elem if s.sharded else 4)
             )
