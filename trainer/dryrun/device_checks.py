@@ -5,6 +5,9 @@ other ops), which checks it first.
 - Collectives as NCCL checks them: one device per collective, a CUDA tensor of the rank's
   own GPU, a device type the group has a backend for (a CPU tensor in a collective of an
   NCCL-only group fails on a GPU: "No backend type associated with device type cpu").
+- DTensor's random ops on a GPU (dropout under tensor parallelism) go through a
+  higher-order op that only has a CUDA kernel: here it runs that kernel's code, CUDA's
+  generator state moved through the stand-in's torch.cuda, on fake tensors.
 - Host memory pinned (fake tensors have no pinned pages: pinning is recorded here), and each
   non-blocking copy to a GPU going to the rank's own GPU; one from pageable memory is
   recorded (it is silently synchronous on a GPU).
@@ -12,6 +15,8 @@ other ops), which checks it first.
 
 import torch
 import torch.distributed as dist
+from torch._C import DispatchKey
+from torch._prims.rng_prims import run_dtensor_rng_op
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._pytree import tree_flatten
 
@@ -121,6 +126,24 @@ class FakeDevices(FakeTensorMode):
             raise CudaMisuse(f"a copy to {target} from the rank of {self.rank_device}")
         if kwargs.get("non_blocking") or (len(args) > 2 and args[2]):
             self.copies.append((self.is_pinned(source), str(target)))
+
+
+def run_random_ops_as_cuda(mode_class):
+    """Make DTensor's random ops (a higher-order op, which finds its rule by the exact class
+    of the dispatch mode on top) run under `mode_class` as their CUDA kernel runs them: the
+    generator's offset moved to this rank's share of the random stream, the op run under
+    torch.random.fork_rng, every torch.cuda call answered (and checked) by the stand-in, each
+    op inside seen by the mode. FakeTensorMode's own rule would only run the op."""
+    cuda_kernel = run_dtensor_rng_op.py_kernels[DispatchKey.CUDA]
+
+    def as_cuda(mode, *args, **kwargs):
+        with mode:  # the dispatcher took the mode off the stack to call this
+            return cuda_kernel(*args, **kwargs)
+
+    run_dtensor_rng_op.py_impl(mode_class)(as_cuda)
+
+
+run_random_ops_as_cuda(FakeDevices)
 
 
 def _really_pinned(tensor):
