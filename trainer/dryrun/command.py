@@ -144,7 +144,9 @@ def dry_run(cfg, out=sys.stdout):
         if "failure" in r:
             print(f"rank {r['rank']}: FAILED {r['failure']}", file=out)
             continue
-        groups = ", ".join(f"{how} {backend}" for how, backend in r["groups"])
+        groups = ", ".join(
+            f"{how} {backend}" + ("" if ranks is None else f" of {len(ranks)}") for how, backend, ranks in r["groups"]
+        )
         print(
             f"rank {r['rank']} (node {r['rank'] // gpus}, local rank {r['local_rank']} of {len(r['node_gpus'])}, "
             f"{r['device']}): groups [{groups}]; "
