@@ -109,14 +109,16 @@ def planned_bytes(cfg):
 
 
 def collective_mismatch(reports):
-    """The first collective where two ranks differ (op, device type or dtype), as a line, or None."""
+    """The first collective where two ranks differ (op, device type, dtype or the group it is
+    issued on, by its description: a device mesh's dimension), as a line, or None."""
     first = reports[0]
     for other in reports[1:]:
         for i, (a, b) in enumerate(zip(first["collectives"], other["collectives"])):
             if a != b:
                 return (
-                    f"collective #{i + 1} differs between rank {first['rank']} ({a[0]} of {a[2]} on {a[1]}) and "
-                    f"rank {other['rank']} ({b[0]} of {b[2]} on {b[1]}): a real job would hang or fail there"
+                    f"collective #{i + 1} differs between rank {first['rank']} ({a[0]} of {a[2]} on {a[1]}, group "
+                    f"{a[3] or '-'}) and rank {other['rank']} ({b[0]} of {b[2]} on {b[1]}, group {b[3] or '-'}): "
+                    "a real job would hang or fail there"
                 )
         if len(first["collectives"]) != len(other["collectives"]):
             return (

@@ -25,23 +25,33 @@ from trainer.dryrun.fake_cuda import CudaMisuse
 aten = torch.ops.aten
 
 
-def group_devices(group):
-    """The device types a process group (or a group's name, as functional collectives pass
-    it) has backends for; None for an argument that is no group."""
-    if isinstance(group, str):
+def process_group(arg):
+    """The process group an argument of a collective is: the group itself, the group boxed
+    (c10d's ops get it as a ScriptObject), or its name (functional collectives); None for an
+    argument that is no group."""
+    if isinstance(arg, str):
         try:
-            group = dist.distributed_c10d._resolve_process_group(group)
+            return dist.distributed_c10d._resolve_process_group(arg)
         except (KeyError, ValueError, RuntimeError):
             return None
-    if not isinstance(group, dist.ProcessGroup):
-        return None
+    if isinstance(arg, torch.ScriptObject):
+        try:
+            return dist.ProcessGroup.unbox(arg)
+        except RuntimeError:  # another boxed object (a ReduceOp)
+            return None
+    return arg if isinstance(arg, dist.ProcessGroup) else None
+
+
+def group_devices(group):
+    """The device types a process group has backends for."""
     return {t.type if isinstance(t, torch.device) else str(t) for t in group._device_types}
 
 
 class FakeDevices(FakeTensorMode):
-    """Fake tensors on fake GPUs, each op checked first. Records (collective, device type) in
-    `collectives`, non-blocking copies to a GPU as (from pinned memory?, target) in `copies`;
-    raises CudaMisuse where a GPU would fail. `rank_device` is set once the rank has one."""
+    """Fake tensors on fake GPUs, each op checked first. Records (collective, device type,
+    dtypes, its group's description) in `collectives`, non-blocking copies to a GPU as (from
+    pinned memory?, target) in `copies`; raises CudaMisuse where a GPU would fail.
+    `rank_device` is set once the rank has one."""
 
     def __init__(self):
         super().__init__(allow_non_fake_inputs=True)
@@ -97,6 +107,7 @@ class FakeDevices(FakeTensorMode):
 
     def check_collective(self, func, args, kwargs):
         flat = tree_flatten((args, kwargs))[0]
+        groups = list(filter(None, map(process_group, flat)))
         devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
         name = func.name()
         if len(devices) > 1:
@@ -104,7 +115,7 @@ class FakeDevices(FakeTensorMode):
         for device in devices:
             if device.type == "cuda" and self.rank_device is not None and device != self.rank_device:
                 raise CudaMisuse(f"{name} of a tensor on {device} from the rank of {self.rank_device}")
-            for have in filter(None, map(group_devices, flat)):
+            for have in map(group_devices, groups):
                 if device.type not in have:
                     raise CudaMisuse(
                         f"{name} of a {device.type} tensor on a group with backends for {sorted(have)} only "
@@ -112,7 +123,8 @@ class FakeDevices(FakeTensorMode):
                     )
         if devices:
             dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in flat if isinstance(t, torch.Tensor)})
-            self.collectives.append((name, next(iter(devices)).type, ",".join(dtypes)))
+            where = ",".join(g.group_desc for g in groups)  # "default_pg", a mesh's "mesh_tp", …
+            self.collectives.append((name, next(iter(devices)).type, ",".join(dtypes), where))
 
     def check_copy(self, func, args, kwargs):
         source = args[1] if func is aten.copy_.default else args[0]
