@@ -42,11 +42,12 @@ TP = {
         + TP_LLAMA,
         2,
     ),
-    # dropout on sequence shards: DTensor's random op, whose kernel is CUDA's only; qk-norm per head
-    "tp2_bf16_dropout": (
+    # dropout on sequence shards: DTensor's random op, whose kernel is CUDA's only; qk-norm per
+    # head; a layer's input (a DTensor) offloaded to pinned host memory, which only a GPU does
+    "tp2_bf16_dropout_offload_activations": (
         FSDP
         + ["--arch", "qwen3_0_6b", "--decoder-head-dim", "16", "--bf16", "--model-parallel-size", "2"]
-        + ["--dropout", "0.1", "--attention-dropout", "0.1"]
+        + ["--dropout", "0.1", "--attention-dropout", "0.1", "--offload-activations"]
         + TP_LLAMA,
         2,
     ),
@@ -135,6 +136,42 @@ def test_tensor_parallel_layouts_keep_their_groups_on_a_node_and_read_nothing_mo
         loss = [c[3] for c in r["collectives"] if c[:3] == ["c10d::allreduce_", "cuda", "float32"]]
         assert len(loss) >= 4 and set(loss) == {"mesh_tp"}
         assert r["host_reads"] == grid["llama"][0]["host_reads"]
+
+
+OFFLOADED_DTENSOR = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+from trainer.parallel.parallelize import save_on_host
+
+empty = torch.empty
+torch.empty = lambda *args, pin_memory=False, **kwargs: empty(*args, **kwargs)  # no GPU here to pin for
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+x0, w0 = torch.randn(2, 8, 4), torch.randn(4, 4)
+
+
+def update(offload):
+    x = distribute_tensor(x0, mesh, [Shard(1)]).requires_grad_()
+    w = distribute_tensor(w0, mesh, [Replicate()]).requires_grad_()
+    with save_on_host() if offload else torch.enable_grad():
+        y = checkpoint(lambda x, w: torch.tanh(x @ w).pow(2).sum(), x, w, use_reentrant=False) + (x * x).sum()
+    y.backward()
+    return [t.full_tensor() for t in (y, x.grad, w.grad)]
+
+
+print(all(torch.equal(a, b) for a, b in zip(update(False), update(True))))
+"""
+
+
+def test_offloaded_activations_of_a_dtensor_come_back_as_they_were():
+    """--offload-activations under tensor parallelism (found by the dry run: torch's
+    save_on_cpu refuses a DTensor, and only a GPU rank offloads): a layer's input, a sequence
+    shard, goes to host memory and comes back with the same values and the same gradients."""
+    done = subprocess.run([sys.executable, "-c", OFFLOADED_DTENSOR], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True"]
 
 
 @pytest.mark.parametrize("command", ["eval-lm", "generate", "serve"])
