@@ -13,7 +13,7 @@ import pytest
 from test_sft_dpo import chat, dpo_argv, sft_argv  # noqa: F401 (chat: the module's fixture)
 
 from helpers import DUMMY, compose
-from trainer.dryrun.command import collective_mismatch, command_job, job_of, rank_reports
+from trainer.dryrun.command import collective_mismatch, command_job, job_of, rank_reports, tp_groups_across_nodes
 
 BASE = DUMMY + ["--batch-size", "2", "--dry-run"]
 FSDP = ["--ddp-backend", "fully_sharded"]
@@ -136,6 +136,13 @@ def test_tensor_parallel_layouts_keep_their_groups_on_a_node_and_read_nothing_mo
         loss = [c[3] for c in r["collectives"] if c[:3] == ["c10d::allreduce_", "cuda", "float32"]]
         assert len(loss) >= 4 and set(loss) == {"mesh_tp"}
         assert r["host_reads"] == grid["llama"][0]["host_reads"]
+
+
+def test_the_dry_run_counts_tensor_parallel_groups_that_cross_nodes():
+    assert tp_groups_across_nodes(16, 4, 8) == 0 and tp_groups_across_nodes(16, 8, 8) == 0
+    assert tp_groups_across_nodes(16, 16, 8) == 1  # one group over both nodes
+    assert tp_groups_across_nodes(24, 6, 8) == 2  # ranks 6-11 and 12-17
+    assert tp_groups_across_nodes(8, 2, 1) == 4  # one GPU per node: every group
 
 
 OFFLOADED_DTENSOR = """

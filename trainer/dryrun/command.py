@@ -108,6 +108,12 @@ def planned_bytes(cfg):
     return ledger.peak, RUNTIME_GB["cuda"] * GB
 
 
+def tp_groups_across_nodes(world, tp, gpus_per_node):
+    """How many tensor-parallel groups (`tp` consecutive ranks: the mesh's last dimension) hold
+    ranks of two nodes or more."""
+    return sum(first // gpus_per_node != (first + tp - 1) // gpus_per_node for first in range(0, world, tp))
+
+
 def collective_mismatch(reports):
     """The first collective where two ranks differ (op, device type, dtype or the group it is
     issued on, by its description: a device mesh's dimension), as a line, or None."""
@@ -175,6 +181,13 @@ def dry_run(cfg, out=sys.stdout):
     if mismatch:
         print(f"dry run: FAILED: {mismatch}", file=out)
         return 1
+    tp = cfg.common.model_parallel_size
+    if spanning := tp_groups_across_nodes(world, tp, gpus):
+        print(
+            f"--model-parallel-size {tp}: {spanning} of the {world // tp} tensor-parallel groups span nodes of {gpus} "
+            "GPUs: every layer's all-gathers and reduce-scatters would cross the network",
+            file=out,
+        )
     if cfg.common.compile:
         print("--compile: not checked; the layers ran uncompiled (inductor needs a CUDA build of torch)", file=out)
     tensors, runtime = planned_bytes(cfg)
