@@ -1,5 +1,6 @@
-"""`train --dry-run` and the fake GPUs under it (trainer/dryrun/): the seed's command lines,
-at world sizes 8 and 16 (2 nodes x 8), run their rank 0 and last rank through init_rank,
+"""`train --dry-run` and the fake GPUs under it (trainer/dryrun/): the seed's command lines
+and the tensor-parallel layouts (--model-parallel-size with FSDP and HSDP), at world sizes 8
+and 16 (2 nodes x 8), run their rank 0 and last rank through init_rank,
 build and train_step on fake CUDA devices with every collective and CUDA call checked; what a
 GPU would refuse fails here, and what cannot run is refused in one line."""
 
@@ -12,12 +13,45 @@ import pytest
 from test_sft_dpo import chat, dpo_argv, sft_argv  # noqa: F401 (chat: the module's fixture)
 
 from helpers import DUMMY, compose
-from trainer.dryrun.command import collective_mismatch, command_job, job_of, rank_reports
+from trainer.dryrun.command import collective_mismatch, command_job, job_of, rank_reports, tp_groups_across_nodes
 
 BASE = DUMMY + ["--batch-size", "2", "--dry-run"]
 FSDP = ["--ddp-backend", "fully_sharded"]
 TINY_LLAMA = ["--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-attention-heads", "4"]
 TINY_LLAMA += ["--decoder-kv-heads", "2", "--decoder-ffn-embed-dim", "128"]
+# grouped-query attention with whole key/value heads on each of 4 tensor-parallel ranks
+TP_LLAMA = ["--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-attention-heads", "8"]
+TP_LLAMA += ["--decoder-kv-heads", "4", "--decoder-ffn-embed-dim", "128"]
+# --model-parallel-size rows (tensor parallelism composed with FSDP / HSDP), at 16 ranks on 2
+# nodes: each row's tensor-parallel size
+TP = {
+    # FSDP 4 x TP 4, fp32; llama3_2_1b ties its output projection to the embedding
+    "tp4_fully_sharded": (FSDP + ["--arch", "llama3_2_1b", "--model-parallel-size", "4"] + TP_LLAMA, 4),
+    # HSDP 2 x 2 x TP 4 (a 3-D mesh); llama3_1_8b's own output projection: VocabRows
+    "tp4_hybrid_shard": (
+        ["--ddp-backend", "hybrid_shard", "--shard-group-size", "8", "--arch", "llama3_1_8b", "--bf16"]
+        + ["--model-parallel-size", "4"]
+        + TP_LLAMA,
+        4,
+    ),
+    # fairseq's FSDP line: optimizer states and the step on the host, GradScaler over DTensors
+    "tp2_fp16_cpu_offload": (
+        FSDP
+        + ["--arch", "llama3_2_1b", "--fp16", "--cpu-offload", "--checkpoint-activations"]
+        + ["--model-parallel-size", "2"]
+        + TP_LLAMA,
+        2,
+    ),
+    # dropout on sequence shards: DTensor's random op, whose kernel is CUDA's only; qk-norm per
+    # head; a layer's input (a DTensor) offloaded to pinned host memory, which only a GPU does
+    "tp2_bf16_dropout_offload_activations": (
+        FSDP
+        + ["--arch", "qwen3_0_6b", "--decoder-head-dim", "16", "--bf16", "--model-parallel-size", "2"]
+        + ["--dropout", "0.1", "--attention-dropout", "0.1", "--offload-activations"]
+        + TP_LLAMA,
+        2,
+    ),
+}
 # name: (flags, world size); each row one update of a tiny model on rank 0 and the last rank
 GRID = {
     "fully_sharded": (FSDP, 8),
@@ -38,6 +72,7 @@ GRID = {
     "muon": (FSDP + ["--optimizer", "muon", "--lr", "0.01"], 16),
     "llama": (FSDP + ["--arch", "llama3_2_1b"] + TINY_LLAMA, 8),
     "qwen3": (FSDP + ["--arch", "qwen3_0_6b", "--decoder-head-dim", "16"] + TINY_LLAMA, 8),
+    **{name: (flags, 16) for name, (flags, _) in TP.items()},
 }
 
 
@@ -73,12 +108,77 @@ def test_the_seed_command_lines_run_on_fake_gpus(grid, row):
         assert "failure" not in r and "usage_error" not in r, r.get("traceback") or r.get("usage_error")
         # each rank on its own GPU of its node, its NCCL group with a gloo side for host tensors
         assert r["device"] == f"cuda:{r['local_rank']}" and r["node_gpus"] == list(range(len(r["node_gpus"])))
-        assert r["groups"][0] == ["default", "cuda:nccl,cpu:gloo"]
+        assert r["groups"][0] == ["default", "cuda:nccl,cpu:gloo", None]
         assert r["update_collectives"] > 0 and r["peak_bytes"] > 0
         assert r["batches_pinned"] and r["pageable_copies"] <= r["pinned_copies"]
         assert "set_device" in r["cuda_calls"]
     # the same collectives, in the same order, of the same dtypes, on the same device types
     assert collective_mismatch(reports) is None
+
+
+@pytest.mark.parametrize("row", TP)
+def test_tensor_parallel_layouts_keep_their_groups_on_a_node_and_read_nothing_more(grid, row):
+    """Under --model-parallel-size N a rank's tensor-parallel group (the mesh's "tp" dimension)
+    is N consecutive ranks of its own node, and its batches are shared with the ranks of the
+    same place in the other groups (new_subgroups_by_enumeration); the vocabulary-parallel
+    loss all-reduces its max and sum on the GPU; an update reads no more values on the host
+    (each waits for the GPU) than the same update without tensor parallelism."""
+    n, gpus = TP[row][1], 8
+    for r in grid[row]:
+        rank = r["rank"]
+        groups = {how: ranks for how, _, ranks in r["groups"]}
+        first = rank - rank % n
+        assert groups["mesh_tp"] == list(range(first, first + n))
+        assert {g // gpus for g in groups["mesh_tp"]} == {rank // gpus}
+        batches = [g for how, _, g in r["groups"] if how == "new_group" and g and len(g) == 16 // n]
+        assert batches == [list(range(rank % n, 16, n))]
+        # the max and sums of each update's vocabulary shards, on the tensor-parallel group only
+        loss = [c[3] for c in r["collectives"] if c[:3] == ["c10d::allreduce_", "cuda", "float32"]]
+        assert len(loss) >= 4 and set(loss) == {"mesh_tp"}
+        assert r["host_reads"] == grid["llama"][0]["host_reads"]
+
+
+def test_the_dry_run_counts_tensor_parallel_groups_that_cross_nodes():
+    assert tp_groups_across_nodes(16, 4, 8) == 0 and tp_groups_across_nodes(16, 8, 8) == 0
+    assert tp_groups_across_nodes(16, 16, 8) == 1  # one group over both nodes
+    assert tp_groups_across_nodes(24, 6, 8) == 2  # ranks 6-11 and 12-17
+    assert tp_groups_across_nodes(8, 2, 1) == 4  # one GPU per node: every group
+
+
+OFFLOADED_DTENSOR = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+from trainer.parallel.parallelize import save_on_host
+
+empty = torch.empty
+torch.empty = lambda *args, pin_memory=False, **kwargs: empty(*args, **kwargs)  # no GPU here to pin for
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+x0, w0 = torch.randn(2, 8, 4), torch.randn(4, 4)
+
+
+def update(offload):
+    x = distribute_tensor(x0, mesh, [Shard(1)]).requires_grad_()
+    w = distribute_tensor(w0, mesh, [Replicate()]).requires_grad_()
+    with save_on_host() if offload else torch.enable_grad():
+        y = checkpoint(lambda x, w: torch.tanh(x @ w).pow(2).sum(), x, w, use_reentrant=False) + (x * x).sum()
+    y.backward()
+    return [t.full_tensor() for t in (y, x.grad, w.grad)]
+
+
+print(all(torch.equal(a, b) for a, b in zip(update(False), update(True))))
+"""
+
+
+def test_offloaded_activations_of_a_dtensor_come_back_as_they_were():
+    """--offload-activations under tensor parallelism (found by the dry run: torch's
+    save_on_cpu refuses a DTensor, and only a GPU rank offloads): a layer's input, a sequence
+    shard, goes to host memory and comes back with the same values and the same gradients."""
+    done = subprocess.run([sys.executable, "-c", OFFLOADED_DTENSOR], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True"]
 
 
 @pytest.mark.parametrize("command", ["eval-lm", "generate", "serve"])
@@ -165,7 +265,7 @@ def test_the_fake_gpus_refuse_what_a_gpu_refuses():
     assert "of a tensor on cuda:0 from the rank of cuda:3" in lines[3]
     assert "a copy to cuda:0 from the rank of cuda:3" in lines[4]
     assert "recorded on a stream of cuda:0 while the current device is cuda:3" in lines[5]
-    assert lines[6] == "[('c10d::allreduce_', 'cuda', 'float32')] [(False, 'cuda:3'), (True, 'cuda:3')]"
+    assert lines[6] == "[('c10d::allreduce_', 'cuda', 'float32', 'default_pg')] [(False, 'cuda:3'), (True, 'cuda:3')]"
 
 
 def run_dry(*argv):

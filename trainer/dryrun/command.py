@@ -108,15 +108,23 @@ def planned_bytes(cfg):
     return ledger.peak, RUNTIME_GB["cuda"] * GB
 
 
+def tp_groups_across_nodes(world, tp, gpus_per_node):
+    """How many tensor-parallel groups (`tp` consecutive ranks: the mesh's last dimension) hold
+    ranks of two nodes or more."""
+    return sum(first // gpus_per_node != (first + tp - 1) // gpus_per_node for first in range(0, world, tp))
+
+
 def collective_mismatch(reports):
-    """The first collective where two ranks differ (op, device type or dtype), as a line, or None."""
+    """The first collective where two ranks differ (op, device type, dtype or the group it is
+    issued on, by its description: a device mesh's dimension), as a line, or None."""
     first = reports[0]
     for other in reports[1:]:
         for i, (a, b) in enumerate(zip(first["collectives"], other["collectives"])):
             if a != b:
                 return (
-                    f"collective #{i + 1} differs between rank {first['rank']} ({a[0]} of {a[2]} on {a[1]}) and "
-                    f"rank {other['rank']} ({b[0]} of {b[2]} on {b[1]}): a real job would hang or fail there"
+                    f"collective #{i + 1} differs between rank {first['rank']} ({a[0]} of {a[2]} on {a[1]}, group "
+                    f"{a[3] or '-'}) and rank {other['rank']} ({b[0]} of {b[2]} on {b[1]}, group {b[3] or '-'}): "
+                    "a real job would hang or fail there"
                 )
         if len(first["collectives"]) != len(other["collectives"]):
             return (
@@ -144,7 +152,9 @@ def dry_run(cfg, out=sys.stdout):
         if "failure" in r:
             print(f"rank {r['rank']}: FAILED {r['failure']}", file=out)
             continue
-        groups = ", ".join(f"{how} {backend}" for how, backend in r["groups"])
+        groups = ", ".join(
+            f"{how} {backend}" + ("" if ranks is None else f" of {len(ranks)}") for how, backend, ranks in r["groups"]
+        )
         print(
             f"rank {r['rank']} (node {r['rank'] // gpus}, local rank {r['local_rank']} of {len(r['node_gpus'])}, "
             f"{r['device']}): groups [{groups}]; "
@@ -171,6 +181,13 @@ def dry_run(cfg, out=sys.stdout):
     if mismatch:
         print(f"dry run: FAILED: {mismatch}", file=out)
         return 1
+    tp = cfg.common.model_parallel_size
+    if spanning := tp_groups_across_nodes(world, tp, gpus):
+        print(
+            f"--model-parallel-size {tp}: {spanning} of the {world // tp} tensor-parallel groups span nodes of {gpus} "
+            "GPUs: every layer's all-gathers and reduce-scatters would cross the network",
+            file=out,
+        )
     if cfg.common.compile:
         print("--compile: not checked; the layers ran uncompiled (inductor needs a CUDA build of torch)", file=out)
     tensors, runtime = planned_bytes(cfg)

@@ -5,6 +5,9 @@ other ops), which checks it first.
 - Collectives as NCCL checks them: one device per collective, a CUDA tensor of the rank's
   own GPU, a device type the group has a backend for (a CPU tensor in a collective of an
   NCCL-only group fails on a GPU: "No backend type associated with device type cpu").
+- DTensor's random ops on a GPU (dropout under tensor parallelism) go through a
+  higher-order op that only has a CUDA kernel: here it runs that kernel's code, CUDA's
+  generator state moved through the stand-in's torch.cuda, on fake tensors.
 - Host memory pinned (fake tensors have no pinned pages: pinning is recorded here), and each
   non-blocking copy to a GPU going to the rank's own GPU; one from pageable memory is
   recorded (it is silently synchronous on a GPU).
@@ -12,6 +15,8 @@ other ops), which checks it first.
 
 import torch
 import torch.distributed as dist
+from torch._C import DispatchKey
+from torch._prims.rng_prims import run_dtensor_rng_op
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._pytree import tree_flatten
 
@@ -20,23 +25,33 @@ from trainer.dryrun.fake_cuda import CudaMisuse
 aten = torch.ops.aten
 
 
-def group_devices(group):
-    """The device types a process group (or a group's name, as functional collectives pass
-    it) has backends for; None for an argument that is no group."""
-    if isinstance(group, str):
+def process_group(arg):
+    """The process group an argument of a collective is: the group itself, the group boxed
+    (c10d's ops get it as a ScriptObject), or its name (functional collectives); None for an
+    argument that is no group."""
+    if isinstance(arg, str):
         try:
-            group = dist.distributed_c10d._resolve_process_group(group)
+            return dist.distributed_c10d._resolve_process_group(arg)
         except (KeyError, ValueError, RuntimeError):
             return None
-    if not isinstance(group, dist.ProcessGroup):
-        return None
+    if isinstance(arg, torch.ScriptObject):
+        try:
+            return dist.ProcessGroup.unbox(arg)
+        except RuntimeError:  # another boxed object (a ReduceOp)
+            return None
+    return arg if isinstance(arg, dist.ProcessGroup) else None
+
+
+def group_devices(group):
+    """The device types a process group has backends for."""
     return {t.type if isinstance(t, torch.device) else str(t) for t in group._device_types}
 
 
 class FakeDevices(FakeTensorMode):
-    """Fake tensors on fake GPUs, each op checked first. Records (collective, device type) in
-    `collectives`, non-blocking copies to a GPU as (from pinned memory?, target) in `copies`;
-    raises CudaMisuse where a GPU would fail. `rank_device` is set once the rank has one."""
+    """Fake tensors on fake GPUs, each op checked first. Records (collective, device type,
+    dtypes, its group's description) in `collectives`, non-blocking copies to a GPU as (from
+    pinned memory?, target) in `copies`; raises CudaMisuse where a GPU would fail.
+    `rank_device` is set once the rank has one."""
 
     def __init__(self):
         super().__init__(allow_non_fake_inputs=True)
@@ -92,6 +107,7 @@ class FakeDevices(FakeTensorMode):
 
     def check_collective(self, func, args, kwargs):
         flat = tree_flatten((args, kwargs))[0]
+        groups = list(filter(None, map(process_group, flat)))
         devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
         name = func.name()
         if len(devices) > 1:
@@ -99,7 +115,7 @@ class FakeDevices(FakeTensorMode):
         for device in devices:
             if device.type == "cuda" and self.rank_device is not None and device != self.rank_device:
                 raise CudaMisuse(f"{name} of a tensor on {device} from the rank of {self.rank_device}")
-            for have in filter(None, map(group_devices, flat)):
+            for have in map(group_devices, groups):
                 if device.type not in have:
                     raise CudaMisuse(
                         f"{name} of a {device.type} tensor on a group with backends for {sorted(have)} only "
@@ -107,7 +123,8 @@ class FakeDevices(FakeTensorMode):
                     )
         if devices:
             dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in flat if isinstance(t, torch.Tensor)})
-            self.collectives.append((name, next(iter(devices)).type, ",".join(dtypes)))
+            where = ",".join(g.group_desc for g in groups)  # "default_pg", a mesh's "mesh_tp", …
+            self.collectives.append((name, next(iter(devices)).type, ",".join(dtypes), where))
 
     def check_copy(self, func, args, kwargs):
         source = args[1] if func is aten.copy_.default else args[0]
@@ -121,6 +138,24 @@ class FakeDevices(FakeTensorMode):
             raise CudaMisuse(f"a copy to {target} from the rank of {self.rank_device}")
         if kwargs.get("non_blocking") or (len(args) > 2 and args[2]):
             self.copies.append((self.is_pinned(source), str(target)))
+
+
+def run_random_ops_as_cuda(mode_class):
+    """Make DTensor's random ops (a higher-order op, which finds its rule by the exact class
+    of the dispatch mode on top) run under `mode_class` as their CUDA kernel runs them: the
+    generator's offset moved to this rank's share of the random stream, the op run under
+    torch.random.fork_rng, every torch.cuda call answered (and checked) by the stand-in, each
+    op inside seen by the mode. FakeTensorMode's own rule would only run the op."""
+    cuda_kernel = run_dtensor_rng_op.py_kernels[DispatchKey.CUDA]
+
+    def as_cuda(mode, *args, **kwargs):
+        with mode:  # the dispatcher took the mode off the stack to call this
+            return cuda_kernel(*args, **kwargs)
+
+    run_dtensor_rng_op.py_impl(mode_class)(as_cuda)
+
+
+run_random_ops_as_cuda(FakeDevices)
 
 
 def _really_pinned(tensor):

@@ -13,11 +13,13 @@ from omegaconf import OmegaConf
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import _redistribute
+from torch.distributed.tensor.debug import _clear_python_sharding_prop_cache
 from torch.nn.parallel import DistributedDataParallel
 
 from data.iterator import grouped
 from trainer.config.schema import uses_fsdp
-from trainer.dryrun.device_checks import FakeDevices
+from trainer.dryrun.device_checks import FakeDevices, run_random_ops_as_cuda
 from trainer.dryrun.dry_inference import COMMANDS as INFERENCE
 from trainer.dryrun.fake_cuda import CudaStandIn
 from trainer.dryrun.fake_groups import FakeGroups
@@ -109,6 +111,38 @@ class GradientTracker(FSDPMemTracker):
         return post_backward
 
 
+for _tracker in (GradientTracker, MemTracker):  # the tracked update's modes
+    run_random_ops_as_cuda(_tracker)
+
+
+class _ClearOnThisThread(torch.autograd.Function):
+    """Its backward clears DTensor's sharding cache of the thread that runs it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        return grad
+
+
+def forget_meshes(device):
+    """Drop what DTensor cached about this job's meshes (tensor parallelism's): the next job
+    of this process (another row, the same rank) makes meshes equal to them (same shape, same
+    ranks), and a cached sharding or redistribution would hand it back one of the old meshes,
+    whose groups are destroyed ("Could not resolve the process group registered under the
+    name …"). DTensor's C++ cache is kept per thread: the job's backward ran on autograd's
+    thread for `device` (a fake CUDA device), which a backward on that device clears."""
+    _clear_python_sharding_prop_cache()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    x = torch.zeros(1, device=device, requires_grad=True)
+    _ClearOnThisThread.apply(x).sum().backward()
+
+
 class DryRank:
     def __init__(self, cfg, job):
         self.cfg, self.job = cfg, job
@@ -139,6 +173,8 @@ class DryRank:
             return result
         finally:
             teardown()
+            with fake:
+                forget_meshes(cuda.current())
             for restore in reversed(undo):
                 restore()
 

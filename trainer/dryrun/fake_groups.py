@@ -7,7 +7,9 @@ one collective, and a CUDA tensor of another GPU than the rank's (trainer/dryrun
 """
 
 import torch.distributed as dist
+import torch.distributed.device_mesh as device_mesh
 from torch._C._distributed_c10d import FakeProcessGroup
+from torch.distributed import distributed_c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from trainer.dryrun.fake_cuda import CudaMisuse
@@ -39,10 +41,13 @@ def fake_backend(backend):
 
 class FakeGroups:
     """Patches torch.distributed for one process: the rendezvous answers at once with a fake
-    store, and each group's backend is replaced by its stand-in. `groups` records
-    (how the group was made, the backend asked for). `cuda`: the CudaStandIn, whose
-    set_device must come before an NCCL group (NCCL binds its communicator to the current
-    GPU: without it every rank's would be on cuda:0)."""
+    store, and each group's backend is replaced by its stand-in, whether the job makes the
+    group itself or torch makes it (a device mesh's dimensions, new_subgroups_by_enumeration:
+    both call new_group by its name in torch's own modules). `groups` records each group the
+    rank joins as (how it was made: "default", a device mesh's "mesh_<dimension>" or
+    "new_group"; the backend asked for; its ranks, None for all). `cuda`: the CudaStandIn,
+    whose set_device must come before an NCCL group (NCCL binds its communicator to the
+    current GPU: without it every rank's would be on cuda:0)."""
 
     def __init__(self, cuda):
         self.cuda = cuda
@@ -51,6 +56,7 @@ class FakeGroups:
     def patch(self):
         register_fake_backends()
         real_init, real_new, real_rendezvous = dist.init_process_group, dist.new_group, dist.rendezvous
+        saved = [(m, m.new_group) for m in (dist, distributed_c10d, device_mesh)]
 
         def rendezvous(url, rank=-1, world_size=-1, **kwargs):
             yield FakeStore(), rank, world_size
@@ -58,18 +64,24 @@ class FakeGroups:
         def init_process_group(backend=None, store=None, **kwargs):
             if "nccl" in str(backend) and not self.cuda.device_set:
                 raise CudaMisuse("init_process_group(nccl) before torch.cuda.set_device: NCCL would bind cuda:0")
-            self.groups.append(("default", backend))
+            self.groups.append(("default", backend, None))
             return real_init(backend=fake_backend(backend), store=store or FakeStore(), **kwargs)
 
-        def new_group(ranks=None, timeout=None, backend=None, *args, **kwargs):
-            self.groups.append(("new_group", backend or "default"))
+        def new_group(ranks=None, timeout=None, backend=None, *args, group_desc=None, **kwargs):
+            if ranks is None or dist.get_rank() in ranks:
+                how = group_desc if group_desc and group_desc.startswith("mesh_") else "new_group"
+                self.groups.append((how, backend or "default", None if ranks is None else sorted(ranks)))
             if backend is not None:
                 backend = fake_backend(backend)
-            return real_new(ranks, timeout, backend, *args, **kwargs)
+            return real_new(ranks, timeout, backend, *args, group_desc=group_desc, **kwargs)
 
-        dist.rendezvous, dist.init_process_group, dist.new_group = rendezvous, init_process_group, new_group
+        dist.rendezvous, dist.init_process_group = rendezvous, init_process_group
+        for module, _ in saved:
+            module.new_group = new_group
 
         def restore():
-            dist.rendezvous, dist.init_process_group, dist.new_group = real_rendezvous, real_init, real_new
+            dist.rendezvous, dist.init_process_group = real_rendezvous, real_init
+            for module, fn in saved:
+                module.new_group = fn
 
         return restore

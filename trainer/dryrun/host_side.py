@@ -1,7 +1,8 @@
 """What torch does on the host with values fake tensors do not have.
 
-- Bookkeeping that builds small index tensors and reads them back (a device mesh's layout,
-  a shard's offset) runs on real host tensors, as it does on a GPU host; so does reading a
+- Bookkeeping that builds small index tensors and reads them back (a device mesh's layout
+  and a rank's coordinate in it, a shard's offset) runs on real host tensors, as it does on
+  a GPU host; so does reading a
   rank's rows of a Hugging Face model (--finetune-from-model, dpo's reference) or a model's
   tensors (eval-lm, generate, serve) from disk.
 - `torch.tensor(data, device=GPU)` builds the tensor on the host and copies it to the GPU
@@ -32,7 +33,12 @@ from trainer.formats.shardlm.reader import CheckpointReader, ExportReader
 
 HOST_SIDE = (
     (device_mesh, "init_device_mesh"),
-    (dtensor_utils, "compute_local_shape_and_global_offset"),
+    # a mesh sliced or concatenated from another (a TP mesh's dimension, FSDP2's mesh of
+    # dp × tp) works out its rank's coordinate on a host tensor too
+    (device_mesh.DeviceMesh, "__init__"),
+    # the function that does the work, not its public name: callers import that by name
+    # (torch's DCP planners and sharding rules, the vocabulary-parallel loss's offset)
+    (dtensor_utils, "_compute_local_shape_and_global_offset"),
     (HFWeights, "rows"),
     (CheckpointReader, "get"),
     (ExportReader, "get"),

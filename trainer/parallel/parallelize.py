@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from trainer.config.schema import ddp_backend, uses_fsdp
@@ -88,11 +89,33 @@ def apply_activation_checkpointing(model, offload, env):
         @functools.wraps(inner)
         def forward(*args, _inner=inner, **kwargs):
             if offload:
-                with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                with save_on_host():
                     return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
         layer.forward = forward
+
+
+class save_on_host(torch.autograd.graph.saved_tensors_hooks):
+    """torch's save_on_cpu(pin_memory=True) for a GPU rank, DTensors included: torch's copies
+    each saved tensor into a plain pinned one, which DTensor refuses ("got mixed torch.Tensor
+    and DTensor"), and a layer's input under tensor parallelism is one (its sequence shard).
+    A DTensor's local shard goes to pinned host memory and comes back wrapped as it was."""
+
+    def __init__(self):
+        def pack(tensor):
+            spec = tensor._spec if isinstance(tensor, DTensor) else None
+            local = tensor._local_tensor if spec is not None else tensor
+            host = torch.empty(local.size(), dtype=local.dtype, layout=local.layout, pin_memory=True)
+            host.copy_(local, non_blocking=True)
+            return local.device, host, spec, tensor.requires_grad
+
+        def unpack(packed):
+            device, host, spec, requires_grad = packed
+            local = host.to(device, non_blocking=True)
+            return local if spec is None else DTensor(local, spec, requires_grad=requires_grad)
+
+        super().__init__(pack, unpack)
 
 
 def compile_layers(model):
