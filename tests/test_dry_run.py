@@ -51,6 +51,19 @@ TP = {
         + TP_LLAMA,
         2,
     ),
+    # an odd vocabulary (321 rows: 161 and 160 a TP rank) over 8 FSDP ranks: sharded by columns
+    # (FSDP2's uneven row cut and DTensor's offsets disagree on the last ranks' rows)
+    "tp2_odd_vocabulary": (
+        FSDP + ["--arch", "llama3_2_1b", "--model-parallel-size", "2", "--dict-size", "321"] + TP_LLAMA,
+        2,
+    ),
+    # context parallelism: each rank a quarter of every sequence, keys and values gathered
+    "cp4_tp2_bf16": (
+        FSDP
+        + ["--arch", "llama3_2_1b", "--bf16", "--context-parallel-size", "4", "--model-parallel-size", "2"]
+        + TP_LLAMA,
+        2,
+    ),
 }
 # name: (flags, world size); each row one update of a tiny model on rank 0 and the last rank
 GRID = {

@@ -165,7 +165,8 @@ class DryRank:
             result.update(
                 groups=[list(g) for g in groups.groups],
                 collectives=[list(c) for c in fake.collectives],
-                host_reads=len(fake.host_reads),
+                # a value read on the host from host memory waits for nothing: the GPU's count
+                host_reads=sum(device != "cpu" for device in fake.host_reads),
                 pinned_copies=sum(1 for pinned, _ in fake.copies if pinned),
                 pageable_copies=sum(1 for pinned, _ in fake.copies if not pinned),
                 cuda_calls=sorted({c[0] for c in cuda.calls}),

@@ -65,13 +65,18 @@ class SequenceSplit:
     def __init__(self, length, n, rank, device):
         self.n = n
         per_rank = [local_positions(length, n, r) for r in range(n)]
-        self.local_host = per_rank[rank]  # to cut the batch's host tensors with
-        self.local = self.local_host.to(device)
+        self.local_host = per_rank[rank]  # to count the batch's host tokens with
+        self.local = to_device(self.local_host, device)
         self.local_length = len(self.local_host)
         self.longest = max(len(p) for p in per_rank)
         # where each position of the sequence sits in the ranks' gathered, padded parts
         slots = torch.cat([r * self.longest + torch.arange(len(p)) for r, p in enumerate(per_rank)])
-        self.gathered_index = slots[torch.argsort(torch.cat(per_rank))].to(device)
+        self.gathered_index = to_device(slots[torch.argsort(torch.cat(per_rank))], device)
+
+
+def to_device(t, device):
+    """A host tensor on `device`, from pinned memory on a GPU (queued, as the batches are)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 class Context:
@@ -117,13 +122,13 @@ class ContextSplit:
             positions = document_positions(segments)[:, split.local]
             same = segments[:, split.local, None] == segments[:, None, :]
             mask = (same & (keys[None, None, :] <= split.local[None, :, None]))[:, None]
-        local = split.local_host
-        mine_target = target[:, local]
-        ntokens = int((mine_target != self.pad).sum())
+        # cut on the device from the loader's pinned batch (a cut on the host would be a new,
+        # pageable tensor to copy); the tokens counted on the host, where the batch is
+        ntokens = int((target[:, split.local_host] != self.pad).sum())
         return {
             **{k: v for k, v in batch.items() if k not in ("segments",)},
-            "src_tokens": tokens[:, local],
-            "target": mine_target,
+            "src_tokens": tokens.to(device, non_blocking=True)[:, split.local],
+            "target": target.to(device, non_blocking=True)[:, split.local],
             "ntokens": ntokens,
             # each sequence counted once in the group: by its first rank
             "nsentences": batch["nsentences"] if self.rank == 0 else 0,

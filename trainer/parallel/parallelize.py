@@ -20,7 +20,11 @@ from trainer.config.schema import ddp_backend, uses_fsdp
 from trainer.cpu.gloo_comms import prefetch_in_background, use_gloo_fast_comms
 from trainer.errors import UsageError
 from trainer.parallel.grad_sync import EarlyGather, GradSync
-from trainer.parallel.tensor_parallel import apply_tensor_parallel, row_orders
+from trainer.parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    fsdp_placement_under_tensor_parallelism,
+    row_orders,
+)
 
 log = logging.getLogger("shardlm")
 
@@ -167,6 +171,8 @@ def shard_model(model, sharding, env):
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh)
     kwargs = dict(mesh=mesh, reshard_after_forward=sharding.reshard_after_forward)
+    if tp_mesh is not None:
+        kwargs["shard_placement_fn"] = fsdp_placement_under_tensor_parallelism(mesh)
     if sharding.param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=sharding.param_dtype, reduce_dtype=sharding.reduce_dtype)
     if sharding.cpu_offload:
@@ -307,6 +313,8 @@ def freeze(model, cfg, env):
         if tp_mesh is not None:
             apply_tensor_parallel(model, tp_mesh)
         kwargs = dict(mesh=mesh, reshard_after_forward=True)
+        if tp_mesh is not None:
+            kwargs["shard_placement_fn"] = fsdp_placement_under_tensor_parallelism(mesh)
         if sharding.param_dtype is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=sharding.param_dtype)
         if sharding.cpu_offload:

@@ -258,6 +258,25 @@ def tensor_parallel_mesh(env):
     return mesh["tp"]
 
 
+def fsdp_placement_under_tensor_parallelism(fsdp_mesh):
+    """FSDP2's shard_placement_fn over a model split by apply_tensor_parallel: a parameter
+    split by rows whose ranks' rows FSDP's shard group cannot split evenly (an odd
+    vocabulary's, V/N rows over the data-parallel ranks) is sharded by columns instead. FSDP2
+    cuts such rows one way (_StridedShard) and DTensor's offsets count them another: the two
+    disagree on the last ranks' rows, so its shards could neither be initialized nor saved
+    where they are. None (rows) for every other parameter."""
+    shard = fsdp_mesh.size(fsdp_mesh.ndim - 1)  # HSDP: the shard dimension; replicas hold the same
+
+    def placement(param):
+        rows_split = isinstance(param, DTensor) and param.placements[0] == Shard(0)
+        if rows_split and param.dim() == 2 and param.shape[0] % (param.device_mesh.size() * shard):
+            if param.shape[1] % shard == 0:
+                return Shard(1)
+        return None
+
+    return placement
+
+
 def apply_tensor_parallel(model, mesh):
     """Split `model` (on the meta device) over the 1-D mesh `mesh` ("tp") as the module's
     note says; row_orders(model) then says how qkv_proj's and fc1's rows are ordered."""
