@@ -28,6 +28,14 @@ class Matrix:
     start: int  # first row in the parameter
     rows: int
     cols: int
+    # where its rows lie in the parameter's rows as the ranks split them, as runs (first row,
+    # count) in the matrix's own order; None: rows start … start+rows-1. Tensor parallelism
+    # orders qkv_proj's rows by rank (trainer/parallel/tensor_parallel.py): q is N runs.
+    runs: tuple = None
+
+    @property
+    def segments(self):
+        return self.runs or ((self.start, self.rows),)
 
     @property
     def work(self):
@@ -60,13 +68,30 @@ def shard_group(params):
     return mesh.get_group(dims[0]), mesh.size(dims[0]), mesh.get_local_rank(dims[0])
 
 
+class RowShards:
+    """How the ranks of a group hold a parameter's rows: (group or None, ranks, this rank's
+    index, rows(param rows, rank) → [start, end))."""
+
+    def __init__(self, group, ranks, rank, rows=None):
+        self.group, self.ranks, self.rank = group, ranks, rank
+        self.rows = rows or (lambda n, r: chunk_rows(n, ranks, r))
+
+
 class MatrixExchange:
     """The owners of `matrices` (Matrix) of `params`, and the row pieces each rank sends
-    and receives, fixed at construction: every step moves the same bytes."""
+    and receives, fixed at construction: every step moves the same bytes. shards: how the
+    ranks hold the rows (RowShards); default FSDP2's, over the parameters' shard group."""
 
-    def __init__(self, params, matrices):
+    def __init__(self, params, matrices, shards=None):
         self.matrices = matrices
-        self.group, self.ranks, self.rank = shard_group(params)
+        if shards is None:
+            shards = RowShards(*shard_group(params))
+            for p in params:  # the split assumed here must be FSDP2's
+                local, offset = local_rows(p)
+                start, end = chunk_rows(p.shape[0], shards.ranks, shards.rank)
+                if (offset if end > start else start) != start or local.shape[0] != end - start:
+                    raise RuntimeError(f"unexpected row shards of a {list(p.shape)} parameter")
+        self.group, self.ranks, self.rank, self.shard_rows = shards.group, shards.ranks, shards.rank, shards.rows
         self.owners = owners_by_work([m.work for m in matrices], self.ranks)
         self.owned = [i for i, o in enumerate(self.owners) if o == self.rank]
         self.device = None
@@ -74,36 +99,43 @@ class MatrixExchange:
             mesh_device = next(p for p in params if isinstance(p, DTensor)).device_mesh.device_type
             self.device = torch.device(mesh_device, torch.cuda.current_device()) if mesh_device == "cuda" else None
         self.param_rows = [p.shape[0] for p in params]
-        for p in params:  # the split assumed here must be FSDP2's
-            local, offset = local_rows(p)
-            start, end = chunk_rows(p.shape[0], self.ranks, self.rank)
-            if (offset if end > start else start) != start or local.shape[0] != end - start:
-                raise RuntimeError(f"unexpected row shards of a {list(p.shape)} parameter")
-        # What this rank sends to each owner: (matrix, first local row, rows), owner by owner,
-        # matrices in index order; it receives the same pieces back from the owners.
-        self.sent = [[self.piece(m, self.rank) for m in self.owned_by(dest)] for dest in range(self.ranks)]
-        # What this rank receives as an owner: each owned matrix's piece from each rank.
-        self.received = [[self.piece(m, src) for m in self.owned] for src in range(self.ranks)]
+        # What this rank sends to each owner: (matrix, run, first local row, rows), owner by
+        # owner, matrices in index order; it receives the same pieces back from the owners.
+        self.sent = [
+            [piece for m in self.owned_by(dest) for piece in self.pieces(m, self.rank)] for dest in range(self.ranks)
+        ]
+        # What this rank receives as an owner: each owned matrix's pieces from each rank.
+        self.received = [[piece for m in self.owned for piece in self.pieces(m, src)] for src in range(self.ranks)]
 
     def owned_by(self, rank):
         return [i for i, o in enumerate(self.owners) if o == rank]
 
-    def piece(self, m, rank):
-        """(matrix, first row relative to the rank's shard, rows) of matrix m that `rank` holds."""
+    def pieces(self, m, rank):
+        """[(matrix, run, first row relative to the rank's shard, rows)] of matrix m that
+        `rank` holds, one for each of its runs."""
         matrix = self.matrices[m]
-        start, end = chunk_rows(self.param_rows[matrix.param], self.ranks, rank)
-        a, b = max(start, matrix.start), min(end, matrix.start + matrix.rows)
-        return m, a - start, max(b - a, 0)
+        start, end = self.shard_rows(self.param_rows[matrix.param], rank)
+        out = []
+        for j, (first, count) in enumerate(matrix.segments):
+            a, b = max(start, first), min(end, first + count)
+            out.append((m, j, a - start, max(b - a, 0)))
+        return out
 
     def gather(self, local):
         """{owned matrix index: the whole matrix} from each rank's local rows `local` (one
         tensor per parameter, this rank's shard, all of one dtype)."""
-        send = [local[self.matrices[m].param][a : a + n] for dest in self.sent for m, a, n in dest]
+        send = [local[self.matrices[m].param][a : a + n] for dest in self.sent for m, _, a, n in dest]
         recv = self.all_to_all(send, self.sent, self.received, local[0].dtype)
         pieces = {m: [] for m in self.owned}
-        for (m, _, _), t in zip((p for src in self.received for p in src), recv):
-            pieces[m].append(t)
-        return {m: torch.cat(ts).view(self.matrices[m].rows, self.matrices[m].cols) for m, ts in pieces.items()}
+        received = ((src, piece) for src, src_pieces in enumerate(self.received) for piece in src_pieces)
+        for (src, (m, j, _, _)), t in zip(received, recv):
+            pieces[m].append(((j, src), t))  # a run's rows rank after rank: the matrix's order
+        return {
+            m: torch.cat([t for _, t in sorted(ts, key=lambda x: x[0])]).view(
+                self.matrices[m].rows, self.matrices[m].cols
+            )
+            for m, ts in pieces.items()
+        }
 
     def scatter(self, whole):
         """[(matrix index, first local row, rows, tensor)] of this rank's rows of every
@@ -111,17 +143,20 @@ class MatrixExchange:
         dtype = next(iter(whole.values())).dtype if whole else torch.bfloat16
         send = []
         for src, pieces in enumerate(self.received):
-            for m, _, n in pieces:
-                start = chunk_rows(self.param_rows[self.matrices[m].param], self.ranks, src)[0]
-                first = max(start - self.matrices[m].start, 0)  # src's first row of the matrix
-                send.append(whole[m][first : first + n])
+            for m, j, _, n in pieces:
+                matrix = self.matrices[m]
+                first, _ = matrix.segments[j]
+                start = self.shard_rows(self.param_rows[matrix.param], src)[0]
+                before = sum(count for _, count in matrix.segments[:j])  # the earlier runs' rows
+                offset = before + max(start - first, 0)  # src's first row of the run, in the matrix
+                send.append(whole[m][offset : offset + n])
         recv = self.all_to_all(send, self.received, self.sent, dtype)
-        return [(m, a, n, t) for (m, a, n), t in zip((p for dest in self.sent for p in dest), recv)]
+        return [(m, a, n, t) for (m, _, a, n), t in zip((p for dest in self.sent for p in dest), recv)]
 
     def all_to_all(self, send, send_layout, recv_layout, dtype):
         """One all-to-all of `send` (2-D row pieces, in `send_layout` order); returns the
         pieces of `recv_layout`, each (rows, cols)."""
-        shapes = [[(n, self.matrices[m].cols) for m, _, n in pieces] for pieces in recv_layout]
+        shapes = [[(n, self.matrices[m].cols) for m, _, _, n in pieces] for pieces in recv_layout]
         if self.group is None:
             return send  # one rank: it sends to itself what it receives
         device = self.device or (send[0].device if send else torch.device("cpu"))
@@ -131,7 +166,7 @@ class MatrixExchange:
             torch.cat([t.reshape(-1) for t in send]).to(device) if send else torch.empty(0, dtype=dtype, device=device)
         )
         out_splits = [sum(r * c for r, c in s) for s in shapes]
-        in_splits = [sum(n * self.matrices[m].cols for m, _, n in pieces) for pieces in send_layout]
+        in_splits = [sum(n * self.matrices[m].cols for m, _, _, n in pieces) for pieces in send_layout]
         out = torch.empty(sum(out_splits), dtype=dtype, device=flat.device)
         dist.all_to_all_single(out, flat.to(dtype), out_splits, in_splits, group=self.group)
         views, offset = [], 0

@@ -27,6 +27,7 @@ import math
 import torch
 
 from trainer.parallel.matrix_owners import Matrix, MatrixExchange
+from trainer.parallel.tp_matrices import RowLayout, is_tensor_parallel, tensor_parallel_matrices
 from trainer.train.optim import ShardLocalAdamW, local_shards, param_groups
 
 log = logging.getLogger("shardlm")
@@ -76,6 +77,10 @@ def muon_matrices(model):
 def build_muon(model, cfg):
     optimizer_cfg = cfg.optimizer
     params, matrices = muon_matrices(model)
+    layout = None
+    if is_tensor_parallel(params):  # each matrix laid out by rows first (trainer/parallel/tp_matrices.py)
+        layout = RowLayout(params)
+        matrices = tensor_parallel_matrices(model, params, matrices)
     ids = {id(p) for p in params}
     adam_groups = []
     for group in param_groups(model, optimizer_cfg.weight_decay):
@@ -96,6 +101,7 @@ def build_muon(model, cfg):
         ns_steps=optimizer_cfg.muon_ns_steps,
         eps=optimizer_cfg.muon_eps,
         adjust_lr_fn=optimizer_cfg.muon_adjust_lr_fn,
+        layout=layout,
     )
 
 
@@ -105,13 +111,15 @@ class Muon(ShardLocalAdamW):
     every rank steps or none does: it leaves found_inf to the host (GradScaler's check,
     trainer/train/deferred_read.py's read_before_step), which every rank reads alike."""
 
-    def __init__(self, params, matrices, adam_groups, lr, weight_decay, betas, adam_eps, **muon):
+    def __init__(self, params, matrices, adam_groups, lr, weight_decay, betas, adam_eps, layout=None, **muon):
+        """layout: under tensor parallelism, the RowLayout the matrices are exchanged in."""
         groups = [{"params": params, "weight_decay": weight_decay, "muon": True}] + adam_groups
         super().__init__(groups, lr=lr, betas=betas, eps=adam_eps, fused=True)
         self._step_supports_amp_scaling = False  # fused AdamW's: not this step's
         self.muon = muon
         self.matrices = matrices
-        self.exchange = MatrixExchange(params, matrices)
+        self.layout = layout
+        self.exchange = MatrixExchange(params, matrices, None if layout is None else layout.shards)
 
     def __setstate__(self, state):
         """Adam's (load_state_dict calls it) reads the "step" of every state: the matrices'
@@ -144,6 +152,8 @@ class Muon(ShardLocalAdamW):
                 loss = closure()
         group = self.param_groups[0]
         updates = self.momentum_updates(group)
+        if self.layout is not None:
+            updates = [self.layout.to_rows(p, u) for p, u in zip(group["params"], updates)]
         whole = self.exchange.gather(updates)
         for adam_group in self.param_groups[1:]:
             lists = [], [], [], [], [], []
@@ -188,6 +198,16 @@ class Muon(ShardLocalAdamW):
             for p, local in zip(params, locals_):
                 if p.grad is not None:
                     local.mul_(1 - lr * weight_decay)
+        if self.layout is not None:  # each parameter's rows of the steps, laid back as it is split
+            steps = [self.layout.zeros(p, local.dtype) for p, local in zip(params, locals_)]
+            for m, first, rows, update in pieces:
+                matrix = self.matrices[m]
+                step = adjusted_lr(lr, self.muon["adjust_lr_fn"], matrix.rows, matrix.cols)
+                steps[matrix.param][first : first + rows] = update.to(steps[matrix.param].device).float() * step
+            for p, local, rows in zip(params, locals_, steps):
+                if p.grad is not None:
+                    local.sub_(self.layout.from_rows(p, rows))
+            return
         for m, first, rows, update in pieces:
             matrix = self.matrices[m]
             if rows and params[matrix.param].grad is not None:
