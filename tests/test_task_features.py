@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from data.data_dir import check_data_dir
 from data.errors import DataError
@@ -22,9 +23,10 @@ from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from data.iterator import EpochBatchIterator, batch_by_size, collate
 from data.token_block import TokenBlockDataset
 from helpers import DUMMY, TINY, compose, fairseq_batch_by_size_vec, parse_records, run_ranks, update_losses
+from trainer.parallel.ranks import DistEnv
 
 T = 32
-ONE_RANK = SimpleNamespace(world_size=1, rank=0, is_master=True, device=SimpleNamespace(type="cpu"))  # a DistEnv
+ONE_RANK = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
 
 def write_bin(path, splits, symbols=40, seed=0):
@@ -181,7 +183,6 @@ def test_sharded_data_is_checked_dir_by_dir(tmp_path, capsys):
 
 
 def _eval_lm(index, path, data, out):
-    from types import SimpleNamespace
 
     from trainer.inference.eval_lm import eval_lm
     from trainer.parallel.ranks import init_rank, teardown
