@@ -51,14 +51,15 @@ TP = {
         + TP_LLAMA,
         2,
     ),
-    # an odd vocabulary (321 rows: 161 and 160 a TP rank) over 8 FSDP ranks: sharded by columns
-    # (FSDP2's uneven row cut and DTensor's offsets disagree on the last ranks' rows)
-    "tp2_odd_vocabulary": (
-        FSDP + ["--arch", "llama3_2_1b", "--model-parallel-size", "2", "--dict-size", "321"] + TP_LLAMA,
+    # Muon's owners take whole matrices from the 16 ranks that split them (rows, columns, runs);
+    # an odd vocabulary (321 rows: 161 and 160 a TP rank) over 8 FSDP ranks is sharded by
+    # columns (FSDP2's uneven row cut and DTensor's offsets disagree on the last ranks' rows)
+    "tp2_muon_odd_vocabulary": (
+        FSDP
+        + ["--arch", "llama3_2_1b", "--model-parallel-size", "2", "--optimizer", "muon", "--dict-size", "321"]
+        + TP_LLAMA,
         2,
     ),
-    # Muon's owners take whole matrices from the 16 ranks that split them (rows, columns, runs)
-    "tp2_muon": (FSDP + ["--arch", "llama3_2_1b", "--model-parallel-size", "2", "--optimizer", "muon"] + TP_LLAMA, 2),
     # context parallelism: each rank a quarter of every sequence, keys and values gathered
     "cp4_tp2_bf16": (
         FSDP
