@@ -3,6 +3,9 @@
 answer, and a config composed from flags as `train` composes it."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import cli
 from trainer.config.compose import compose_config
@@ -59,3 +62,21 @@ def cfg_of(*flags):
 
     _, settings, overrides = parse_flags(build_parser(), list(flags))
     return compose_config(settings, overrides)
+
+
+def measured_peak_gb(model, updates, cwd):
+    """The highest mem_gb of `train`'s train_inner records over `updates` updates of `model`
+    (its flags), run as users run it (the console script), in `cwd`."""
+    r = subprocess.run(
+        [str(Path(sys.executable).parent / "train")]
+        + model
+        + ["--max-update", str(updates), "--no-save", "--disable-validation", "--log-format", "json"]
+        + ["--log-interval", "1"],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+    )
+    assert r.returncode == 0, r.stderr
+    return max(
+        json.loads(line[line.index("{") :])["mem_gb"] for line in r.stdout.splitlines() if "| train_inner |" in line
+    )

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from plan_helpers import plan_json
+from plan_helpers import measured_peak_gb, plan_json
 
 import cli
 
@@ -159,18 +159,7 @@ def test_prediction_matches_a_measured_run(tmp_path, capsys):
         "--checkpoint-activations",
     ]
     predicted = plan_json(capsys, *model, "--cpu")["per_rank_gb"]
-    r = subprocess.run(
-        [str(BIN / "train")]
-        + model
-        + ["--max-update", "3", "--no-save", "--disable-validation", "--log-format", "json", "--log-interval", "1"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert r.returncode == 0, r.stderr
-    measured = max(
-        json.loads(line[line.index("{") :])["mem_gb"] for line in r.stdout.splitlines() if "| train_inner |" in line
-    )
+    measured = measured_peak_gb(model, 3, tmp_path)
     assert predicted == pytest.approx(measured, rel=0.10)
 
 

@@ -5,36 +5,19 @@ real split layer on 2 gloo ranks, predicted against measured peaks of TP 2, FSDP
 CP 2 runs, the collectives counted, and the layouts the search tries on GPUs."""
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from plan_helpers import SETUP, cfg_of, plan_json
+from plan_helpers import SETUP, cfg_of, measured_peak_gb, plan_json
+from test_plan_models import LLAMA_LAYER
 
 from trainer.plan.ledger import layer_activation_bytes, predict, rope_table_bytes
 from trainer.plan.search import model_shape
 from trainer.plan.shapes import tensor_parallel_share
 
-BIN = Path(sys.executable).parent
-# The Llama layer at test size: 4 query heads over 2 kv heads, RoPE, SwiGLU, RMSNorm.
-LLAMA = [
-    "--arch",
-    "llama3_2_1b",
-    "--decoder-layers",
-    "2",
-    "--decoder-embed-dim",
-    "256",
-    "--decoder-ffn-embed-dim",
-    "688",
-    "--decoder-attention-heads",
-    "4",
-    "--decoder-kv-heads",
-    "2",
-    "--decoder-head-dim",
-    "64",
-]
+# The Llama layer at test size (test_plan_models'), two of them.
+LLAMA = ["--decoder-layers", "2", *LLAMA_LAYER]
 VOCAB = 779  # odd: the vocabulary's rows split unevenly
 
 
@@ -113,32 +96,11 @@ def test_a_tensor_parallel_rank_holds_and_saves_what_plan_counts(tmp_path):
 
 # A model whose activations outweigh its runtime on 2 and 4 CPU ranks (tests/test_plan_cli.py's
 # measured run, Llama-shaped): fp32, no checkpointing, so every split activation counts.
-MEASURED = [
-    "--arch",
-    "llama3_2_1b",
-    "--decoder-layers",
-    "4",
-    "--decoder-embed-dim",
-    "384",
-    "--decoder-ffn-embed-dim",
-    "1024",
-    "--decoder-attention-heads",
-    "6",
-    "--decoder-kv-heads",
-    "2",
-    "--decoder-head-dim",
-    "64",
-    "--task",
-    "dummy_lm",
-    "--dict-size",
-    "8192",
-    "--tokens-per-sample",
-    "256",
-    "--batch-size",
-    "16",
-    "--ddp-backend",
-    "fully_sharded",
-]
+MEASURED = (
+    "--arch llama3_2_1b --decoder-layers 4 --decoder-embed-dim 384 --decoder-ffn-embed-dim 1024 "
+    "--decoder-attention-heads 6 --decoder-kv-heads 2 --decoder-head-dim 64 --task dummy_lm --dict-size 8192 "
+    "--tokens-per-sample 256 --batch-size 16 --ddp-backend fully_sharded"
+).split()
 
 
 @pytest.mark.parametrize(
@@ -151,18 +113,7 @@ def test_prediction_matches_a_measured_tensor_parallel_run(world, layout, tmp_pa
     CP 2 (each rank half of every sequence, the keys and values gathered)."""
     model = MEASURED + layout + ["--distributed-world-size", str(world)]
     predicted = plan_json(capsys, *model, "--cpu")["per_rank_gb"]
-    r = subprocess.run(
-        [str(BIN / "train")]
-        + model
-        + ["--max-update", "2", "--no-save", "--disable-validation", "--log-format", "json", "--log-interval", "1"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert r.returncode == 0, r.stderr
-    measured = max(
-        json.loads(line[line.index("{") :])["mem_gb"] for line in r.stdout.splitlines() if "| train_inner |" in line
-    )
+    measured = measured_peak_gb(model, 2, tmp_path)
     print(f"world {world}, {' '.join(layout)}: predicted {predicted} GB, measured {measured} GB")
     assert predicted == pytest.approx(measured, rel=0.10)
 
