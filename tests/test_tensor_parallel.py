@@ -43,10 +43,11 @@ LAYOUTS = {
         GPT,
         ["--batch-size", "2", "--ddp-backend", "fully_sharded", "--bf16", "--checkpoint-activations"],
     ),
-    # Muon: each matrix (q, k, v, gate, up whole) orthogonalised by one owner among the 4 ranks
-    "qwen3_fsdp2_tp2_muon": (
+    # Muon: each matrix (q, k, v, gate, up whole) orthogonalised by one owner among the 4 ranks;
+    # one key/value head for 2 TP ranks: each holds half its rows, both attend with all of it
+    "qwen3_fsdp2_tp2_muon_one_kv_head": (
         4,
-        QWEN3,
+        [*QWEN3, "--decoder-kv-heads", "1"],
         ["--batch-size", "2", "--ddp-backend", "fully_sharded", "--optimizer", "muon", "--lr", "0.01"],
     ),
     # LayerDrop at 0.5 of 2 layers: some updates run none, and the final norm splits the positions

@@ -2,7 +2,7 @@
 and --context-parallel-size (trainer/parallel/context_parallel.py): what each composes
 with, and a model tensor parallelism can split into equal shares."""
 
-from models.config import kv_heads
+from models.config import head_dim, kv_heads
 from trainer.config.checks.values import positive
 from trainer.config.schema import uses_fsdp
 from trainer.errors import UsageError
@@ -74,8 +74,20 @@ def check_model_splits(model, n, flag):
         )
     for what, count in (
         ("--decoder-attention-heads", model.decoder_attention_heads),
-        ("key/value heads (--decoder-kv-heads)", kv_heads(model)),
         ("--decoder-ffn-embed-dim", model.decoder_ffn_embed_dim),
     ):
         if count % n:
             raise UsageError(f"{flag} must divide the model's {what}, {count}: each rank holds an equal share")
+    kv, dim = kv_heads(model), head_dim(model)
+    if not splits_key_value_heads(kv, dim, n):
+        raise UsageError(
+            f"{flag} must divide the model's key/value heads (--decoder-kv-heads), {kv}, or be a multiple of "
+            f"them that divides the head dimension {dim} × {kv}: each rank holds an equal share of them"
+        )
+
+
+def splits_key_value_heads(kv, dim, n):
+    """Whether n tensor-parallel ranks split kv key/value heads of `dim` channels: whole heads
+    each, or (fewer heads than ranks) each head replicated over n / kv ranks that hold an equal
+    share of its rows (trainer/parallel/tensor_parallel.py share_key_value_heads)."""
+    return kv % n == 0 or (n % kv == 0 and (kv * dim) % n == 0)
