@@ -26,8 +26,6 @@ def check_context_parallel(cfg):
     flag = f"--context-parallel-size {n}"
     if cfg.task._name == "dpo":
         raise UsageError(f"{flag}: dpo scores whole sequences on one rank; train dpo with --context-parallel-size 1")
-    if cfg.common.compile:
-        raise UsageError(f"{flag} and --compile: compiling attention's key/value gather is not supported yet")
     world, tp = cfg.distributed_training.distributed_world_size, cfg.common.model_parallel_size
     if world > 1 and world % (n * tp):
         raise UsageError(f"{flag} × --model-parallel-size {tp} must divide --distributed-world-size {world}")
@@ -47,8 +45,6 @@ def check_tensor_parallel(cfg):
     world = distributed.distributed_world_size
     if world > 1 and world % n:
         raise UsageError(f"{flag} must divide --distributed-world-size {world}")
-    if cfg.common.compile:
-        raise UsageError(f"{flag} and --compile: compiling the split layers is not supported yet; drop --compile")
     if cfg.optimizer._name in WHOLE_MATRIX_OPTIMIZERS:
         raise UsageError(
             f"{flag}: --optimizer {cfg.optimizer._name} sums whole rows and columns, which tensor parallelism splits "
