@@ -175,6 +175,11 @@ def shard_model(model, sharding, env):
     mesh, tp_mesh = device_meshes(sharding.hybrid, sharding.shard_group_size, env)
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh)
+        if not sharding.hybrid:
+            # FSDP's shard group holds the ranks of distinct tokens (env.data_group's): token
+            # counts and losses are summed on it, so that a GPU holds one NCCL communicator
+            # over those ranks, not two (the one made first is never used, so never built).
+            env.data_group = mesh.get_group()
     kwargs = dict(mesh=mesh, reshard_after_forward=sharding.reshard_after_forward)
     if tp_mesh is not None:
         kwargs["shard_placement_fn"] = fsdp_placement_under_tensor_parallelism(mesh)
