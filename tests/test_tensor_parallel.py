@@ -34,6 +34,9 @@ RUN = [
     "2",
 ]
 
+ADAFACTOR = ["--optimizer", "adafactor", "--lr", "0.03", "--scale-parameter", "--beta1", "0.9", "--weight-decay", "0.01"]
+LAMB = ["--optimizer", "lamb", "--lr", "0.01", "--weight-decay", "0.1"]
+
 # (ranks, model, flags): each run's tensor-parallel degree is --model-parallel-size.
 LAYOUTS = {
     "llama_tp2": (2, LLAMA, ["--batch-size", "2", "--update-freq", "2", "--ddp-backend", "fully_sharded"]),
@@ -64,6 +67,16 @@ LAYOUTS = {
     ),
     # two replicas, each one rank of FSDP shards (the fourth dimension's smallest case) × TP 2
     "llama_hsdp2_tp2": (4, LLAMA, ["--batch-size", "2", "--ddp-backend", "hybrid_shard", "--shard-group-size", "2"]),
+    # Adafactor's factored second moment: rows of out_proj and fc2 summed over tp's columns,
+    # columns of qkv_proj (reordered q, k, v) over tp's and FSDP's rows, its update clipped
+    # by each logical tensor's RMS, its step scaled by the parameter's RMS
+    "llama_fsdp2_tp2_adafactor": (4, LLAMA, ["--batch-size", "2", "--ddp-backend", "fully_sharded", *ADAFACTOR]),
+    # LAMB's trust ratio per logical tensor (q, k, v; gate, up) over both replicas' shards
+    "qwen3_hsdp2_tp2_lamb": (
+        4,
+        QWEN3,
+        ["--batch-size", "2", "--ddp-backend", "hybrid_shard", "--shard-group-size", "2", *LAMB],
+    ),
 }
 
 

@@ -28,7 +28,7 @@ apex keeps t in the parameter group, which shardlm's checkpoints leave out
 
 import torch
 
-from trainer.parallel.shard_sums import local_shards, per_row, row_pieces, shard_layout, square_sums, sum_over_shards
+from trainer.parallel.shard_sums import RowBlocks, local_shards, per_row, shard_layout, square_sums, sum_over_shards
 
 MAX_GRAD_NORM = 1.0  # apex FusedLAMB's default, which fairseq does not change
 
@@ -38,23 +38,40 @@ class LAMB(torch.optim.Optimizer):
     (trainer/train/optim.py: logical_blocks); any other parameter is one tensor."""
 
     def __init__(
-        self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, blocks=None
+        self,
+        params,
+        lr,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        max_grad_norm=MAX_GRAD_NORM,
+        blocks=None,
+        orders=None,
     ):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
         super().__init__(params, defaults)
         self.blocks = dict(blocks or {})
-        self.pieces = {}  # id(parameter): its row_pieces, fixed by the sharding
+        self.orders = dict(orders or {})
+        self.layouts = {}  # id(parameter): its RowBlocks, fixed by the sharding
 
     @classmethod
-    def from_config(cls, groups, lr, cfg, blocks=None):
+    def from_config(cls, groups, lr, cfg, blocks=None, orders=None):
         return cls(
-            groups, lr=lr, betas=tuple(cfg.lamb_betas), eps=cfg.lamb_eps, weight_decay=cfg.weight_decay, blocks=blocks
+            groups,
+            lr=lr,
+            betas=tuple(cfg.lamb_betas),
+            eps=cfg.lamb_eps,
+            weight_decay=cfg.weight_decay,
+            blocks=blocks,
+            orders=orders,
         )
 
-    def row_pieces(self, p):
-        if id(p) not in self.pieces:
-            self.pieces[id(p)] = row_pieces(p, self.blocks.get(id(p)))
-        return self.pieces[id(p)]
+    def layout(self, p, local, mesh_layout):
+        """p's RowBlocks, computed once."""
+        if id(p) not in self.layouts:
+            blocks, order = self.blocks.get(id(p)), self.orders.get(id(p))
+            self.layouts[id(p)] = RowBlocks(p, blocks, order, mesh_layout, local.device)
+        return self.layouts[id(p)]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -69,10 +86,13 @@ class LAMB(torch.optim.Optimizer):
         params = local_shards([p for _, p in items])
         grads = [g.float() for g in local_shards([p.grad for _, p in items])]
         decayed = [i for i, (group, _) in enumerate(items) if group["weight_decay"] != 0]
-        pieces = {i: self.row_pieces(items[i][1]) for i in decayed}
-        # one all-reduce: the gradients' squares (all together), then each decayed logical tensor's
-        grad_sq = torch.stack(torch._foreach_norm(grads)).square().sum().reshape(1)
-        param_sq = [square_sums(params[i], pieces[i]) for i in decayed]
+        rows = [self.layout(p, local, layout) for (_, p), local in zip(items, params)]
+        pieces = {i: rows[i].pieces for i in decayed}
+        # one all-reduce: the gradients' squares (all together, each part once), then each
+        # decayed logical tensor's
+        norms = [n for n, r in zip(torch._foreach_norm(grads), rows) if r.counted]
+        grad_sq = torch.stack(norms).square().sum().reshape(1) if norms else grads[0].new_zeros(1)
+        param_sq = [rows[i].counted_only(square_sums(params[i], pieces[i])) for i in decayed]
         sums = sum_over_shards(torch.cat([grad_sq, *param_sq]), layout)
         norm = sums[0].sqrt()
         param_norms = sums[1:].sqrt().split([len(pieces[i]) for i in decayed])
@@ -97,7 +117,7 @@ class LAMB(torch.optim.Optimizer):
             if group["weight_decay"] != 0:
                 update.add_(local.float(), alpha=group["weight_decay"])
             updates.append(update)
-        update_sq = [square_sums(updates[i], pieces[i]) for i in decayed]
+        update_sq = [rows[i].counted_only(square_sums(updates[i], pieces[i])) for i in decayed]
         update_norms = (
             sum_over_shards(torch.cat(update_sq), layout).sqrt().split([len(u) for u in update_sq]) if decayed else ()
         )
