@@ -34,7 +34,7 @@ RUN = [
     "2",
 ]
 
-ADAFACTOR = ["--optimizer", "adafactor", "--lr", "0.03", "--scale-parameter", "--beta1", "0.9", "--weight-decay", "0.01"]
+ADAFACTOR = "--optimizer adafactor --lr 0.03 --scale-parameter --beta1 0.9 --weight-decay 0.01".split()
 LAMB = ["--optimizer", "lamb", "--lr", "0.01", "--weight-decay", "0.1"]
 
 # (ranks, model, flags): each run's tensor-parallel degree is --model-parallel-size.

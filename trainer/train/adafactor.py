@@ -255,4 +255,3 @@ class Adafactor(torch.optim.Optimizer):
         weights.add_(-update)
         if weights is not local:
             local.copy_(weights)
-

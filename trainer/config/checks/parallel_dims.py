@@ -7,6 +7,7 @@ from trainer.config.checks.values import positive
 from trainer.config.schema import uses_fsdp
 from trainer.errors import UsageError
 
+
 def check_parallel_dims(cfg):
     positive(cfg, "common.model_parallel_size", "common.context_parallel_size")
     check_context_parallel(cfg)
