@@ -1,22 +1,26 @@
 """fairseq's Adafactor (fairseq/optim/adafactor.py, the same code as transformers'), exact
-under FSDP2's row shards, on the tensors users have.
+under FSDP2's row shards and tensor parallelism's rows or columns, on the tensors users have.
 
 A matrix's second moment is kept factored: one value per row (the mean of its squared
-gradients over the columns) and one per column (the mean over the rows). A rank holds
-whole rows, so the row statistics are its own; but the column statistics, the mean of the
-row statistics, the RMS of the update (its clipping) and the RMS of the parameter
-(--scale-parameter) are over the whole matrix. Each rank computes its rows' partial sums,
-and a step sums them over the shard group in two all-reduces: one of everything known
-before the update (the parameters' squares, the row statistics, the column sums), one of
-the updates' squares. One process and DDP reduce nothing (sum_over_shards' identity), and
-run the same arithmetic.
+gradients over the columns) and one per column (the mean over the rows). Under FSDP2 a rank
+holds whole rows, so the row statistics are its own; but the column statistics, the mean
+of the row statistics, the RMS of the update (its clipping) and the RMS of the parameter
+(--scale-parameter) are over the whole matrix. Each rank computes its part's partial sums,
+and a step sums them over the ranks holding the other parts in two all-reduces: one of
+everything known before the update (the parameters' squares, the row statistics, the
+column sums, and the row sums of a matrix split by columns), one of the updates' squares.
+A matrix tensor parallelism splits by columns (out_proj, fc2; an odd vocabulary's
+embedding over FSDP's ranks) has rows whose means span ranks: every rank keeps all its rows'
+statistics, updates them from the summed row sums and takes their mean itself. One process
+and DDP reduce nothing (sum_over_shards' identity), and run the same arithmetic.
 
 Every statistic is per logical tensor: shardlm stacks q_proj, k_proj and v_proj in
 qkv_proj and a gated feed-forward's gate_proj and up_proj in fc1, which fairseq's and
 Hugging Face's models keep apart, so each of them gets its own column statistics, row
 mean, update RMS and parameter RMS (the `blocks` given, models/layer.py's
 weight_blocks), as Adafactor stepping the separate parameters would; their rows may
-straddle two ranks' shards (shard_sums.row_pieces).
+straddle two ranks' shards, or lie in the order tensor parallelism gives them
+(shard_sums.RowBlocks).
 
 FSDP2's last shard may be shorter, or empty, than the others (torch.chunk's split); the
 sums are of the rows a rank truly holds and the means divide by the parameter's whole row

@@ -1,6 +1,6 @@
 """fairseq's --optimizer lamb: apex's FusedLAMB with the arguments fairseq passes (lr,
 betas, eps, weight decay) and apex's defaults for the rest, written with torch ops, exact
-under FSDP2's row shards.
+under FSDP2's row shards and tensor parallelism's rows or columns.
 
 FusedLAMB (apex/optimizers/fused_lamb.py, csrc/multi_tensor_lamb.cu), per update t:
 
@@ -12,7 +12,8 @@ FusedLAMB (apex/optimizers/fused_lamb.py, csrc/multi_tensor_lamb.cu), per update
 
 and the ratio only for parameters with weight decay (use_nvlamb=False): those without
 (biases, norms, embeddings here) take Adam's step. The norms are of whole parameters: a
-rank sums its rows' squares, and a step sums them over the shard group in two
+rank sums its part's squares (a part several ranks hold, once: shard_sums.RowBlocks.counted),
+and a step sums them over the ranks holding the other parts in two
 all-reduces, one before the update (the gradients' and the parameters' squares) and one
 of the updates' squares.
 
@@ -20,7 +21,8 @@ The trust ratio is per logical tensor: shardlm stacks q_proj, k_proj and v_proj 
 qkv_proj and a gated feed-forward's gate_proj and up_proj in fc1, which fairseq's and
 Hugging Face's models keep apart, so each gets ||w|| / ||u|| of its own rows (the `blocks`
 given, models/layer.py's weight_blocks), as FusedLAMB stepping the separate parameters
-would; their rows may straddle two ranks' shards (shard_sums.row_pieces).
+would; their rows may straddle two ranks' shards, or lie in the order tensor parallelism gives them
+(shard_sums.RowBlocks).
 
 apex keeps t in the parameter group, which shardlm's checkpoints leave out
 (hyper-parameters come from the config); here it is per-parameter state, a 0-d tensor.
