@@ -128,16 +128,17 @@ class RowBlocks:
             raise RuntimeError(f"a {list(p.shape)} parameter split by columns: a layout parallelize() does not build")
         first, count = (offset[0], shape[0]) if p.ndim else (0, 1)
         self.rows = slice(first, first + count)
-        # p's rows (its own order) in the model's order, then each one's logical tensor
-        self.model_row = order if order is not None else torch.arange(sum(rows))
-        bounds = torch.tensor([a + n for a, n in self.model_pieces])
-        block = torch.bucketize(self.model_row[self.rows], bounds, right=True).tolist()
+        # p's rows (its own order) where the model's order has them: a split matrix's whole
+        # rows are put back in that order to take their means
+        self.model_order = torch.argsort(order).to(device) if order is not None else None
+        model_row = order[self.rows] if order is not None else torch.arange(self.rows.start, self.rows.stop)
+        block = torch.bucketize(model_row, torch.tensor([a + n for a, n in self.model_pieces]), right=True)
         self.pieces = []
         for b in range(len(rows)):
-            local = [i for i, x in enumerate(block) if x == b]
-            if local and local != list(range(local[0], local[0] + len(local))):
+            local = (block == b).nonzero().flatten()
+            if len(local) and local[-1] - local[0] + 1 != len(local):
                 raise RuntimeError(f"a logical tensor's rows of a {list(p.shape)} parameter are not one run here")
-            self.pieces.append((local[0], len(local)) if local else (0, 0))
+            self.pieces.append((int(local[0]), len(local)) if len(local) else (0, 0))
 
     def counted_only(self, sums):
         """`sums` (this rank's partial sums of p) as they enter a sum over the mesh: zeros
@@ -161,7 +162,7 @@ class RowBlocks:
     def model_block_means(self, whole_rows):
         """Per logical tensor, the mean of `whole_rows` (one value per row of p, in p's own
         order) over its rows, summed in the model's order (as one process sums them)."""
-        in_model_order = whole_rows[torch.argsort(self.model_row).to(whole_rows.device)]
+        in_model_order = whole_rows if self.model_order is None else whole_rows[self.model_order]
         return block_sums(in_model_order, self.model_pieces) / self.counts
 
 

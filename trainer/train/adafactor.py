@@ -164,7 +164,8 @@ class Adafactor(torch.optim.Optimizer):
         items = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not items:
             return loss
-        layout = shard_layout([p for _, p in items])
+        # from every parameter, not only those with gradients now: the same sums on each step
+        layout = shard_layout([p for g in self.param_groups for p in g["params"]])
         work, partial = [], []
 
         def slot(t):

@@ -84,7 +84,8 @@ class LAMB(torch.optim.Optimizer):
         items = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not items:
             return loss
-        layout = shard_layout([p for _, p in items])
+        # from every parameter, not only those with gradients now: the same sums on each step
+        layout = shard_layout([p for g in self.param_groups for p in g["params"]])
         params = local_shards([p for _, p in items])
         grads = [g.float() for g in local_shards([p.grad for _, p in items])]
         decayed = [i for i, (group, _) in enumerate(items) if group["weight_decay"] != 0]
