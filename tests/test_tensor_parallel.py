@@ -1,7 +1,8 @@
 """Tensor parallelism (--model-parallel-size) trains the model one process trains: per-update
 loss and gradient norm on real gloo ranks, alone (TP 2) and composed with FSDP and HSDP,
 equal one process reading the same sequences, for a Llama with grouped-query attention,
-a Qwen3 (per-head norms) and fairseq's transformer_lm."""
+a Qwen3 (per-head norms) and fairseq's transformer_lm, stepped by Adam, Muon, Adafactor and
+LAMB (whose statistics span the split matrices)."""
 
 from pathlib import Path
 
