@@ -7,11 +7,6 @@ from trainer.config.checks.values import positive
 from trainer.config.schema import uses_fsdp
 from trainer.errors import UsageError
 
-# Optimizers whose step reads a whole tensor's rows' and columns' sums or norms, which
-# tensor parallelism splits across ranks: their steps are not built for those shares yet.
-# (Muon's owners take whole matrices from any split: trainer/parallel/tp_matrices.py.)
-WHOLE_MATRIX_OPTIMIZERS = ("adafactor", "lamb")
-
 
 def check_parallel_dims(cfg):
     positive(cfg, "common.model_parallel_size", "common.context_parallel_size")
@@ -45,11 +40,6 @@ def check_tensor_parallel(cfg):
     world = distributed.distributed_world_size
     if world > 1 and world % n:
         raise UsageError(f"{flag} must divide --distributed-world-size {world}")
-    if cfg.optimizer._name in WHOLE_MATRIX_OPTIMIZERS:
-        raise UsageError(
-            f"{flag}: --optimizer {cfg.optimizer._name} sums whole rows and columns, which tensor parallelism splits "
-            "across ranks; use adam (or another per-element optimizer), or --model-parallel-size 1"
-        )
     check_model_splits(model, n, flag)
 
 
