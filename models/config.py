@@ -214,6 +214,41 @@ class TransformerLMConfig:
     rope_original_max_positions: int = field(
         default=8192, metadata={"help": "llama3 rope scaling: original_max_position_embeddings"}
     )
+    # Mixtures of experts (models/moe.py): Qwen3-MoE's and Mixtral's sparse feed-forward.
+    moe_expert_count: int = field(
+        default=0,
+        metadata={"help": "experts of each mixture-of-experts layer (fairseq's --moe-expert-count; 0: dense)"},
+    )
+    moe_freq: int = field(
+        default=1,
+        metadata={
+            "help": "with --moe-expert-count, every Nth layer is a mixture of experts, the others dense "
+            "(Qwen3-MoE's decoder_sparse_step; fairseq's --moe-freq, which has no default)"
+        },
+    )
+    moe_dense_layers: str = field(
+        default="",
+        metadata={"help": "comma-separated ids of layers kept dense among them (Qwen3-MoE's mlp_only_layers)"},
+    )
+    moe_top_k: int = field(default=2, metadata={"help": "experts each token is routed to"})
+    moe_ffn_embed_dim: Optional[int] = field(
+        default=None, metadata={"help": "each expert's feed-forward width (default: --decoder-ffn-embed-dim)"}
+    )
+    moe_norm_topk_prob: bool = field(
+        default=False,
+        metadata={
+            "help": "renormalize a token's top-k router probabilities to sum to 1 (Mixtral always; Qwen3-MoE's "
+            "norm_topk_prob)"
+        },
+    )
+    moe_aux_loss_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "weight of the router's load-balancing loss added to the training loss (transformers' "
+            "router_aux_loss_coef)",
+            "alias": "--moe-gate-loss-wt",
+        },
+    )
     min_params_to_wrap: int = field(
         default=0,
         metadata={
@@ -303,6 +338,32 @@ def _gpt2(layers, dim, ffn, heads):
     )
 
 
+def moe_layers(model_cfg):
+    """The ids of the layers that are mixtures of experts (models/moe.py): every --moe-freq-th
+    (Qwen3-MoE's (i + 1) % decoder_sparse_step == 0) but --moe-dense-layers; none without
+    experts. A saved config may predate the options: it reads as dense."""
+    experts, freq = getattr(model_cfg, "moe_expert_count", 0), getattr(model_cfg, "moe_freq", 1)
+    if not experts or not freq:
+        return set()
+    dense = parse_layer_ids(getattr(model_cfg, "moe_dense_layers", "") or "")
+    return {i for i in range(num_layers(model_cfg)) if (i + 1) % freq == 0 and i not in dense}
+
+
+def parse_layer_ids(text):
+    """'0,3' → {0, 3}; ValueError naming the bad part."""
+    ids = set()
+    for part in str(text).replace(" ", "").split(","):
+        if part:
+            if not part.isdigit():
+                raise ValueError(f"--moe-dense-layers takes comma-separated layer ids, got {part!r}")
+            ids.add(int(part))
+    return ids
+
+
+def moe_ffn(model_cfg):
+    return getattr(model_cfg, "moe_ffn_embed_dim", None) or model_cfg.decoder_ffn_embed_dim
+
+
 def head_dim(model_cfg):
     return (
         getattr(model_cfg, "decoder_head_dim", None) or model_cfg.decoder_embed_dim // model_cfg.decoder_attention_heads
@@ -357,6 +418,32 @@ def _qwen3(layers, dim, ffn, heads, tied):
     }
 
 
+def _qwen3_moe(layers, dim, heads, experts_ffn, dense_ffn):
+    # Qwen3-MoE: Qwen3's attention (4 kv heads), 128 experts a layer, 8 a token, renormalized,
+    # every layer sparse; published with router_aux_loss_coef 0.001.
+    return {
+        **_qwen3(layers, dim, dense_ffn, heads, False),
+        "decoder_kv_heads": 4,
+        "moe_expert_count": 128,
+        "moe_top_k": 8,
+        "moe_ffn_embed_dim": experts_ffn,
+        "moe_norm_topk_prob": True,
+        "moe_aux_loss_coef": 0.001,
+    }
+
+
+def _mixtral(layers, dim, ffn, heads, kv, experts, top_k):
+    # Mixtral: Llama's layer (no rope scaling, theta 1e6) with 8 experts a layer, 2 a token.
+    return {
+        **_llama(layers, dim, ffn, heads, kv, False, 1.0, theta=1000000.0),
+        "rope_scaling": None,
+        "moe_expert_count": experts,
+        "moe_top_k": top_k,
+        "moe_norm_topk_prob": True,
+        "moe_aux_loss_coef": 0.02,
+    }
+
+
 # The published shapes. Their vocabularies (Llama 3 128256, Qwen3 151936) come with the
 # data (`preprocess --tokenizer HF_DIR`) or a Hugging Face model directory.
 LLAMA_PRESETS = {
@@ -369,10 +456,16 @@ LLAMA_PRESETS = {
     "qwen3_1_7b": _qwen3(28, 2048, 6144, 16, True),
     "qwen3_4b": _qwen3(36, 2560, 9728, 32, True),
     "qwen3_8b": _qwen3(36, 4096, 12288, 32, False),
+    "qwen3_moe_30b_a3b": _qwen3_moe(48, 2048, 32, 768, 6144),
+    "qwen3_moe_235b_a22b": _qwen3_moe(94, 4096, 64, 1536, 12288),
+    "mixtral_8x7b": _mixtral(32, 4096, 14336, 32, 8, 8, 2),
 }
 # Their tokenizers' vocabularies (the embedding rows of the published checkpoints), for what
 # needs one before there is data: `plan --arch llama3_1_8b` without DATA.
-PUBLISHED_VOCABS = {name: 128256 if name.startswith("llama3") else 151936 for name in LLAMA_PRESETS}
+PUBLISHED_VOCABS = {
+    name: 128256 if name.startswith("llama3") else 32000 if name.startswith("mixtral") else 151936
+    for name in LLAMA_PRESETS
+}
 
 
 # transformer_lm_baevski_wiki103 and _gbw, each followed by transformer_lm_big, whose

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from models.config import head_dim, kv_heads
 from models.cpu_attention import causal_matmul_attention, use_matmul_attention
+from models.moe import MoEFeedForward
 from models.norms import RMSNorm, make_norm
 from models.positions import apply_rope
 from models.quant_noise import linear
@@ -47,7 +48,9 @@ class DecoderLayer(nn.Module):
     the value heads' (fewer under grouped-query attention); fc1 holds the gate's rows, then
     the up projection's (--gated-ffn); q_norm and k_norm (--qk-norm) normalize each head."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, sparse=False):
+        """sparse: the feed-forward is a mixture of experts (models/moe.py), moe.fc1 and
+        moe.fc2 its experts' stacked weights, in place of fc1 and fc2."""
         super().__init__()
         dim, ffn = cfg.decoder_embed_dim, cfg.decoder_ffn_embed_dim
         self.num_heads = cfg.decoder_attention_heads
@@ -72,9 +75,10 @@ class DecoderLayer(nn.Module):
         self.final_layer_norm = norm(dim)
         # Quant-Noise takes the feed-forward's layers, not the attention's: fairseq's
         # attention reads its projections' weights around their noise (models/quant_noise.py).
-        self.fc1 = linear(cfg, dim, 2 * ffn if self.gated else ffn, bias=bias)
+        self.moe = MoEFeedForward(cfg, self.activation_fn) if sparse else None
+        self.fc1 = None if sparse else linear(cfg, dim, 2 * ffn if self.gated else ffn, bias=bias)
         self.ffn_layernorm = norm(ffn) if getattr(cfg, "scale_fc", False) else None
-        self.fc2 = linear(cfg, ffn, dim, bias=bias)
+        self.fc2 = None if sparse else linear(cfg, ffn, dim, bias=bias)
         self.w_resid = nn.Parameter(torch.ones(dim)) if getattr(cfg, "scale_resids", False) else None
 
     def weight_blocks(self):
@@ -85,7 +89,10 @@ class DecoderLayer(nn.Module):
         weight is one matrix."""
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         blocks = {"qkv_proj.weight": (H * D, KV * D, KV * D)}
-        if self.gated:
+        if self.moe is not None:  # each expert's gate, up and down projections
+            E, F, dim = self.moe.num_experts, self.moe.ffn, self.moe.fc2.shape[0] // self.moe.num_experts
+            blocks["moe.fc1"], blocks["moe.fc2"] = (F,) * (2 * E), (dim,) * E
+        elif self.gated:
             half = self.fc1.weight.shape[0] // 2
             blocks["fc1.weight"] = (half, half)
         return blocks
@@ -138,6 +145,8 @@ class DecoderLayer(nn.Module):
         return y if self.attn_ln is None else self.attn_ln(y)
 
     def feed_forward(self, x):
+        if self.moe is not None:
+            return self.moe(x)
         if self.gated:
             gate, up = self.fc1(x).chunk(2, dim=-1)
             x = dropout(self.activation_fn(gate) * up, self.activation_dropout, self.training)

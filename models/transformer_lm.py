@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.adaptive import AdaptiveInput, AdaptiveSoftmax
-from models.config import num_layers
+from models.config import moe_layers, num_layers
 from models.documents import block_causal_mask, document_positions
 from models.kv_cache import KVCache
 from models.layer import ACTIVATION_FNS, DecoderLayer, dropout
@@ -101,7 +101,8 @@ class TransformerLM(nn.Module):
         )
         self.layernorm_embedding = make_norm(cfg, dim) if cfg.layernorm_embedding else None
         # --decoder-layers-to-keep builds only those (renumbered from 0), as fairseq does.
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(num_layers(cfg)))
+        sparse, self._experts = moe_layers(cfg), getattr(cfg, "moe_expert_count", 0)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, sparse=i in sparse) for i in range(num_layers(cfg)))
         self.layerdrop = cfg.decoder_layerdrop
         final_norm = cfg.decoder_normalize_before and not cfg.no_decoder_final_norm
         self.layer_norm = make_norm(cfg, dim) if final_norm else None
@@ -150,6 +151,10 @@ class TransformerLM(nn.Module):
                 tensor[self.padding_idx].zero_()
         elif kind == "linear":
             nn.init.xavier_uniform_(tensor, generator=g)
+        elif kind == "experts":  # each expert's matrix as a linear layer's, in one draw order
+            E = self._experts
+            for matrix in tensor.view(E, tensor.shape[0] // E, tensor.shape[1]):
+                nn.init.xavier_uniform_(matrix, generator=g)
         elif kind == "torch_linear":  # nn.Linear's own init, which fairseq leaves its quant_noise layer
             nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=g)
         elif kind in ("norm_weight", "scale"):  # NormFormer's scales start at 1, as fairseq's
@@ -174,6 +179,7 @@ class TransformerLM(nn.Module):
             prefix = mname + "." if mname else ""
             if isinstance(module, DecoderLayer):
                 kinds[prefix + "c_attn"] = kinds[prefix + "w_resid"] = "scale"
+                kinds[prefix + "moe.fc1"] = kinds[prefix + "moe.fc2"] = "experts"
             if isinstance(module, nn.Linear) and module is not self.output_projection:
                 kinds[prefix + "weight"], kinds[prefix + "bias"] = "linear", "bias"
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
@@ -263,6 +269,8 @@ class TransformerLM(nn.Module):
         `context` (trainer/parallel/context_parallel.py) brings their global `positions`
         (B×T), the sequence's length `span`, the `mask` of these queries over all its keys,
         and `keys_values(k, v)`, which gives attention the whole sequence's."""
+        for layer in self.sparse_layers:  # what a layer LayerDrop skips routed no token
+            layer.moe.routing = None
         if segments is not None and cache is not None:
             raise ValueError("segments (packed documents) cannot be decoded with a KV cache: pass one or the other")
         if per_row and (target is None or softmax_batch or self.adaptive_softmax is not None):
@@ -303,6 +311,14 @@ class TransformerLM(nn.Module):
         if target is not None:
             return self.output_loss(x, target)
         return self.logits(x)
+
+    @property
+    def sparse_layers(self):
+        return [layer for layer in self.layers if layer.moe is not None]
+
+    def router_stats(self):
+        """models/moe.py RouterStats of each mixture-of-experts layer the last forward ran."""
+        return [layer.moe.routing for layer in self.sparse_layers if layer.moe.routing is not None]
 
     def logits(self, x):
         """B×T×V logits of hidden states x (the adaptive softmax's log-probabilities)."""

@@ -15,7 +15,7 @@ from data.data_dir import data_dirs
 from data.embedded_corpus import prepare_embedded_corpus
 from data.errors import DataError
 from data.tokenizer import load_tokenizer
-from models.config import PUBLISHED_VOCABS, adaptive_bands, head_dim, kv_heads, num_layers
+from models.config import PUBLISHED_VOCABS, adaptive_bands, head_dim, kv_heads, moe_layers, num_layers
 from trainer.config.checks import check_adaptive_vocab
 from trainer.config.implied import implies_activation_checkpointing
 from trainer.config.model_source import hf_vocab_size
@@ -77,6 +77,11 @@ def apply_hf_config(cfg, model_dir):
 
 def model_shape(cfg, vocab):
     model_cfg = cfg.model
+    if moe_layers(model_cfg):
+        raise UsageError(
+            "plan does not model mixtures of experts (--moe-expert-count) yet: its prediction would miss the "
+            "experts' parameters, states and dispatch buffers"
+        )
     positions = model_positions(cfg)
     learned = model_cfg.decoder_learned_pos and not model_cfg.no_token_positional_embeddings
     final_norm = model_cfg.decoder_normalize_before and not model_cfg.no_decoder_final_norm

@@ -77,7 +77,7 @@ def build(cfg, env):
     if cfg.task._name == "dpo":
         reference = build_reference(cfg, env, vocab_size, max_positions, task.pad)
         fpt = fpt * 4 / 3  # and the reference's forward: a third of a training step's FLOPs
-    return task, Trainer(cfg, model, env, task.pad, grad_sync, build_objective(cfg, reference)), fpt
+    return task, Trainer(cfg, model, env, task.pad, grad_sync, build_objective(cfg, reference, env)), fpt
 
 
 def build_reference(cfg, env, vocab_size, max_positions, pad):

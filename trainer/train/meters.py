@@ -129,7 +129,10 @@ class TrainMeters:
 
 def extra_fields(sums, nsentences):
     """--task dpo's record fields from its sums over pairs (TRL's rewards/chosen,
-    rewards/rejected, rewards/margins, rewards/accuracies); {} for the other tasks."""
+    rewards/rejected, rewards/margins, rewards/accuracies); a mixture of experts' load-balancing
+    loss (its micro-batches' values weighted by their tokens, the mean); {} otherwise."""
+    if "moe_aux_loss" in sums:
+        return {"moe_aux_loss": round(sums["moe_aux_loss"] / max(sums.get("sample_size", 0), 1), 5)}
     if "reward_chosen" not in sums:
         return {}
     n = max(nsentences, 1)

@@ -1,7 +1,8 @@
 """What a micro-batch's loss is, per task: the token loss (language_modeling, dummy_lm, sft)
-or the DPO loss (dpo). Each returns the summed loss of its batch and, for dpo, sums the
-records report (rewards); the trainer divides the gradients (after backward) and the logged
-loss by the update's sample size over all ranks.
+or the DPO loss (dpo). Each returns the summed loss of its batch and the sums the records
+report (dpo's rewards; a mixture of experts' load-balancing loss, which the token loss
+adds); the trainer divides the gradients (after backward) and the logged loss by the
+update's sample size over all ranks.
 
 DPO (Rafailov et al., 2023), as TRL's DPOTrainer computes its sigmoid loss: a sequence's
 log-probability is the sum over its completion tokens; with the policy's and the frozen
@@ -13,7 +14,12 @@ m (eps: --dpo-label-smoothing, the conservative DPO of Mitchell, 2023).
 import torch
 import torch.nn.functional as F
 
+from models.config import moe_layers
+from trainer.parallel.ranks import on_device_sum
+
 DPO_EXTRAS = ("reward_chosen", "reward_rejected", "reward_correct")
+# the load-balancing loss's share times each micro-batch's tokens, summed (trainer/train/meters.py)
+MOE_EXTRAS = ("moe_aux_loss",)
 
 
 class TokenLoss:
@@ -23,9 +29,13 @@ class TokenLoss:
 
     extras = ()
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, env=None):
         task = cfg.task
         self.per_document = task._name == "sft" or bool(task.get("per_document_attention", False))
+        # a mixture of experts' load-balancing loss, in training (models/moe.py)
+        self.balance = LoadBalancing(cfg, env) if moe_layers(cfg.model) else None
+        if self.balance is not None:
+            self.extras = MOE_EXTRAS
 
     def __call__(self, model, batch, device, **kwargs):
         segments = batch.get("segments") if self.per_document else None
@@ -38,7 +48,39 @@ class TokenLoss:
             target=batch["target"].to(device, non_blocking=True),
             **kwargs,
         )
-        return loss, None
+        if self.balance is None:
+            return loss, None
+        return self.balance(getattr(model, "module", model), loss, batch["ntokens"])
+
+
+class LoadBalancing:
+    """transformers' load-balancing loss of a mixture of experts (load_balancing_loss_func):
+    E · Σ_e f_e · P_e over all sparse layers' tokens, f_e the share of the tokens' top-k
+    choices that fell on expert e and P_e its mean router probability, added to the mean
+    token loss times --moe-aux-loss-coef. Both are means over the micro-batch of every rank
+    (the batch one process would see): the choices and token counts, which have no gradient,
+    are summed over the data-parallel ranks, and each rank adds its share of the P_e sum, so
+    that the ranks' terms add up to the whole batch's. It is added to the summed token loss
+    weighted by the micro-batch's tokens, which the update's division by its tokens undoes."""
+
+    def __init__(self, cfg, env):
+        self.coef, self.env = cfg.model.moe_aux_loss_coef, env
+
+    def __call__(self, lm, loss, ntokens):
+        stats = lm.router_stats()
+        if not lm.training or not stats:
+            return loss, torch.zeros(len(MOE_EXTRAS), dtype=torch.float64, device=loss.device)
+        choices = sum(s.choices for s in stats)
+        probs = sum(s.probs_sum for s in stats)
+        E = choices.shape[0]
+        counts = torch.cat([choices, choices.new_tensor([sum(s.tokens for s in stats), ntokens])]).double()
+        if self.env is not None:
+            counts = on_device_sum(counts, self.env)
+        routed, tokens = counts[E], counts[E + 1]
+        share = E * (counts[:E] * probs.double()).sum() / routed**2  # this rank's part of the aux loss
+        weighted = share * tokens
+        loss = loss + (self.coef * weighted).to(loss.dtype)
+        return loss, weighted.detach()[None]
 
 
 class DPOLoss:
@@ -69,7 +111,7 @@ class DPOLoss:
         return losses.sum(), sums
 
 
-def build_objective(cfg, reference=None):
+def build_objective(cfg, reference=None, env=None):
     if cfg.task._name == "dpo":
         return DPOLoss(cfg, reference)
-    return TokenLoss(cfg)
+    return TokenLoss(cfg, env)

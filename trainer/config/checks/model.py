@@ -7,7 +7,16 @@ import ast
 import difflib
 from dataclasses import fields
 
-from models.config import TransformerLMConfig, adaptive_bands, head_dim, layers_to_keep, parse_cutoffs
+from models.config import (
+    TransformerLMConfig,
+    adaptive_bands,
+    head_dim,
+    layers_to_keep,
+    moe_layers,
+    num_layers,
+    parse_cutoffs,
+    parse_layer_ids,
+)
 from trainer.config.checks.values import in_unit_interval, non_negative, positive
 from trainer.errors import UsageError
 
@@ -29,6 +38,34 @@ def check_model(cfg):
     _check_adaptive(cfg)
     _check_model_features(cfg)
     _check_quant_noise(cfg)
+    _check_experts(cfg)
+
+
+def _check_experts(cfg):
+    """A mixture of experts (--moe-expert-count, models/moe.py): its routing and what it is
+    not built with yet."""
+    model = cfg.model
+    non_negative(cfg, "model.moe_expert_count", "model.moe_freq", "model.moe_aux_loss_coef")
+    positive(cfg, "model.moe_top_k")
+    positive(cfg, "model.moe_ffn_embed_dim", optional=True)
+    try:
+        dense = parse_layer_ids(model.moe_dense_layers)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not moe_layers(model):
+        return
+    if model.moe_top_k > model.moe_expert_count:
+        raise UsageError(
+            f"--moe-top-k {model.moe_top_k} routes each token to more experts than the {model.moe_expert_count} "
+            "of --moe-expert-count"
+        )
+    if max(dense, default=0) >= num_layers(model):
+        raise UsageError(f"--moe-dense-layers names layer {max(dense)}; the model has {num_layers(model)}")
+    if model.scale_fc or model.quant_noise_pq > 0 or model.quant_noise_scalar > 0:
+        raise UsageError(
+            "--scale-fc and Quant-Noise act on a dense feed-forward's layers, which a mixture of experts' layers "
+            "have not: drop them or --moe-expert-count"
+        )
 
 
 def _check_unsupported_model_keys(m):

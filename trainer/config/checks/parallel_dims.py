@@ -2,7 +2,7 @@
 and --context-parallel-size (trainer/parallel/context_parallel.py): what each composes
 with, and a model tensor parallelism can split into equal shares."""
 
-from models.config import head_dim, kv_heads
+from models.config import head_dim, kv_heads, moe_layers
 from trainer.config.checks.values import positive
 from trainer.config.schema import uses_fsdp
 from trainer.errors import UsageError
@@ -53,6 +53,11 @@ def check_model_splits(model, n, flag):
         )
     if getattr(model, "quant_noise_pq", 0) > 0 or getattr(model, "quant_noise_scalar", 0) > 0:
         raise UsageError(f"{flag}: Quant-Noise draws its noise over whole weights; leave it at 1")
+    if moe_layers(model):
+        raise UsageError(
+            f"{flag}: the mixture-of-experts layers (--moe-expert-count) are not split by tensor parallelism yet; "
+            "train them with --model-parallel-size 1"
+        )
     if getattr(model, "scale_fc", False):
         raise UsageError(
             f"{flag}: --scale-fc normalizes the feed-forward's hidden width, which tensor parallelism splits "

@@ -18,7 +18,7 @@ CONFIG = "config.json"
 # names (model_from_hf_config, incompatibility, hf_parts, transposed, write_hf, DESCRIBED).
 # A new family is one module and one line here; export-model writes a model as the first
 # family in this order that can express it.
-FAMILIES = {"llama": llama, "qwen3": llama, "gpt2": gpt2}
+FAMILIES = {"llama": llama, "qwen3": llama, "qwen3_moe": llama, "mixtral": llama, "gpt2": gpt2}
 
 
 def family_for(model_cfg):

@@ -11,13 +11,18 @@ and an export writes each HF tensor as a row range of one of ours, one of ours h
 
 import json
 
-from models.config import head_dim, kv_heads, num_layers
+from models.config import head_dim, kv_heads, moe_ffn, num_layers, parse_layer_ids
 from trainer.errors import UsageError
 
 DESCRIBED = "a Llama-family model"  # for export-model's refusal
 
 # model_type → the class transformers builds from it.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 
 # transformers' hidden_act → our --activation-fn (silu is fairseq's swish).
 _ACTIVATIONS = {"silu": "swish", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_accurate", "relu": "relu"}
@@ -59,8 +64,12 @@ def model_from_hf_config(config):
         raise HFConfigError("attention_bias/mlp_bias true: biased Llama layers are not supported")
     if config.get("pretraining_tp", 1) != 1:
         raise HFConfigError(f"pretraining_tp {config['pretraining_tp']}: only 1 is supported")
-    if model_type == "qwen3" and config.get("use_sliding_window"):
+    if model_type in ("qwen3", "qwen3_moe") and config.get("use_sliding_window"):
         raise HFConfigError("use_sliding_window true: sliding-window attention is not supported")
+    if model_type == "mixtral" and config.get("sliding_window"):
+        raise HFConfigError("sliding_window set: sliding-window attention is not supported")
+    if config.get("router_jitter_noise"):
+        raise HFConfigError("router_jitter_noise > 0: jittered routing is not supported")
     heads = config["num_attention_heads"]
     fields = dict(
         decoder_layers=config["num_hidden_layers"],
@@ -74,7 +83,7 @@ def model_from_hf_config(config):
         gated_ffn=True,
         activation_fn=_ACTIVATIONS[act],
         no_bias=True,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         rope=True,
         **_rope_settings(config),
         no_scale_embedding=True,
@@ -85,8 +94,35 @@ def model_from_hf_config(config):
         no_decoder_final_norm=False,
         layernorm_embedding=False,
         attention_dropout=float(config.get("attention_dropout", 0.0)),
+        **_moe_fields(model_type, config),
     )
     return fields, config["vocab_size"], config.get("max_position_embeddings", 2048)
+
+
+def _moe_fields(model_type, config):
+    """Qwen3-MoE's and Mixtral's experts as our --moe-* fields; {} for a dense model."""
+    if model_type == "qwen3_moe":
+        return dict(
+            # the published configs' num_experts; transformers 5 writes num_local_experts
+            moe_expert_count=config["num_experts"] if "num_experts" in config else config["num_local_experts"],
+            moe_top_k=config["num_experts_per_tok"],
+            moe_ffn_embed_dim=config["moe_intermediate_size"],
+            moe_norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+            moe_freq=config.get("decoder_sparse_step", 1),
+            moe_dense_layers=",".join(str(i) for i in config.get("mlp_only_layers") or []),
+            moe_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
+        )
+    if model_type == "mixtral":  # every layer sparse, its experts intermediate_size wide
+        return dict(
+            moe_expert_count=config["num_local_experts"],
+            moe_top_k=config["num_experts_per_tok"],
+            moe_ffn_embed_dim=config["intermediate_size"],
+            moe_norm_topk_prob=True,
+            moe_freq=1,
+            moe_dense_layers="",
+            moe_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
+        )
+    return {}
 
 
 def llama_incompatibility(model_cfg):
@@ -125,7 +161,10 @@ incompatibility = llama_incompatibility  # the name every family module answers 
 
 
 def hf_model_type(model_cfg):
-    return "qwen3" if getattr(model_cfg, "qk_norm", False) else "llama"
+    qk_norm = getattr(model_cfg, "qk_norm", False)
+    if getattr(model_cfg, "moe_expert_count", 0):
+        return "qwen3_moe" if qk_norm else "mixtral"
+    return "qwen3" if qk_norm else "llama"
 
 
 def hf_config(
@@ -176,9 +215,41 @@ def hf_config(
     }
     if model_type == "llama":
         config.update(mlp_bias=False, pretraining_tp=1)
+    elif model_type == "mixtral":
+        config.update(_mixtral_keys(model_cfg))
     else:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers(model_cfg))
+    if model_type == "qwen3_moe":
+        config.update(
+            num_experts=model_cfg.moe_expert_count,
+            num_experts_per_tok=model_cfg.moe_top_k,
+            moe_intermediate_size=moe_ffn(model_cfg),
+            norm_topk_prob=bool(model_cfg.moe_norm_topk_prob),
+            decoder_sparse_step=model_cfg.moe_freq,
+            mlp_only_layers=sorted(parse_layer_ids(model_cfg.moe_dense_layers)),
+            router_aux_loss_coef=model_cfg.moe_aux_loss_coef,
+            output_router_logits=False,
+        )
     return config
+
+
+def _mixtral_keys(model_cfg):
+    """Mixtral's own keys: its experts are intermediate_size wide, every layer sparse,
+    renormalized; what it cannot say is refused."""
+    if model_cfg.moe_freq != 1 or parse_layer_ids(model_cfg.moe_dense_layers) or not model_cfg.moe_norm_topk_prob:
+        raise HFConfigError(
+            "Mixtral's layers are all sparse with renormalized top-k weights: --moe-freq 1, no --moe-dense-layers, "
+            "--moe-norm-topk-prob (or --qk-norm: a Qwen3-MoE)"
+        )
+    return dict(
+        intermediate_size=moe_ffn(model_cfg),
+        num_local_experts=model_cfg.moe_expert_count,
+        num_experts_per_tok=model_cfg.moe_top_k,
+        router_aux_loss_coef=model_cfg.moe_aux_loss_coef,
+        router_jitter_noise=0.0,
+        output_router_logits=False,
+        sliding_window=None,
+    )
 
 
 def hf_parts(name, model_cfg):
@@ -209,10 +280,30 @@ def hf_parts(name, model_cfg):
         "final_layer_norm.weight": [(hf + "post_attention_layernorm.weight", dim)],
         "fc1.weight": [(hf + "mlp.gate_proj.weight", ffn), (hf + "mlp.up_proj.weight", ffn)],
         "fc2.weight": [(hf + "mlp.down_proj.weight", dim)],
+        **_expert_parts(hf, model_cfg),
     }
     if local not in parts:
         raise KeyError(name)
     return parts[local]
+
+
+def _expert_parts(hf, model_cfg):
+    """A sparse layer's router and experts (models/moe.py: moe.fc1 stacks each expert's gate
+    and up rows, moe.fc2 each expert's down projection) as Qwen3-MoE's or Mixtral's tensors."""
+    E = getattr(model_cfg, "moe_expert_count", 0)
+    if not E:
+        return {}
+    F, dim = moe_ffn(model_cfg), model_cfg.decoder_embed_dim
+    if hf_model_type(model_cfg) == "mixtral":
+        block, gate, up, down = hf + "block_sparse_moe.", "w1", "w3", "w2"
+    else:
+        block, gate, up, down = hf + "mlp.", "gate_proj", "up_proj", "down_proj"
+    experts = [f"{block}experts.{e}." for e in range(E)]
+    return {
+        "moe.router.weight": [(block + "gate.weight", E)],
+        "moe.fc1": [(e + f"{name}.weight", F) for e in experts for name in (gate, up)],
+        "moe.fc2": [(e + f"{down}.weight", dim) for e in experts],
+    }
 
 
 def transposed(hf_name):

@@ -1,0 +1,101 @@
+"""A mixture-of-experts feed-forward (Qwen3-MoE's and Mixtral's sparse block): a router picks
+each token's top-k experts, each a gated feed-forward, and the token's output is their
+outputs weighted by the router's probabilities.
+
+Dropless token choice: every token reaches its k experts, however many choose one. Tokens
+are sorted by expert, so that each expert's are one contiguous run, and each expert's
+matmuls take its run at once: one grouped matmul over the experts where torch has one for
+the device (CUDA's torch._grouped_mm), else one matmul per expert, never a loop per token.
+
+The experts' weights are stacked by rows in 2-D parameters, expert after expert, as the
+dense layer's are: fc1 holds each expert's gate rows then its up rows (E·2F × d), fc2 each
+expert's down projection (E·d × F). A slice of rows is then whole rows of Hugging Face's
+per-expert tensors (trainer/formats/hf), FSDP's row shards fall on experts' rows, and the
+optimizers that treat matrices whole see each expert's (DecoderLayer.weight_blocks).
+
+The router's statistics of the last forward (`routing`) serve the load-balancing loss and
+the load metrics; reading them is the caller's (TransformerLM.router_stats).
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RouterStats:
+    """One layer's routing of one forward: per expert, how many of the tokens' k choices
+    fell on it (float, no gradient) and the sum of its router probabilities over the tokens
+    (with gradient), and how many tokens were routed."""
+
+    def __init__(self, choices, probs_sum, tokens):
+        self.choices, self.probs_sum, self.tokens = choices, probs_sum, tokens
+
+
+class MoEFeedForward(nn.Module):
+    def __init__(self, cfg, activation_fn):
+        super().__init__()
+        dim, E, ffn = cfg.decoder_embed_dim, cfg.moe_expert_count, cfg.moe_ffn_embed_dim
+        self.num_experts, self.top_k, self.ffn = E, cfg.moe_top_k, ffn
+        self.norm_topk_prob = cfg.moe_norm_topk_prob
+        self.activation_fn = activation_fn
+        self.router = nn.Linear(dim, E, bias=False)
+        self.fc1 = nn.Parameter(torch.empty(E * 2 * ffn, dim))
+        self.fc2 = nn.Parameter(torch.empty(E * dim, ffn))
+        self.routing = None  # RouterStats of the last forward
+
+    def route(self, x):
+        """x: N×d → (N×k expert ids, N×k weights in x's dtype, the router's N×E float32
+        probabilities)."""
+        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype), probs
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        experts, weights, probs = self.route(x)
+        flat = experts.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.routing = RouterStats(counts.float(), probs.sum(dim=0), x.shape[0])
+        # each (token, choice) once, grouped by expert, in token order within an expert
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.top_k
+        y = expert_ffn(x[tokens], self.fc1, self.fc2, counts, self.activation_fn)
+        y = y * weights.reshape(-1, 1)[order]
+        out = torch.zeros_like(x).index_add_(0, tokens, y)
+        return out.reshape(shape)
+
+
+def expert_ffn(x, fc1, fc2, counts, activation_fn):
+    """Each expert's gated feed-forward on its run of x's rows (runs in expert order, of
+    `counts` rows): fc2_e(act(gate_e(x)) * up_e(x))."""
+    E = counts.shape[0]
+    dim, ffn = fc1.shape[1], fc2.shape[1]
+    w1, w2 = fc1.view(E, 2 * ffn, dim), fc2.view(E, dim, ffn)
+    if grouped_mm_runs(x, w1):
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
+        gate, up = h.chunk(2, dim=-1)
+        return torch._grouped_mm(activation_fn(gate) * up, w2.transpose(-2, -1), offs=offsets)
+    outs = []
+    for e, run in enumerate(x.split(counts.tolist())):
+        if run.shape[0]:
+            gate, up = F.linear(run, w1[e]).chunk(2, dim=-1)
+            outs.append(F.linear(activation_fn(gate) * up, w2[e]))
+    return torch.cat(outs) if outs else x.new_zeros(0, dim)
+
+
+def grouped_mm_runs(x, w):
+    """Whether torch._grouped_mm takes these operands: CUDA's kernel (Hopper's and later),
+    in bf16, with 16-byte aligned rows."""
+    return (
+        x.device.type == "cuda"
+        and x.dtype == torch.bfloat16
+        and w.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+        and x.shape[-1] % 8 == 0
+        and w.shape[-2] % 8 == 0
+    )

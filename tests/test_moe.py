@@ -1,0 +1,123 @@
+"""Mixtures of experts (models/moe.py): Qwen3-MoE and Mixtral models built by transformers
+load with their router and experts, give transformers' logits and load-balancing loss,
+export back bit for bit, and train on FSDP ranks as one process does, the load-balancing
+loss included (its expert counts summed over the ranks: the whole batch's)."""
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from helpers import multi_rank_losses, update_losses
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+# 3 layers, the middle one dense (Qwen3-MoE's mlp_only_layers), 6 experts, 2 a token
+SHAPES = {
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=24,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=6,
+            num_experts_per_tok=2,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+            output_router_logits=True,
+            router_aux_loss_coef=0.3,
+        )
+    ),
+    "mixtral": lambda: transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=5,
+            num_experts_per_tok=2,
+            output_router_logits=True,
+            router_aux_loss_coef=0.3,
+        )
+    ),
+}
+
+
+def hf_model(kind, root):
+    torch.manual_seed(0)
+    model = SHAPES[kind]()
+    for p in model.parameters():  # transformers' 0.02 would route every token alike
+        torch.nn.init.normal_(p, std=0.2)
+    model.save_pretrained(root / kind)
+    return model, root / kind
+
+
+@pytest.mark.parametrize("kind", SHAPES)
+def test_logits_and_load_balancing_loss_equal_transformers(kind, tmp_path):
+    from types import SimpleNamespace
+
+    from trainer.inference.load import load_model
+    from trainer.train.objectives import LoadBalancing
+
+    theirs, path = hf_model(kind, tmp_path)
+    ours, cfg, _ = load_model(str(path), "cpu")
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = theirs(ids, labels=ids)
+        assert (ours(ids) - out.logits).abs().max() < 1e-5
+        ours.train()  # the balancing loss is training's; no dropout in either
+        for module in ours.modules():
+            if isinstance(getattr(module, "dropout", None), float):
+                module.dropout = 0.0
+        ours(ids)
+    balance = LoadBalancing(SimpleNamespace(model=SimpleNamespace(moe_aux_loss_coef=cfg.model.moe_aux_loss_coef)), None)
+    loss, weighted = balance(ours, torch.zeros(()), 22)
+    assert cfg.model.moe_aux_loss_coef == pytest.approx(0.3)
+    assert weighted.item() / 22 == pytest.approx(out.aux_loss.item(), rel=1e-5)
+    assert loss.item() == pytest.approx(0.3 * out.aux_loss.item() * 22, rel=1e-5)
+
+
+def test_a_fine_tuned_qwen3_moe_exports_bit_for_bit(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    _, path = hf_model("qwen3_moe", tmp_path)
+    bin_dir = Path(sys.executable).parent
+    train = [str(bin_dir / "train"), "--task", "dummy_lm", "--dict-size", "96", "--dataset-size", "32"]
+    train += ["--finetune-from-model", str(path), "--lr", "0", "--optimizer", "sgd", "--max-update", "1"]
+    train += ["--save-dir", str(tmp_path / "ckpt"), "--batch-size", "2", "--tokens-per-sample", "16"]
+    subprocess.run(train + ["--log-format", "none"], check=True, capture_output=True, timeout=300)
+    export = [str(bin_dir / "export-model"), "--path", str(tmp_path / "ckpt" / "checkpoint_last")]
+    subprocess.run(export + ["--out", str(tmp_path / "out"), "--format", "hf"], check=True, timeout=300)
+    a, b = load_file(path / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["num_experts"], config["mlp_only_layers"], config["norm_topk_prob"]) == (6, [1], True)
+
+
+MOE = ["--arch", "qwen3_moe_30b_a3b", "--decoder-layers", "2", "--decoder-embed-dim", "32"]
+MOE += ["--decoder-attention-heads", "4", "--decoder-kv-heads", "2", "--decoder-head-dim", "8"]
+MOE += ["--moe-ffn-embed-dim", "16", "--moe-expert-count", "4", "--moe-top-k", "2", "--moe-aux-loss-coef", "0.5"]
+RUN = ["--task", "dummy_lm", "--dict-size", "250", "--dataset-size", "256", "--tokens-per-sample", "32"]
+RUN += ["--optimizer", "adam", "--lr", "0.003", "--clip-norm", "0.5", "--no-save", "--max-valid-steps", "2"]
+
+
+def test_fsdp_trains_the_mixture_one_process_trains():
+    """2 FSDP ranks, each half of every batch: loss (the load-balancing term at 0.5 included)
+    and gradient norm of one process reading both halves. Summing each rank's own balancing
+    loss instead of the whole batch's is 1e-2 off."""
+    argv = RUN + MOE + ["--batch-size", "2", "--ddp-backend", "fully_sharded"]
+    ref_loss, ref_gnorm = update_losses(argv, 3, with_gnorm=True, merge=2)
+    loss, gnorm = multi_rank_losses(argv, 2, 3, Path(tempfile.mkdtemp()))
+    assert loss == pytest.approx(ref_loss, rel=1e-5) and gnorm == pytest.approx(ref_gnorm, rel=1e-5)
+    assert ref_loss[-1] < ref_loss[0]
