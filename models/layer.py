@@ -49,8 +49,8 @@ class DecoderLayer(nn.Module):
     the up projection's (--gated-ffn); q_norm and k_norm (--qk-norm) normalize each head."""
 
     def __init__(self, cfg, sparse=False):
-        """sparse: the feed-forward is a mixture of experts (models/moe.py), moe.fc1 and
-        moe.fc2 its experts' stacked weights, in place of fc1 and fc2."""
+        """sparse: the feed-forward is a mixture of experts (models/moe.py), its router and
+        experts (moe.experts.fc1, moe.experts.fc2: stacked weights) in place of fc1 and fc2."""
         super().__init__()
         dim, ffn = cfg.decoder_embed_dim, cfg.decoder_ffn_embed_dim
         self.num_heads = cfg.decoder_attention_heads
@@ -90,8 +90,9 @@ class DecoderLayer(nn.Module):
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         blocks = {"qkv_proj.weight": (H * D, KV * D, KV * D)}
         if self.moe is not None:  # each expert's gate, up and down projections
-            E, F, dim = self.moe.num_experts, self.moe.ffn, self.moe.fc2.shape[0] // self.moe.num_experts
-            blocks["moe.fc1"], blocks["moe.fc2"] = (F,) * (2 * E), (dim,) * E
+            experts = self.moe.experts
+            E, F, dim = experts.num_experts, experts.ffn, experts.fc2.shape[0] // experts.num_experts
+            blocks["moe.experts.fc1"], blocks["moe.experts.fc2"] = (F,) * (2 * E), (dim,) * E
         elif self.gated:
             half = self.fc1.weight.shape[0] // 2
             blocks["fc1.weight"] = (half, half)

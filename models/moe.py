@@ -8,10 +8,11 @@ matmuls take its run at once: one grouped matmul over the experts where torch ha
 the device (CUDA's torch._grouped_mm), else one matmul per expert, never a loop per token.
 
 The experts' weights are stacked by rows in 2-D parameters, expert after expert, as the
-dense layer's are: fc1 holds each expert's gate rows then its up rows (E·2F × d), fc2 each
-expert's down projection (E·d × F). A slice of rows is then whole rows of Hugging Face's
-per-expert tensors (trainer/formats/hf), FSDP's row shards fall on experts' rows, and the
-optimizers that treat matrices whole see each expert's (DecoderLayer.weight_blocks).
+dense layer's are (moe.experts.fc1, moe.experts.fc2): fc1 holds each expert's gate rows
+then its up rows (E·2F × d), fc2 each expert's down projection (E·d × F). A slice of rows
+is then whole rows of Hugging Face's per-expert tensors (trainer/formats/hf), FSDP's row
+shards fall on experts' rows, and the optimizers that treat matrices whole see each
+expert's (DecoderLayer.weight_blocks).
 
 The router's statistics of the last forward (`routing`) serve the load-balancing loss and
 the load metrics; reading them is the caller's (TransformerLM.router_stats).
@@ -20,6 +21,8 @@ the load metrics; reading them is the caller's (TransformerLM.router_stats).
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from models.config import moe_ffn
 
 
 class RouterStats:
@@ -34,14 +37,15 @@ class RouterStats:
 class MoEFeedForward(nn.Module):
     def __init__(self, cfg, activation_fn):
         super().__init__()
-        dim, E, ffn = cfg.decoder_embed_dim, cfg.moe_expert_count, cfg.moe_ffn_embed_dim
-        self.num_experts, self.top_k, self.ffn = E, cfg.moe_top_k, ffn
+        dim, E = cfg.decoder_embed_dim, cfg.moe_expert_count
+        self.num_experts, self.top_k = E, cfg.moe_top_k
         self.norm_topk_prob = cfg.moe_norm_topk_prob
-        self.activation_fn = activation_fn
         self.router = nn.Linear(dim, E, bias=False)
-        self.fc1 = nn.Parameter(torch.empty(E * 2 * ffn, dim))
-        self.fc2 = nn.Parameter(torch.empty(E * dim, ffn))
+        self.experts = Experts(E, dim, moe_ffn(cfg), activation_fn)
         self.routing = None  # RouterStats of the last forward
+        # How the tokens reach their experts and come back: here, where all the experts are;
+        # under expert parallelism, over the ranks that hold them (trainer/parallel/experts.py).
+        self.dispatch = local_dispatch
 
     def route(self, x):
         """x: N×d → (N×k expert ids, N×k weights in x's dtype, the router's N×E float32
@@ -62,10 +66,36 @@ class MoEFeedForward(nn.Module):
         # each (token, choice) once, grouped by expert, in token order within an expert
         order = torch.argsort(flat, stable=True)
         tokens = order // self.top_k
-        y = expert_ffn(x[tokens], self.fc1, self.fc2, counts, self.activation_fn)
+        y = self.dispatch(x[tokens], counts, self.experts)
         y = y * weights.reshape(-1, 1)[order]
         out = torch.zeros_like(x).index_add_(0, tokens, y)
         return out.reshape(shape)
+
+
+def local_dispatch(x, counts, experts):
+    return experts(x, counts)
+
+
+class Experts(nn.Module):
+    """The experts' stacked weights (the module's note): fc1 E·2F × d, fc2 E·d × F. Under
+    expert parallelism a rank holds some experts' rows: `local` (set by the parallel room)
+    gives the rows this process holds of a parameter, itself by default."""
+
+    def __init__(self, num_experts, dim, ffn, activation_fn):
+        super().__init__()
+        self.num_experts, self.ffn, self.activation_fn = num_experts, ffn, activation_fn
+        self.fc1 = nn.Parameter(torch.empty(num_experts * 2 * ffn, dim))
+        self.fc2 = nn.Parameter(torch.empty(num_experts * dim, ffn))
+        self.local = _whole
+
+    def forward(self, x, counts):
+        """x: the rows of the experts this process holds, in runs of `counts` rows, one
+        per expert in order."""
+        return expert_ffn(x, self.local(self.fc1), self.local(self.fc2), counts, self.activation_fn)
+
+
+def _whole(p):
+    return p
 
 
 def expert_ffn(x, fc1, fc2, counts, activation_fn):

@@ -179,7 +179,7 @@ class TransformerLM(nn.Module):
             prefix = mname + "." if mname else ""
             if isinstance(module, DecoderLayer):
                 kinds[prefix + "c_attn"] = kinds[prefix + "w_resid"] = "scale"
-                kinds[prefix + "moe.fc1"] = kinds[prefix + "moe.fc2"] = "experts"
+                kinds[prefix + "moe.experts.fc1"] = kinds[prefix + "moe.experts.fc2"] = "experts"
             if isinstance(module, nn.Linear) and module is not self.output_projection:
                 kinds[prefix + "weight"], kinds[prefix + "bias"] = "linear", "bias"
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):

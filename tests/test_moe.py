@@ -96,7 +96,8 @@ def test_a_fine_tuned_qwen3_moe_exports_bit_for_bit(tmp_path):
     train = [str(bin_dir / "train"), "--task", "dummy_lm", "--dict-size", "96", "--dataset-size", "32"]
     train += ["--finetune-from-model", str(path), "--lr", "0", "--optimizer", "sgd", "--max-update", "1"]
     train += ["--save-dir", str(tmp_path / "ckpt"), "--batch-size", "2", "--tokens-per-sample", "16"]
-    subprocess.run(train + ["--log-format", "none"], check=True, capture_output=True, timeout=300)
+    done = subprocess.run(train + ["--log-format", "none"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
     export = [str(bin_dir / "export-model"), "--path", str(tmp_path / "ckpt" / "checkpoint_last")]
     subprocess.run(export + ["--out", str(tmp_path / "out"), "--format", "hf"], check=True, timeout=300)
     a, b = load_file(path / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from trainer.config.compose import compose_config
 from trainer.errors import UsageError
 from trainer.plan.ledger import RUNTIME_GB, simulate
-from trainer.plan.search import model_shape, setup_of, vocab_size
+from trainer.plan.search import model_shape, refuse_experts, setup_of, vocab_size
 
 GB = 2**30
 
@@ -104,6 +104,7 @@ def planned_bytes(cfg):
     (from its ledger, torch-free: no rounding of its GiB figures)."""
     dist = cfg.distributed_training
     setup = setup_of(cfg, "cuda", min(dist.distributed_world_size, dist.dry_run_gpus_per_node))
+    refuse_experts(cfg, "--dry-run")
     ledger, _ = simulate(model_shape(cfg, vocab_size(cfg)), setup)
     return ledger.peak, RUNTIME_GB["cuda"] * GB
 

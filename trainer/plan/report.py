@@ -3,7 +3,7 @@
 import json
 
 from trainer.plan.ledger import COMPONENTS, predict
-from trainer.plan.search import choose, fits, flags_of, model_shape, setup_of, vocab_size
+from trainer.plan.search import choose, fits, flags_of, model_shape, refuse_experts, setup_of, vocab_size
 
 LABELS = {
     "runtime": "runtime (interpreter, libraries, communication)",
@@ -32,6 +32,7 @@ def make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab=None, model
     the search leaves --context-parallel-size as given (dpo's runs unsplit)."""
     size, source = vocab or (vocab_size(cfg), None)
     context_parallel = context_parallel and cfg.task._name != "dpo"
+    refuse_experts(cfg, "plan (and --auto-tune)")
     m = model_shape(cfg, size)
     given = setup_of(cfg, device, ranks_per_host)
     p = predict(m, given)

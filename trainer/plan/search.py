@@ -75,13 +75,16 @@ def apply_hf_config(cfg, model_dir):
     return vocab, where
 
 
+def refuse_experts(cfg, command="plan"):
+    """The ledger counts dense layers: a mixture of experts' prediction would miss its
+    experts' parameters, states and dispatch buffers. (train's host check, a lower bound, reads
+    the dense shape as it is.)"""
+    if moe_layers(cfg.model):
+        raise UsageError(f"{command} does not model mixtures of experts (--moe-expert-count) yet")
+
+
 def model_shape(cfg, vocab):
     model_cfg = cfg.model
-    if moe_layers(model_cfg):
-        raise UsageError(
-            "plan does not model mixtures of experts (--moe-expert-count) yet: its prediction would miss the "
-            "experts' parameters, states and dispatch buffers"
-        )
     positions = model_positions(cfg)
     learned = model_cfg.decoder_learned_pos and not model_cfg.no_token_positional_embeddings
     final_norm = model_cfg.decoder_normalize_before and not model_cfg.no_decoder_final_norm

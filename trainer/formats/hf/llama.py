@@ -288,8 +288,8 @@ def hf_parts(name, model_cfg):
 
 
 def _expert_parts(hf, model_cfg):
-    """A sparse layer's router and experts (models/moe.py: moe.fc1 stacks each expert's gate
-    and up rows, moe.fc2 each expert's down projection) as Qwen3-MoE's or Mixtral's tensors."""
+    """A sparse layer's router and experts (models/moe.py: moe.experts.fc1 stacks each expert's
+    gate and up rows, moe.experts.fc2 each expert's down projection) as Qwen3-MoE's or Mixtral's tensors."""
     E = getattr(model_cfg, "moe_expert_count", 0)
     if not E:
         return {}
@@ -301,8 +301,8 @@ def _expert_parts(hf, model_cfg):
     experts = [f"{block}experts.{e}." for e in range(E)]
     return {
         "moe.router.weight": [(block + "gate.weight", E)],
-        "moe.fc1": [(e + f"{name}.weight", F) for e in experts for name in (gate, up)],
-        "moe.fc2": [(e + f"{down}.weight", dim) for e in experts],
+        "moe.experts.fc1": [(e + f"{name}.weight", F) for e in experts for name in (gate, up)],
+        "moe.experts.fc2": [(e + f"{down}.weight", dim) for e in experts],
     }
 
 
