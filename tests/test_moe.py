@@ -113,6 +113,50 @@ RUN = ["--task", "dummy_lm", "--dict-size", "250", "--dataset-size", "256", "--t
 RUN += ["--optimizer", "adam", "--lr", "0.003", "--clip-norm", "0.5", "--no-save", "--max-valid-steps", "2"]
 
 
+def _broken_rank(index, argv, world, port, n_updates, out):
+    """A rank whose experts' gradients come out twice what they are."""
+    from helpers import _rank_worker
+    from trainer.parallel import experts
+
+    def doubled(p):
+        local = p.to_local()
+        local.register_hook(lambda g: 2 * g)
+        return local
+
+    experts._local_rows = doubled
+    _rank_worker(index, argv, world, port, n_updates, out)
+
+
+# (ranks, flags): expert parallelism 2 alone (2 experts a rank), and with FSDP 2 (the experts
+# reduce-scattered over the 2 ranks that hold the same ones) or HSDP; one process reads what
+# all ranks read, an update's sequences in one batch
+FSDP = ["--ddp-backend", "fully_sharded"]
+EXPERT_PARALLEL = {
+    "ep2": (2, FSDP + ["--update-freq", "2"]),
+    "ep2_fsdp2": (4, FSDP + ["--checkpoint-activations"]),
+    "ep2_hsdp2": (4, ["--ddp-backend", "hybrid_shard", "--shard-group-size", "2"]),
+}
+
+
+@pytest.mark.parametrize("layout", EXPERT_PARALLEL)
+def test_expert_parallelism_trains_the_mixture_one_process_trains(layout, tmp_path):
+    world, flags = EXPERT_PARALLEL[layout]
+    alone = FSDP + (flags[2:] if flags[1] == "fully_sharded" else [])
+    ref_loss, ref_gnorm = update_losses(RUN + MOE + ["--batch-size", "2", *alone], 3, with_gnorm=True, merge=world)
+    argv = RUN + MOE + ["--batch-size", "2", *flags, "--expert-parallel-size", "2"]
+    loss, gnorm = multi_rank_losses(argv, world, 3, tmp_path)
+    assert loss == pytest.approx(ref_loss, rel=1e-5) and gnorm == pytest.approx(ref_gnorm, rel=1e-5)
+    if layout == "ep2":  # the experts' gradients at twice their scale: not what one process trains
+        import json
+
+        from helpers import run_ranks
+        from trainer.rendezvous import free_port
+
+        run_ranks(_broken_rank, (argv, world, free_port(), 3, str(tmp_path / "broken")), world)
+        broken = json.loads((tmp_path / "broken.0").read_text())
+        assert broken["gnorms"] != pytest.approx(ref_gnorm, rel=1e-3)
+
+
 def test_fsdp_trains_the_mixture_one_process_trains():
     """2 FSDP ranks, each half of every batch: loss (the load-balancing term at 0.5 included)
     and gradient norm of one process reading both halves. Summing each rank's own balancing

@@ -89,6 +89,12 @@ class CommonConfig:
         "sequence's positions (a chunk from each end, which balances causal attention) and attention "
         "gathers the others' keys and values; with --model-parallel-size, ranks are data × context × tensor",
     )
+    expert_parallel_size: int = _f(
+        1,
+        "expert parallelism: split each mixture-of-experts layer's experts over N consecutive data-parallel "
+        "ranks, whose tokens travel to their experts' ranks and back (all-to-all); FSDP shards the experts over "
+        "the world size / N ranks that hold the same ones",
+    )
 
 
 @dataclass

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from trainer.config.schema import ddp_backend, uses_fsdp
 from trainer.cpu.gloo_comms import prefetch_in_background, use_gloo_fast_comms
 from trainer.errors import UsageError
+from trainer.parallel.experts import apply_expert_parallel
 from trainer.parallel.grad_sync import EarlyGather, GradSync
 from trainer.parallel.tensor_parallel import (
     apply_tensor_parallel,
@@ -54,6 +55,7 @@ class Sharding:
     # loss recomputes its logits in backward (models/linear_cross_entropy.py): the root,
     # which holds them, stays gathered for backward.
     root_read_in_backward: bool
+    expert_parallel_size: int = 1  # --expert-parallel-size: the ranks each layer's experts are split over
 
 
 def sharding_of(cfg):
@@ -73,6 +75,7 @@ def sharding_of(cfg):
         or cfg.model.adaptive_softmax_cutoff is not None
         or cfg.model.quant_noise_scalar > 0
         or cfg.task._name == "dpo",
+        expert_parallel_size=cfg.common.expert_parallel_size,
     )
 
 
@@ -165,6 +168,24 @@ def device_meshes(hybrid, shard_group_size, env):
     return mesh["replicate", "shard"], mesh["tp"]
 
 
+def expert_meshes(fsdp_mesh, n, env):
+    """(the expert-parallel mesh, FSDP's mesh of the experts) under --expert-parallel-size n:
+    n consecutive ranks of a shard group split the experts ("ep"); the ranks at the same place
+    of the shard group's other expert groups ("efsdp"), and HSDP's replicas, shard them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if env.world_size % n:
+        raise UsageError(f"--expert-parallel-size {n} must divide the world size {env.world_size}")
+    if fsdp_mesh.ndim == 1:
+        mesh = init_device_mesh(env.device.type, (env.world_size // n, n), mesh_dim_names=("efsdp", "ep"))
+        return mesh["ep"], mesh["efsdp"]
+    replicas, shard = fsdp_mesh.size(0), fsdp_mesh.size(1)
+    if shard % n:
+        raise UsageError(f"--expert-parallel-size {n} must divide the shard group's {shard} ranks")
+    mesh = init_device_mesh(env.device.type, (replicas, shard // n, n), mesh_dim_names=("replicate", "efsdp", "ep"))
+    return mesh["ep"], mesh["replicate", "efsdp"]
+
+
 def shard_model(model, sharding, env):
     """FSDP2: one unit per decoder layer (above --min-params-to-wrap), then the root.
     Returns the model, on CPU ranks the reduce-scatter to wait for (else None), the
@@ -193,6 +214,12 @@ def shard_model(model, sharding, env):
                 "--cpu-offload: parameters already live in host memory on a CPU-only host; "
                 "it runs, with no memory effect here"
             )
+    experts = []
+    if sharding.expert_parallel_size > 1:
+        ep_mesh, expert_mesh = expert_meshes(mesh, sharding.expert_parallel_size, env)
+        experts = apply_expert_parallel(model, ep_mesh)
+        for unit in experts:  # each layer's experts, sharded over the ranks that hold the same ones
+            fully_shard(unit, **{**kwargs, "mesh": expert_mesh})
     units = [
         layer for layer in model.layers if sum(p.numel() for p in layer.parameters()) >= sharding.min_params_to_wrap
     ]
@@ -229,7 +256,7 @@ def shard_model(model, sharding, env):
     # between, as FSDP2 does for a root by default.
     fully_shard(model, **{**kwargs, "reshard_after_forward": root_free_in_backward})
     model.set_unshard_in_backward(not root_free_in_backward)
-    for unit in units + norms + [model]:
+    for unit in experts + units + norms + [model]:
         # Plain sums across ranks: the trainer divides the gradients by the update's token
         # count over all ranks after backward (in its clip pass), so an average would only
         # add a pass over the grads.
@@ -238,7 +265,7 @@ def shard_model(model, sharding, env):
     background = prefetch = None
     # The CPU ranks' own collectives take over FSDP's on a 1-D or HSDP mesh; under tensor
     # parallelism FSDP's run as they are.
-    if env.device.type == "cpu" and env.world_size > 1 and tp_mesh is None:
+    if env.device.type == "cpu" and env.world_size > 1 and tp_mesh is None and not experts:
         can_defer = not sharding.hybrid and sharding.reduce_dtype in (None, torch.float32)
         background = use_gloo_fast_comms(model, units + norms, can_defer)
         prefetch_in_background(model, units)

@@ -9,9 +9,40 @@ from trainer.errors import UsageError
 
 
 def check_parallel_dims(cfg):
-    positive(cfg, "common.model_parallel_size", "common.context_parallel_size")
+    positive(cfg, "common.model_parallel_size", "common.context_parallel_size", "common.expert_parallel_size")
     check_context_parallel(cfg)
     check_tensor_parallel(cfg)
+    check_expert_parallel(cfg)
+
+
+def check_expert_parallel(cfg):
+    n = cfg.common.expert_parallel_size
+    if n == 1:
+        return
+    flag, model = f"--expert-parallel-size {n}", cfg.model
+    if not moe_layers(model):
+        raise UsageError(f"{flag} splits a mixture of experts' experts; this model has none (--moe-expert-count)")
+    if not uses_fsdp(cfg):
+        raise UsageError(
+            f"{flag} composes with --ddp-backend fully_sharded or hybrid_shard, which shard the rest "
+            f"(got {cfg.distributed_training.ddp_backend})"
+        )
+    if model.moe_expert_count % n:
+        raise UsageError(f"{flag} must divide --moe-expert-count {model.moe_expert_count}: each rank holds as many")
+    if cfg.common.model_parallel_size > 1 or cfg.common.context_parallel_size > 1:
+        raise UsageError(f"{flag} with tensor or context parallelism is not built yet; set those to 1")
+    if cfg.optimizer._name in ("muon", "adafactor", "lamb"):
+        raise UsageError(
+            f"{flag}: --optimizer {cfg.optimizer._name} takes whole matrices or their sums, which are not gathered "
+            "from the expert groups yet; use adam (or another per-element optimizer)"
+        )
+    distributed = cfg.distributed_training
+    world = distributed.distributed_world_size
+    if world > 1 and world % n:
+        raise UsageError(f"{flag} must divide --distributed-world-size {world}")
+    group = distributed.shard_group_size
+    if distributed.ddp_backend == "hybrid_shard" and group and group % n:
+        raise UsageError(f"{flag} must divide --shard-group-size {group}: an expert group lies in one shard group")
 
 
 def check_context_parallel(cfg):
