@@ -28,7 +28,8 @@ from models.config import moe_ffn
 class RouterStats:
     """One layer's routing of one forward: per expert, how many of the tokens' k choices
     fell on it (float, no gradient) and the sum of its router probabilities over the tokens
-    (with gradient), and how many tokens were routed."""
+    (with gradient), and how many tokens were routed; padding is routed but not counted
+    (transformers' attention mask)."""
 
     def __init__(self, choices, probs_sum, tokens):
         self.choices, self.probs_sum, self.tokens = choices, probs_sum, tokens
@@ -43,6 +44,7 @@ class MoEFeedForward(nn.Module):
         self.router = nn.Linear(dim, E, bias=False)
         self.experts = Experts(E, dim, moe_ffn(cfg), activation_fn)
         self.routing = None  # RouterStats of the last forward
+        self.counted = None  # the tokens (flat, bool) the next forward counts in them; None: all
         # How the tokens reach their experts and come back: here, where all the experts are;
         # under expert parallelism, over the ranks that hold them (trainer/parallel/experts.py).
         self.dispatch = local_dispatch
@@ -62,7 +64,7 @@ class MoEFeedForward(nn.Module):
         experts, weights, probs = self.route(x)
         flat = experts.reshape(-1)
         counts = torch.bincount(flat, minlength=self.num_experts)
-        self.routing = RouterStats(counts.float(), probs.sum(dim=0), x.shape[0])
+        self.routing = self.stats(counts, flat, probs)
         # each (token, choice) once, grouped by expert, in token order within an expert
         order = torch.argsort(flat, stable=True)
         tokens = order // self.top_k
@@ -70,6 +72,13 @@ class MoEFeedForward(nn.Module):
         y = y * weights.reshape(-1, 1)[order]
         out = torch.zeros_like(x).index_add_(0, tokens, y)
         return out.reshape(shape)
+
+    def stats(self, counts, flat, probs):
+        if self.counted is None:
+            return RouterStats(counts.float(), probs.sum(dim=0), probs.shape[0])
+        keep = self.counted.to(probs.dtype)
+        choices = torch.bincount(flat, weights=keep.repeat_interleave(self.top_k), minlength=self.num_experts)
+        return RouterStats(choices, (probs * keep[:, None]).sum(dim=0), keep.sum())
 
 
 def local_dispatch(x, counts, experts):

@@ -269,8 +269,9 @@ class TransformerLM(nn.Module):
         `context` (trainer/parallel/context_parallel.py) brings their global `positions`
         (B×T), the sequence's length `span`, the `mask` of these queries over all its keys,
         and `keys_values(k, v)`, which gives attention the whole sequence's."""
+        counted = None if self.padding_idx is None else (tokens != self.padding_idx).reshape(-1)
         for layer in self.sparse_layers:  # what a layer LayerDrop skips routed no token
-            layer.moe.routing = None
+            layer.moe.routing, layer.moe.counted = None, counted
         if segments is not None and cache is not None:
             raise ValueError("segments (packed documents) cannot be decoded with a KV cache: pass one or the other")
         if per_row and (target is None or softmax_batch or self.adaptive_softmax is not None):

@@ -39,8 +39,13 @@ def save_hf_model(path, tok, kind, vocab_size, max_shard_size):
     )
     if kind == "llama":  # grouped-query attention, untied output
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=False))
-    else:  # q/k norms, heads wider than hidden/heads, tied, a vocabulary padded past the tokenizer's
+    elif kind == "qwen3":  # q/k norms, heads wider than hidden/heads, tied, a vocabulary padded past the tokenizer's
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True))
+    else:  # Qwen3-MoE: 4 experts, 2 a token (no balancing loss: output_router_logits off, as published)
+        config = transformers.Qwen3MoeConfig(
+            **common, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True
+        )
+        model = transformers.Qwen3MoeForCausalLM(config)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():

@@ -29,7 +29,11 @@ SPECIALS = [
     "</think>",
     "<|pad|>",
 ]
-TEMPLATES = {"llama": ("llama3_training.jinja", "<|eot_id|>"), "qwen3": ("qwen3_training.jinja", "<|im_end|>")}
+TEMPLATES = {
+    "llama": ("llama3_training.jinja", "<|eot_id|>"),
+    "qwen3": ("qwen3_training.jinja", "<|im_end|>"),
+    "qwen3_moe": ("qwen3_training.jinja", "<|im_end|>"),  # a mixture of experts
+}
 CONVERSATIONS = 24
 PAIRS = 8
 TOKENS_PER_SAMPLE = 128
@@ -137,6 +141,9 @@ def task_argv(root, model, task, *extra, batch_size):
         "2",
         "--no-save",
         "--disable-validation",
+        # a mixture of experts without its balancing loss, as TRL runs with router_aux_loss_coef 0:
+        # the losses compared are the tokens' (tests/test_moe.py compares the balancing loss)
+        *(["--moe-aux-loss-coef", "0"] if model.endswith("moe") else []),
         *extra,
     ]
 
@@ -171,6 +178,7 @@ def trl_sft_loss(root, rows, model, tmp_path):
         packing=False,
         report_to="none",
         use_cpu=True,
+        router_aux_loss_coef=0.0,
     )
     trainer = trl.SFTTrainer(
         model=policy,
@@ -200,6 +208,7 @@ def trl_dpo(root, rows, model, tmp_path):
         report_to="none",
         use_cpu=True,
         bf16=False,  # TRL's default autocasts the reference's forward (not the policy's) to bf16
+        router_aux_loss_coef=0.0,
     )
     trainer = trl.DPOTrainer(
         model=load(model),

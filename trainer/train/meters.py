@@ -131,10 +131,11 @@ def extra_fields(sums, nsentences):
     """--task dpo's record fields from its sums over pairs (TRL's rewards/chosen,
     rewards/rejected, rewards/margins, rewards/accuracies); a mixture of experts' load-balancing
     loss (its micro-batches' values weighted by their tokens, the mean); {} otherwise."""
+    fields = {}
     if "moe_aux_loss" in sums:
-        return {"moe_aux_loss": round(sums["moe_aux_loss"] / max(sums.get("sample_size", 0), 1), 5)}
+        fields["moe_aux_loss"] = round(sums["moe_aux_loss"] / max(sums.get("sample_size", 0), 1), 5)
     if "reward_chosen" not in sums:
-        return {}
+        return fields
     n = max(nsentences, 1)
     chosen, rejected = sums["reward_chosen"] / n, sums["reward_rejected"] / n
     return {
@@ -142,6 +143,7 @@ def extra_fields(sums, nsentences):
         "reward_rejected": round(rejected, 4),
         "reward_margin": round(chosen - rejected, 4),
         "reward_accuracy": round(sums["reward_correct"] / n, 4),
+        **fields,
     }
 
 

@@ -61,24 +61,27 @@ class LoadBalancing:
     (the batch one process would see): the choices and token counts, which have no gradient,
     are summed over the data-parallel ranks, and each rank adds its share of the P_e sum, so
     that the ranks' terms add up to the whole batch's. It is added to the summed token loss
-    weighted by the micro-batch's tokens, which the update's division by its tokens undoes."""
+    weighted by the micro-batch's sample size (tokens; dpo's pairs, whose policy forward it
+    balances, as TRL's DPOTrainer adds it), which the update's division by its sample size
+    undoes."""
 
     def __init__(self, cfg, env):
         self.coef, self.env = cfg.model.moe_aux_loss_coef, env
 
-    def __call__(self, lm, loss, ntokens):
+    def __call__(self, lm, loss, samples):
         stats = lm.router_stats()
         if not lm.training or not stats:
             return loss, torch.zeros(len(MOE_EXTRAS), dtype=torch.float64, device=loss.device)
         choices = sum(s.choices for s in stats)
         probs = sum(s.probs_sum for s in stats)
         E = choices.shape[0]
-        counts = torch.cat([choices, choices.new_tensor([sum(s.tokens for s in stats), ntokens])]).double()
+        routed = sum(torch.as_tensor(s.tokens, dtype=torch.float64, device=choices.device) for s in stats)
+        counts = torch.cat([choices.double(), routed[None], routed.new_tensor([samples])])
         if self.env is not None:
             counts = on_device_sum(counts, self.env)
-        routed, tokens = counts[E], counts[E + 1]
+        routed, samples = counts[E], counts[E + 1]
         share = E * (counts[:E] * probs.double()).sum() / routed**2  # this rank's part of the aux loss
-        weighted = share * tokens
+        weighted = share * samples
         loss = loss + (self.coef * weighted).to(loss.dtype)
         return loss, weighted.detach()[None]
 
@@ -90,9 +93,12 @@ class DPOLoss:
 
     extras = DPO_EXTRAS
 
-    def __init__(self, cfg, reference):
+    def __init__(self, cfg, reference, env=None):
         self.reference = reference  # frozen: eval mode, no gradients, no optimizer state
         self.beta, self.smoothing = cfg.task.dpo_beta, cfg.task.dpo_label_smoothing
+        self.balance = LoadBalancing(cfg, env) if moe_layers(cfg.model) else None
+        if self.balance is not None:
+            self.extras = DPO_EXTRAS + MOE_EXTRAS
 
     def __call__(self, model, batch, device, **kwargs):
         tokens = batch["src_tokens"].to(device, non_blocking=True)
@@ -108,10 +114,13 @@ class DPOLoss:
         losses = -(1 - self.smoothing) * F.logsigmoid(margin) - self.smoothing * F.logsigmoid(-margin)
         chosen, rejected = chosen.detach(), rejected.detach()
         sums = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).float().sum()])
-        return losses.sum(), sums
+        if self.balance is None:
+            return losses.sum(), sums
+        loss, balance = self.balance(getattr(model, "module", model), losses.sum(), pairs)
+        return loss, torch.cat([sums.double(), balance])
 
 
 def build_objective(cfg, reference=None, env=None):
     if cfg.task._name == "dpo":
-        return DPOLoss(cfg, reference)
+        return DPOLoss(cfg, reference, env)
     return TokenLoss(cfg, env)

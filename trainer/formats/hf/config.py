@@ -100,4 +100,6 @@ def hf_model_settings(path):
     _, fields, _, max_positions = read_hf_config(path)
     fixed = {**fields, "max_target_positions": max_positions}
     defaults = {**TRAINING_DEFAULTS, "attention_dropout": fixed.pop("attention_dropout")}
+    if "moe_aux_loss_coef" in fixed:  # a weight of the training loss, not of the model
+        defaults["moe_aux_loss_coef"] = fixed.pop("moe_aux_loss_coef")
     return fixed, defaults

@@ -110,7 +110,7 @@ def _moe_fields(model_type, config):
             moe_norm_topk_prob=bool(config.get("norm_topk_prob", False)),
             moe_freq=config.get("decoder_sparse_step", 1),
             moe_dense_layers=",".join(str(i) for i in config.get("mlp_only_layers") or []),
-            moe_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
+            moe_aux_loss_coef=_aux_loss_coef(config),
         )
     if model_type == "mixtral":  # every layer sparse, its experts intermediate_size wide
         return dict(
@@ -120,9 +120,21 @@ def _moe_fields(model_type, config):
             moe_norm_topk_prob=True,
             moe_freq=1,
             moe_dense_layers="",
-            moe_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
+            moe_aux_loss_coef=_aux_loss_coef(config),
         )
     return {}
+
+
+def _aux_loss_coef(config):
+    """The model's router_aux_loss_coef, which TRL's trainers add whatever output_router_logits
+    says (transformers' own loss adds it only with output_router_logits, off in the published
+    configs): --moe-aux-loss-coef 0 trains without it."""
+    return float(config.get("router_aux_loss_coef", 0.001))
+
+
+def _aux_loss_keys(model_cfg):
+    coef = model_cfg.moe_aux_loss_coef
+    return dict(router_aux_loss_coef=coef or 0.001, output_router_logits=coef > 0)
 
 
 def llama_incompatibility(model_cfg):
@@ -227,8 +239,7 @@ def hf_config(
             norm_topk_prob=bool(model_cfg.moe_norm_topk_prob),
             decoder_sparse_step=model_cfg.moe_freq,
             mlp_only_layers=sorted(parse_layer_ids(model_cfg.moe_dense_layers)),
-            router_aux_loss_coef=model_cfg.moe_aux_loss_coef,
-            output_router_logits=False,
+            **_aux_loss_keys(model_cfg),
         )
     return config
 
@@ -245,9 +256,8 @@ def _mixtral_keys(model_cfg):
         intermediate_size=moe_ffn(model_cfg),
         num_local_experts=model_cfg.moe_expert_count,
         num_experts_per_tok=model_cfg.moe_top_k,
-        router_aux_loss_coef=model_cfg.moe_aux_loss_coef,
         router_jitter_noise=0.0,
-        output_router_logits=False,
+        **_aux_loss_keys(model_cfg),
         sliding_window=None,
     )
 
