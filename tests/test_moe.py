@@ -15,9 +15,9 @@ torch = pytest.importorskip("torch")
 
 # 3 layers, the middle one dense (Qwen3-MoE's mlp_only_layers), 6 experts, 2 a token
 SHAPES = {
-    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(
+    "qwen3_moe": lambda vocab: transformers.Qwen3MoeForCausalLM(
         transformers.Qwen3MoeConfig(
-            vocab_size=96,
+            vocab_size=vocab,
             hidden_size=32,
             intermediate_size=48,
             moe_intermediate_size=24,
@@ -33,9 +33,9 @@ SHAPES = {
             router_aux_loss_coef=0.3,
         )
     ),
-    "mixtral": lambda: transformers.MixtralForCausalLM(
+    "mixtral": lambda vocab: transformers.MixtralForCausalLM(
         transformers.MixtralConfig(
-            vocab_size=96,
+            vocab_size=vocab,
             hidden_size=32,
             intermediate_size=24,
             num_hidden_layers=2,
@@ -50,9 +50,9 @@ SHAPES = {
 }
 
 
-def hf_model(kind, root):
+def hf_model(kind, root, vocab=96):
     torch.manual_seed(0)
-    model = SHAPES[kind]()
+    model = SHAPES[kind](vocab)
     for p in model.parameters():  # transformers' 0.02 would route every token alike
         torch.nn.init.normal_(p, std=0.2)
     model.save_pretrained(root / kind)
@@ -82,6 +82,20 @@ def test_logits_and_load_balancing_loss_equal_transformers(kind, tmp_path):
     assert cfg.model.moe_aux_loss_coef == pytest.approx(0.3)
     assert weighted.item() / 22 == pytest.approx(out.aux_loss.item(), rel=1e-5)
     assert loss.item() == pytest.approx(0.3 * out.aux_loss.item() * 22, rel=1e-5)
+
+
+def test_greedy_tokens_with_the_kv_cache_are_transformers(tmp_path):
+    """Decoding one token at a time through the KV cache routes each new token as the whole
+    sequence's forward routes it: transformers' greedy tokens."""
+    from models.generate import sample
+    from trainer.inference.load import load_model
+
+    theirs, path = hf_model("mixtral", tmp_path)
+    ours, _, _ = load_model(str(path), "cpu")
+    prompt = [5, 17, 33, 2, 71]
+    with torch.no_grad():
+        expected = theirs.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, eos_token_id=None)
+    assert sample(ours, prompt, 12, temperature=0) == expected[0, len(prompt) :].tolist()
 
 
 def test_a_fine_tuned_qwen3_moe_exports_bit_for_bit(tmp_path):
@@ -205,3 +219,52 @@ def test_an_expert_parallel_checkpoint_resumes_on_any_layout(layout, saved_on_ep
     for n, (loss, gnorm) in {**first, **second}.items():
         assert loss == pytest.approx(whole[n][0], rel=1e-5), f"update {n}"
         assert gnorm == pytest.approx(whole[n][1], rel=1e-4), f"update {n}"
+
+
+def test_serve_answers_the_openai_client_with_the_mixture(tmp_path, capsys):
+    """serve on a Qwen3-MoE with its tokenizer: two concurrent completions (a batch of rows in
+    the KV cache, each routed on its own) are generate's greedy text."""
+    import json
+    import random
+    import threading
+
+    from test_serve import _start, _wait_healthy
+
+    import cli
+    from helpers import byte_level_tokenizer
+    from trainer.rendezvous import free_port
+
+    openai = pytest.importorskip("openai")
+    words = "the a fox dog runs jumps over lazy quick brown cat sees big tree house".split()
+    rng = random.Random(0)
+    tok = byte_level_tokenizer([" ".join(rng.choices(words, k=6)) for _ in range(40)], ["<|eos|>", "<|pad|>"])
+    _, path = hf_model("qwen3_moe", tmp_path, vocab=tok.get_vocab_size())
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>", "pad_token": "<|pad|>"}))
+    prompts = ["the quick brown fox", "a lazy dog sees"]
+    expected = []
+    for prompt in prompts:
+        capsys.readouterr()
+        argv = ["--path", str(path), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "10"]
+        assert cli.generate_main(argv) == 0
+        expected.append(capsys.readouterr().out.rstrip("\n"))
+    port = free_port()
+    proc = _start(path, port, "--max-batch", "2")
+    try:
+        _wait_healthy(proc, f"http://127.0.0.1:{port}")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        texts = [None, None]
+
+        def complete(i):
+            out = client.completions.create(model=path.name, prompt=prompts[i], max_tokens=10, temperature=0)
+            texts[i] = prompts[i] + out.choices[0].text
+
+        threads = [threading.Thread(target=complete, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert texts == expected
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
