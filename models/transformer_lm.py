@@ -321,6 +321,11 @@ class TransformerLM(nn.Module):
         """models/moe.py RouterStats of each mixture-of-experts layer the last forward ran."""
         return [layer.moe.routing for layer in self.sparse_layers if layer.moe.routing is not None]
 
+    def sparse_layer_ids(self, stats):
+        """The layer ids of router_stats' entries."""
+        ids = {id(layer.moe.routing): i for i, layer in enumerate(self.layers) if layer.moe is not None}
+        return [ids[id(s)] for s in stats]
+
     def logits(self, x):
         """B×T×V logits of hidden states x (the adaptive softmax's log-probabilities)."""
         if self.adaptive_softmax is not None:  # log-probabilities serve as logits

@@ -61,8 +61,6 @@ def hf_model(kind, root, vocab=96):
 
 @pytest.mark.parametrize("kind", SHAPES)
 def test_logits_and_load_balancing_loss_equal_transformers(kind, tmp_path):
-    from types import SimpleNamespace
-
     from trainer.inference.load import load_model
     from trainer.train.objectives import LoadBalancing
 
@@ -77,10 +75,14 @@ def test_logits_and_load_balancing_loss_equal_transformers(kind, tmp_path):
             if isinstance(getattr(module, "dropout", None), float):
                 module.dropout = 0.0
         ours(ids)
-    balance = LoadBalancing(SimpleNamespace(model=SimpleNamespace(moe_aux_loss_coef=cfg.model.moe_aux_loss_coef)), None)
-    loss, weighted = balance(ours, torch.zeros(()), 22)
+    loss, sums = LoadBalancing(cfg, None)(ours, torch.zeros(()), 22)
     assert cfg.model.moe_aux_loss_coef == pytest.approx(0.3)
-    assert weighted.item() / 22 == pytest.approx(out.aux_loss.item(), rel=1e-5)
+    assert sums[0].item() / 22 == pytest.approx(out.aux_loss.item(), rel=1e-5)
+    # each sparse layer's busiest expert over the mean one, from transformers' router logits
+    for load, logits in zip(sums[1:].tolist(), out.router_logits):
+        chosen = torch.topk(logits.softmax(-1), 2, dim=-1).indices.flatten()
+        counts = torch.bincount(chosen, minlength=logits.shape[-1]).double()
+        assert load / 22 == pytest.approx((counts.max() / counts.mean()).item(), rel=1e-6)
     assert loss.item() == pytest.approx(0.3 * out.aux_loss.item() * 22, rel=1e-5)
 
 

@@ -132,8 +132,11 @@ def extra_fields(sums, nsentences):
     rewards/rejected, rewards/margins, rewards/accuracies); a mixture of experts' load-balancing
     loss (its micro-batches' values weighted by their tokens, the mean); {} otherwise."""
     fields = {}
-    if "moe_aux_loss" in sums:
-        fields["moe_aux_loss"] = round(sums["moe_aux_loss"] / max(sums.get("sample_size", 0), 1), 5)
+    if "moe_aux_loss" in sums:  # each weighted by its micro-batch's sample size
+        size = max(sums.get("sample_size", 0), 1)
+        fields.update(
+            {k: round(v / size, 5 if k == "moe_aux_loss" else 3) for k, v in sums.items() if k.startswith("moe_")}
+        )
     if "reward_chosen" not in sums:
         return fields
     n = max(nsentences, 1)

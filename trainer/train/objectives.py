@@ -35,7 +35,7 @@ class TokenLoss:
         # a mixture of experts' load-balancing loss, in training (models/moe.py)
         self.balance = LoadBalancing(cfg, env) if moe_layers(cfg.model) else None
         if self.balance is not None:
-            self.extras = MOE_EXTRAS
+            self.extras = self.balance.extras
 
     def __call__(self, model, batch, device, **kwargs):
         segments = batch.get("segments") if self.per_document else None
@@ -63,27 +63,38 @@ class LoadBalancing:
     that the ranks' terms add up to the whole batch's. It is added to the summed token loss
     weighted by the micro-batch's sample size (tokens; dpo's pairs, whose policy forward it
     balances, as TRL's DPOTrainer adds it), which the update's division by its sample size
-    undoes."""
+    undoes.
+
+    The records also show each sparse layer's load: its busiest expert's choices over the mean
+    expert's (1: even; E / k: every token on the same experts), from the same counts."""
 
     def __init__(self, cfg, env):
         self.coef, self.env = cfg.model.moe_aux_loss_coef, env
+        self.layers = sorted(moe_layers(cfg.model))
+        self.extras = MOE_EXTRAS + tuple(f"moe_load_{i}" for i in self.layers)
 
     def __call__(self, lm, loss, samples):
         stats = lm.router_stats()
         if not lm.training or not stats:
-            return loss, torch.zeros(len(MOE_EXTRAS), dtype=torch.float64, device=loss.device)
-        choices = sum(s.choices for s in stats)
-        probs = sum(s.probs_sum for s in stats)
-        E = choices.shape[0]
-        routed = sum(torch.as_tensor(s.tokens, dtype=torch.float64, device=choices.device) for s in stats)
-        counts = torch.cat([choices.double(), routed[None], routed.new_tensor([samples])])
+            return loss, torch.zeros(len(self.extras), dtype=torch.float64, device=loss.device)
+        choices = torch.stack([s.choices for s in stats]).double()  # layer × expert
+        L, E = choices.shape
+        routed = torch.stack([torch.as_tensor(s.tokens, dtype=torch.float64, device=choices.device) for s in stats])
+        local = torch.tensor([samples], dtype=torch.float64, device=choices.device)
+        counts = torch.cat([choices.reshape(-1), routed, local])
         if self.env is not None:
             counts = on_device_sum(counts, self.env)
-        routed, samples = counts[E], counts[E + 1]
-        share = E * (counts[:E] * probs.double()).sum() / routed**2  # this rank's part of the aux loss
-        weighted = share * samples
+        choices, routed, total = counts[: L * E].view(L, E), counts[L * E : L * E + L].sum(), counts[-1]
+        probs = sum(s.probs_sum for s in stats).double()
+        share = E * (choices.sum(0) * probs).sum() / routed**2  # this rank's part of the aux loss
+        weighted = share * total
         loss = loss + (self.coef * weighted).to(loss.dtype)
-        return loss, weighted.detach()[None]
+        # every rank has the whole micro-batch's loads: each adds them weighted by its own share
+        loads = choices.max(1).values / choices.mean(1).clamp(min=1e-9) * samples
+        per_layer = torch.zeros(len(self.layers), dtype=torch.float64, device=choices.device)
+        ran = [self.layers.index(i) for i in lm.sparse_layer_ids(stats)]
+        per_layer[ran] = loads
+        return loss, torch.cat([weighted.detach()[None], per_layer])
 
 
 class DPOLoss:
@@ -98,7 +109,7 @@ class DPOLoss:
         self.beta, self.smoothing = cfg.task.dpo_beta, cfg.task.dpo_label_smoothing
         self.balance = LoadBalancing(cfg, env) if moe_layers(cfg.model) else None
         if self.balance is not None:
-            self.extras = DPO_EXTRAS + MOE_EXTRAS
+            self.extras = DPO_EXTRAS + self.balance.extras
 
     def __call__(self, model, batch, device, **kwargs):
         tokens = batch["src_tokens"].to(device, non_blocking=True)
