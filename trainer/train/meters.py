@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from models.config import head_dim, num_layers
+from models.config import head_dim, moe_ffn, moe_layers, num_layers
 
 LN2 = math.log(2)
 
@@ -186,7 +186,12 @@ def flops_per_token(model_cfg, num_params, vocab_size, embed_params, seq_len):
     attention. The attention term is the query heads' width, H·head_dim (d unless
     --decoder-head-dim says otherwise): grouped-query attention shares key/value heads
     between query heads but still multiplies every query head by T keys and T values,
-    while its smaller qkv_proj is in the parameter count."""
+    while its smaller qkv_proj is in the parameter count. A mixture of experts counts the
+    experts a token runs (top-k of E), not all of them: its active parameters."""
     d, L = model_cfg.decoder_embed_dim, num_layers(model_cfg)
     inner = model_cfg.decoder_attention_heads * head_dim(model_cfg)
+    sparse = len(moe_layers(model_cfg))
+    if sparse:
+        E, k = model_cfg.moe_expert_count, model_cfg.moe_top_k
+        num_params -= sparse * (E - k) * 3 * d * moe_ffn(model_cfg)  # the experts a token skips
     return 6 * (num_params - embed_params) + 6 * vocab_size * d + 12 * L * inner * seq_len
