@@ -13,7 +13,7 @@ the git commit measured (short hash, "+dirty" when tracked files differ from it)
 with `--quick`, `--reps` or `--only` says so in that heading.
 
 Usage: python bench/run_all.py [--quick] [--reps N] [--only startup loop mfu gpu dataload preprocess fsdp plan
-                                                         scale optim serve serve_decode dry_run_memory]
+                                                         scale optim serve serve_decode dry_run_memory moe]
                                [--page docs/benchmarks.md | --no-page]
 """
 
@@ -52,6 +52,7 @@ SCRIPTS = {
     "serve": ("bench_serve.py", ["--quick"]),
     "serve_decode": ("bench_serve_decode.py", ["--quick"]),
     "dry_run_memory": ("bench_dry_run_memory.py", ["--quick"]),
+    "moe": ("bench_moe.py", ["--steps", "4"]),
 }
 
 
