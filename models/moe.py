@@ -63,7 +63,9 @@ class MoEFeedForward(nn.Module):
         x = x.reshape(-1, shape[-1])
         experts, weights, probs = self.route(x)
         flat = experts.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # a scatter, not bincount: bincount sizes its output from the ids' max, which a GPU must
+        # send to the host first
+        counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
         self.routing = self.stats(counts, flat, probs)
         # each (token, choice) once, grouped by expert, in token order within an expert
         order = torch.argsort(flat, stable=True)
@@ -77,7 +79,7 @@ class MoEFeedForward(nn.Module):
         if self.counted is None:
             return RouterStats(counts.float(), probs.sum(dim=0), probs.shape[0])
         keep = self.counted.to(probs.dtype)
-        choices = torch.bincount(flat, weights=keep.repeat_interleave(self.top_k), minlength=self.num_experts)
+        choices = probs.new_zeros(self.num_experts).scatter_add_(0, flat, keep.repeat_interleave(self.top_k))
         return RouterStats(choices, (probs * keep[:, None]).sum(dim=0), keep.sum())
 
 

@@ -30,7 +30,10 @@ class ExpertParallelDispatch:
         local = E // n
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # [source rank × my experts]
+        # the sizes of the exchanges, read on the host (all_to_all takes them there); the
+        # rows sent add up to x's, which its shape says without a read
         send = counts.view(n, local).sum(1).tolist()
+        send[-1] = x.shape[0] - sum(send[:-1])
         by_source = received.view(n, local)
         recv = by_source.sum(1).tolist()
         tokens = _exchange(x, recv, send, self.group)

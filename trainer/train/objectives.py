@@ -91,9 +91,8 @@ class LoadBalancing:
         loss = loss + (self.coef * weighted).to(loss.dtype)
         # every rank has the whole micro-batch's loads: each adds them weighted by its own share
         loads = choices.max(1).values / choices.mean(1).clamp(min=1e-9) * samples
-        per_layer = torch.zeros(len(self.layers), dtype=torch.float64, device=choices.device)
-        ran = [self.layers.index(i) for i in lm.sparse_layer_ids(stats)]
-        per_layer[ran] = loads
+        ran, none = dict(zip(lm.sparse_layer_ids(stats), loads.unbind())), loads.new_zeros(())
+        per_layer = torch.stack([ran.get(i, none) for i in self.layers])  # LayerDrop's skipped: 0
         return loss, torch.cat([weighted.detach()[None], per_layer])
 
 
