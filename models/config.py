@@ -249,6 +249,14 @@ class TransformerLMConfig:
             "alias": "--moe-gate-loss-wt",
         },
     )
+    moe_router_bias_update_rate: float = field(
+        default=0.0,
+        metadata={
+            "help": "auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the router's "
+            "probabilities when choosing the top-k (not when weighting), moved by this much after each update "
+            "toward the experts that got fewer tokens than the mean; 0: off"
+        },
+    )
     min_params_to_wrap: int = field(
         default=0,
         metadata={

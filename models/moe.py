@@ -43,6 +43,12 @@ class MoEFeedForward(nn.Module):
         self.norm_topk_prob = cfg.moe_norm_topk_prob
         self.router = nn.Linear(dim, E, bias=False)
         self.experts = Experts(E, dim, moe_ffn(cfg), activation_fn)
+        # auxiliary-loss-free balancing: a bias on the choice of experts, and the choices of
+        # the update so far (every rank's) that move it after the update
+        rate = getattr(cfg, "moe_router_bias_update_rate", 0.0)
+        self.bias_rate = rate
+        self.register_buffer("router_bias", torch.zeros(E) if rate > 0 else None)
+        self.register_buffer("update_load", torch.zeros(E) if rate > 0 else None, persistent=False)
         self.routing = None  # RouterStats of the last forward
         self.counted = None  # the tokens (flat, bool) the next forward counts in them; None: all
         # How the tokens reach their experts and come back: here, where all the experts are;
@@ -53,7 +59,11 @@ class MoEFeedForward(nn.Module):
         """x: N×d → (N×k expert ids, N×k weights in x's dtype, the router's N×E float32
         probabilities)."""
         probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.router_bias is None:
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        else:  # the bias picks the experts; the probabilities alone weight them
+            experts = torch.topk(probs + self.router_bias, self.top_k, dim=-1).indices
+            weights = probs.gather(1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(x.dtype), probs
@@ -74,6 +84,15 @@ class MoEFeedForward(nn.Module):
         y = y * weights.reshape(-1, 1)[order]
         out = torch.zeros_like(x).index_add_(0, tokens, y)
         return out.reshape(shape)
+
+    @torch.no_grad()
+    def update_bias(self):
+        """After an update: each expert's bias moves by the rate toward balance (up if it got
+        fewer of the update's choices than the mean expert, down if more), and the count
+        starts again."""
+        load = self.update_load
+        self.router_bias.add_(self.bias_rate * torch.sign(load.mean() - load))
+        load.zero_()
 
     def stats(self, counts, flat, probs):
         if self.counted is None:

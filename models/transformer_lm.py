@@ -162,6 +162,14 @@ class TransformerLM(nn.Module):
         else:  # biases
             tensor.zero_()
 
+    @torch.no_grad()
+    def init_buffers(self):
+        """The buffers' initial values (auxiliary-loss-free balancing's router biases: 0)."""
+        for layer in self.sparse_layers:
+            for buffer in (layer.moe.router_bias, layer.moe.update_load):
+                if buffer is not None:
+                    buffer.zero_()
+
     def init_weights(self, seed=1):
         for name, p in self.named_parameters():
             self.init_parameter(name, p.data, seed)
@@ -320,6 +328,12 @@ class TransformerLM(nn.Module):
     def router_stats(self):
         """models/moe.py RouterStats of each mixture-of-experts layer the last forward ran."""
         return [layer.moe.routing for layer in self.sparse_layers if layer.moe.routing is not None]
+
+    def update_router_biases(self):
+        """Auxiliary-loss-free balancing's step (models/moe.py), after an optimizer update."""
+        for layer in self.sparse_layers:
+            if layer.moe.router_bias is not None:
+                layer.moe.update_bias()
 
     def sparse_layer_ids(self, stats):
         """The layer ids of router_stats' entries."""

@@ -148,7 +148,8 @@ def _broken_rank(index, argv, world, port, n_updates, out):
 # all ranks read, an update's sequences in one batch
 FSDP = ["--ddp-backend", "fully_sharded"]
 EXPERT_PARALLEL = {
-    "ep2": (2, FSDP + ["--update-freq", "2"]),
+    # with auxiliary-loss-free balancing: the biases moved by every rank's counts alike
+    "ep2": (2, FSDP + ["--update-freq", "2", "--moe-router-bias-update-rate", "0.05"]),
     "ep2_fsdp2": (4, FSDP + ["--checkpoint-activations"]),
     "ep2_hsdp2": (4, ["--ddp-backend", "hybrid_shard", "--shard-group-size", "2"]),
 }
@@ -191,6 +192,7 @@ RESUMED_ON = {
     "ep4": (4, ["--batch-size", "1", *FSDP, "--expert-parallel-size", "4"]),
 }
 SAVED = [a for a in RUN + MOE if a != "--no-save"] + ["--required-batch-size-multiple", "1", "--moe-aux-loss-coef", "0"]
+SAVED += ["--moe-router-bias-update-rate", "0.05"]  # the routers' biases resume with the weights
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +210,8 @@ def saved_on_ep2(tmp_path_factory):
 @pytest.mark.parametrize("layout", RESUMED_ON)
 def test_an_expert_parallel_checkpoint_resumes_on_any_layout(layout, saved_on_ep2, tmp_path):
     """Saved at EP 2, resumed at one process (EP 1) and at EP 4: the curve of a run never
-    stopped (the checkpoint holds every expert's rows in order, and the data position)."""
+    stopped (the checkpoint holds every expert's rows in order, the routers' balancing
+    biases, and the data position)."""
     import shutil
 
     from helpers import train_updates

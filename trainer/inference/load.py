@@ -71,7 +71,7 @@ def load_model(path, device="cpu", model_overrides=None, pad=None, dtype=None, e
         if dtype is not None:
             model.to(dtype)
         orders = row_orders(model)
-        params = dict(model.named_parameters())
+        params = model.state_dict(keep_vars=True)  # the parameters and the buffers checkpoints hold
         # A model pruned by --decoder-layers-to-keep reads the layers it keeps, renumbered.
         renamed = renumber_layers({name: name for name in params}, saved_layer_ids(src.cfg.model, src.specs))
         saved_name = {ours: saved for saved, ours in renamed.items()}

@@ -285,6 +285,7 @@ def materialize_shards(model, shard_device, compute_device, seed):
     from torch.distributed.tensor import distribute_tensor
 
     model.to_empty(device=shard_device)
+    model.init_buffers()  # to_empty left them unset too
     orders = row_orders(model)  # tensor parallelism's order of qkv_proj's and fc1's rows
     for name, p in model.named_parameters():
         full = torch.empty(p.shape, dtype=p.dtype, device=compute_device)

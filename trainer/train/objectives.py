@@ -91,7 +91,11 @@ class LoadBalancing:
         loss = loss + (self.coef * weighted).to(loss.dtype)
         # every rank has the whole micro-batch's loads: each adds them weighted by its own share
         loads = choices.max(1).values / choices.mean(1).clamp(min=1e-9) * samples
-        ran, none = dict(zip(lm.sparse_layer_ids(stats), loads.unbind())), loads.new_zeros(())
+        ids = lm.sparse_layer_ids(stats)
+        for i, counted in zip(ids, choices):  # the whole batch's choices move the balancing biases
+            if lm.layers[i].moe.update_load is not None:
+                lm.layers[i].moe.update_load += counted.to(lm.layers[i].moe.update_load.dtype)
+        ran, none = dict(zip(ids, loads.unbind())), loads.new_zeros(())
         per_layer = torch.stack([ran.get(i, none) for i in self.layers])  # LayerDrop's skipped: 0
         return loss, torch.cat([weighted.detach()[None], per_layer])
 

@@ -41,6 +41,8 @@ class Trainer:
     def __init__(self, cfg, model, env, pad, grad_sync, objective=None):
         self.cfg, self.model, self.env, self.pad, self.grad_sync = cfg, model, env, pad, grad_sync
         self.objective = objective or build_objective(cfg)
+        # auxiliary-loss-free balancing: the routers' biases move after each update (models/moe.py)
+        self.balances_routers = cfg.model.get("moe_router_bias_update_rate", 0) > 0
         # --context-parallel-size: each batch cut to this rank's positions before it is counted
         per_document = getattr(self.objective, "per_document", False)
         self.context = ContextSplit(env, per_document, pad) if env.cp > 1 else None
@@ -173,6 +175,8 @@ class Trainer:
         self.deferred.before_step(update)
         self.lr = self.schedule.apply(self.optimizer, self.num_updates - self.lr_updates_offset)
         self.step(status[BAD])
+        if self.balances_routers:
+            lm.update_router_biases()
         if self.ema is not None:
             # Under fp16 an overflow skips the step and is no update of the average either
             # (fairseq's), but its flag is read later (settle): the average follows then,

@@ -45,7 +45,9 @@ def _check_experts(cfg):
     """A mixture of experts (--moe-expert-count, models/moe.py): its routing and what it is
     not built with yet."""
     model = cfg.model
-    non_negative(cfg, "model.moe_expert_count", "model.moe_freq", "model.moe_aux_loss_coef")
+    non_negative(
+        cfg, "model.moe_expert_count", "model.moe_freq", "model.moe_aux_loss_coef", "model.moe_router_bias_update_rate"
+    )
     positive(cfg, "model.moe_top_k")
     positive(cfg, "model.moe_ffn_embed_dim", optional=True)
     try:
@@ -53,6 +55,8 @@ def _check_experts(cfg):
     except ValueError as e:
         raise UsageError(str(e)) from None
     if not moe_layers(model):
+        if model.moe_router_bias_update_rate > 0:
+            raise UsageError("--moe-router-bias-update-rate balances a mixture of experts: add --moe-expert-count")
         return
     if model.moe_top_k > model.moe_expert_count:
         raise UsageError(
