@@ -273,3 +273,13 @@ def test_serve_answers_the_openai_client_with_the_mixture(tmp_path, capsys):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_balancing_biases_are_refused_by_the_hugging_face_export():
+    from helpers import compose
+    from trainer.formats.hf.llama import hf_model_type, llama_incompatibility
+
+    cfg = compose(RUN + MOE + ["--batch-size", "2"])
+    assert llama_incompatibility(cfg.model) is None and hf_model_type(cfg.model) == "qwen3_moe"
+    cfg = compose(RUN + MOE + ["--batch-size", "2", "--moe-router-bias-update-rate", "0.01"])
+    assert "balancing biases" in llama_incompatibility(cfg.model)

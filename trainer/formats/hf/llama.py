@@ -157,6 +157,8 @@ def llama_incompatibility(model_cfg):
         return "it has NormFormer's scales"
     if getattr(model_cfg, "adaptive_input", False) or getattr(model_cfg, "adaptive_softmax_cutoff", None):
         return "it has adaptive input/softmax bands"
+    if getattr(model_cfg, "moe_router_bias_update_rate", 0) > 0:
+        return "its routers have balancing biases (--moe-router-bias-update-rate), which Qwen3-MoE and Mixtral lack"
     if getattr(model_cfg, "quant_noise_pq", 0):
         return "it has fairseq's quant_noise layer on the embeddings (--quant-noise-pq)"
     if getattr(model_cfg, "quant_noise_scalar", 0):
