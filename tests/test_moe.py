@@ -185,6 +185,18 @@ def test_fsdp_trains_the_mixture_one_process_trains():
     assert ref_loss[-1] < ref_loss[0]
 
 
+def test_a_hugging_face_mixture_loads_into_expert_shards(tmp_path):
+    """--finetune-from-model into EP 2 (each rank reading its own experts' rows of the
+    per-expert tensors; a dense layer between the sparse ones): one process's training."""
+    _, path = hf_model("qwen3_moe", tmp_path)
+    argv = ["--task", "dummy_lm", "--dict-size", "96", "--dataset-size", "64", "--tokens-per-sample", "16"]
+    argv += ["--finetune-from-model", str(path), "--optimizer", "adam", "--lr", "0.001", "--no-save"]
+    argv += ["--batch-size", "2", *FSDP, "--max-valid-steps", "1"]
+    ref_loss, ref_gnorm = update_losses(argv, 3, with_gnorm=True, merge=2)
+    loss, gnorm = multi_rank_losses(argv + ["--expert-parallel-size", "2"], 2, 3, tmp_path)
+    assert loss == pytest.approx(ref_loss, rel=1e-5) and gnorm == pytest.approx(ref_gnorm, rel=1e-5)
+
+
 # 4 sequences an update on every layout, in micro-batches of other sizes: without the
 # balancing term, whose batch statistics depend on them, the loss is the same on each
 RESUMED_ON = {
