@@ -143,24 +143,30 @@ def _broken_rank(index, argv, world, port, n_updates, out):
     _rank_worker(index, argv, world, port, n_updates, out)
 
 
-# (ranks, flags): expert parallelism 2 alone (2 experts a rank), and with FSDP 2 (the experts
-# reduce-scattered over the 2 ranks that hold the same ones) or HSDP; one process reads what
-# all ranks read, an update's sequences in one batch
+# (ranks, layout flags, flags one process shares): expert parallelism 2 alone (2 experts a
+# rank), and with FSDP 2 (the experts reduce-scattered over the 2 ranks that hold the same
+# ones) or HSDP; one process reads what all ranks read, an update's sequences in one batch
 FSDP = ["--ddp-backend", "fully_sharded"]
 EXPERT_PARALLEL = {
     # with auxiliary-loss-free balancing: the biases moved by every rank's counts alike
-    "ep2": (2, FSDP + ["--update-freq", "2", "--moe-router-bias-update-rate", "0.05"]),
-    "ep2_fsdp2": (4, FSDP + ["--checkpoint-activations"]),
-    "ep2_hsdp2": (4, ["--ddp-backend", "hybrid_shard", "--shard-group-size", "2"]),
+    "ep2": (2, FSDP, ["--update-freq", "2", "--moe-router-bias-update-rate", "0.05"]),
+    "ep2_fsdp2": (4, FSDP, ["--checkpoint-activations"]),
+    # Adafactor's row and column statistics of each expert, summed over the expert groups
+    "ep2_hsdp2_adafactor": (
+        4,
+        ["--ddp-backend", "hybrid_shard", "--shard-group-size", "2"],
+        ["--optimizer", "adafactor", "--lr", "0.01"],
+    ),
 }
 
 
 @pytest.mark.parametrize("layout", EXPERT_PARALLEL)
 def test_expert_parallelism_trains_the_mixture_one_process_trains(layout, tmp_path):
-    world, flags = EXPERT_PARALLEL[layout]
-    alone = FSDP + (flags[2:] if flags[1] == "fully_sharded" else [])
-    ref_loss, ref_gnorm = update_losses(RUN + MOE + ["--batch-size", "2", *alone], 3, with_gnorm=True, merge=world)
-    argv = RUN + MOE + ["--batch-size", "2", *flags, "--expert-parallel-size", "2"]
+    world, parallel, shared = EXPERT_PARALLEL[layout]
+    ref_loss, ref_gnorm = update_losses(
+        RUN + MOE + ["--batch-size", "2", *FSDP, *shared], 3, with_gnorm=True, merge=world
+    )
+    argv = RUN + MOE + ["--batch-size", "2", *parallel, *shared, "--expert-parallel-size", "2"]
     loss, gnorm = multi_rank_losses(argv, world, 3, tmp_path)
     assert loss == pytest.approx(ref_loss, rel=1e-5) and gnorm == pytest.approx(ref_gnorm, rel=1e-5)
     if layout == "ep2":  # the experts' gradients at twice their scale: not what one process trains

@@ -30,20 +30,53 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
+class ShardLayout:
+    """How the parts of the parameters are summed: on `mesh` (FSDP's, on which most parameters
+    lie), with `partial` (Partial on each dimension that splits some parameter, Replicate on
+    those that split none: HSDP's replicas); `split[mesh]`: which dimensions of each mesh the
+    parameters are split on."""
+
+    def __init__(self, mesh, partial, split):
+        self.mesh, self.partial, self.split = mesh, partial, split
+
+    def summed(self, p):
+        """Per dimension of p's mesh: whether the sum runs over it."""
+        return self.split[p.device_mesh]
+
+
 def shard_layout(params):
-    """(mesh, placements of the sum: Partial on each mesh dimension that splits some
-    parameter, Replicate on those that split none: HSDP's replicas), or None when no
-    parameter is a DTensor (one process, DDP: every rank holds whole tensors and nothing is
-    summed). Refuses parameters on several meshes, or a mix of DTensors and plain tensors:
-    parallelize() puts every parameter on one mesh."""
+    """The ShardLayout of `params`, or None when no parameter is a DTensor (one process, DDP:
+    every rank holds whole tensors and nothing is summed). Under expert parallelism the
+    experts lie on a mesh of their own (trainer/parallel/experts.py), whose split dimensions
+    hold the same ranks as FSDP's: the one sum over FSDP's mesh sums their parts too. Refuses
+    a mix of DTensors and plain tensors, or a mesh whose parts lie on other ranks."""
     sharded = [p for p in params if isinstance(p, DTensor)]
     if not sharded:
         return None
-    mesh = sharded[0].device_mesh
-    if len(sharded) < len(params) or any(p.device_mesh != mesh for p in sharded):
-        raise RuntimeError("parameters on different meshes: a layout parallelize() does not build")
-    split = [any(not p.placements[d].is_replicate() for p in sharded) for d in range(mesh.ndim)]
-    return mesh, [Partial("sum") if s else Replicate() for s in split]
+    if len(sharded) < len(params):
+        raise RuntimeError("parameters both sharded and whole: a layout parallelize() does not build")
+    meshes = list(dict.fromkeys(p.device_mesh for p in sharded))
+    split = {
+        mesh: [
+            any(not p.placements[d].is_replicate() for p in sharded if p.device_mesh == mesh) for d in range(mesh.ndim)
+        ]
+        for mesh in meshes
+    }
+    mesh = min(meshes, key=lambda m: m.ndim)  # FSDP's (the experts' splits it further)
+    for other in meshes:
+        if _split_ranks(other, split[other]) != _split_ranks(mesh, split[mesh]):
+            raise RuntimeError(
+                "parameters on meshes whose parts lie on other ranks: a layout parallelize() does not build"
+            )
+    return ShardLayout(mesh, [Partial("sum") if s else Replicate() for s in split[mesh]], split)
+
+
+def _split_ranks(mesh, split):
+    """The ranks of this rank's group over the split dimensions of `mesh`."""
+    ranks = mesh.mesh
+    coordinate = mesh.get_coordinate()
+    index = tuple(slice(None) if s else coordinate[d] for d, s in enumerate(split))
+    return sorted(ranks[index].flatten().tolist())
 
 
 def sum_over_shards(local, layout):
@@ -52,9 +85,9 @@ def sum_over_shards(local, layout):
     `local` itself without a layout."""
     if layout is None:
         return local
-    mesh, partial = layout
+    mesh = layout.mesh
     # Under --cpu-offload the shards are on the host and the mesh may be a GPU's: sum there.
-    summed = DTensor.from_local(local.to(mesh.device_type), mesh, partial).full_tensor()
+    summed = DTensor.from_local(local.to(mesh.device_type), mesh, layout.partial).full_tensor()
     return summed.to(local.device)
 
 
@@ -121,8 +154,8 @@ class RowBlocks:
             coordinate = p.device_mesh.get_coordinate()
             self.counted = all(
                 coordinate[d] == 0
-                for d, (pl, summed) in enumerate(zip(p.placements, layout[1]))
-                if pl.is_replicate() and not summed.is_replicate()
+                for d, (pl, summed) in enumerate(zip(p.placements, layout.summed(p)))
+                if pl.is_replicate() and summed
             )
         if p.ndim > 2 and self.split_cols:
             raise RuntimeError(f"a {list(p.shape)} parameter split by columns: a layout parallelize() does not build")
