@@ -25,6 +25,8 @@ parameter's rows by rank (tensor_parallel.tp_row_order): a rank's rows of each l
 tensor are still one run, at another place.
 """
 
+import bisect
+
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -164,14 +166,22 @@ class RowBlocks:
         # p's rows (its own order) where the model's order has them: a split matrix's whole
         # rows are put back in that order to take their means
         self.model_order = torch.argsort(order).to(device) if order is not None else None
-        model_row = order[self.rows] if order is not None else torch.arange(self.rows.start, self.rows.stop)
-        block = torch.bucketize(model_row, torch.tensor([a + n for a, n in self.model_pieces]), right=True)
-        self.pieces = []
-        for b in range(len(rows)):
-            local = (block == b).nonzero().flatten()
-            if len(local) and local[-1] - local[0] + 1 != len(local):
-                raise RuntimeError(f"a logical tensor's rows of a {list(p.shape)} parameter are not one run here")
-            self.pieces.append((int(local[0]), len(local)) if len(local) else (0, 0))
+        # Found on the host, in plain numbers: a tensor's nonzero has no size the dry run's
+        # fake tensors can know, and these are the parameter's fixed layout anyway.
+        if order is None:  # this rank's rows are one run of the model's
+            self.pieces = [
+                (max(a, first) - first, max(0, min(a + n, first + count) - max(a, first))) for a, n in self.model_pieces
+            ]
+            self.pieces = [(start, n) if n else (0, 0) for start, n in self.pieces]
+        else:
+            ends = [a + n for a, n in self.model_pieces]
+            blocks_here = [bisect.bisect_right(ends, row) for row in order[self.rows].tolist()]
+            self.pieces = []
+            for b in range(len(rows)):
+                local = [i for i, block in enumerate(blocks_here) if block == b]
+                if local and local[-1] - local[0] + 1 != len(local):
+                    raise RuntimeError(f"a logical tensor's rows of a {list(p.shape)} parameter are not one run here")
+                self.pieces.append((local[0], len(local)) if local else (0, 0))
 
     def counted_only(self, sums):
         """`sums` (this rank's partial sums of p) as they enter a sum over the mesh: zeros
