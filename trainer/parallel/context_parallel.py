@@ -6,7 +6,10 @@ Causal attention costs a query in proportion to its position, so a plain split w
 the last rank most of the work: the sequence is cut into 2N chunks and rank r holds chunk r
 and chunk 2N-1-r (one from each end). Everything else a layer does is per position and
 runs on the rank's own positions; the tokens' positions (RoPE, learned, sinusoidal) stay
-global, and packed documents keep their per-document masks. Ranks of one context group read
+global. Each chunk attends causally to the keys up to its end, so no mask of the rank's
+queries over the whole sequence is made; packed documents (--task sft,
+--per-document-attention) keep their per-document mask of those queries over every key.
+Ranks of one context group read
 the same batches; each counts and scores its own positions, so token counts and losses are
 summed over them as over data-parallel ranks. Parameters are replicated over the group and
 FSDP shards them over it as over more data-parallel ranks.
@@ -69,6 +72,12 @@ class SequenceSplit:
         self.local = to_device(self.local_host, device)
         self.local_length = len(self.local_host)
         self.longest = max(len(p) for p in per_rank)
+        # the rank's two chunks as runs of its positions: (first, end) there and the
+        # sequence's position after the chunk's last, up to which its queries see the keys
+        chunks = torch.arange(length).tensor_split(2 * n)
+        mine = [chunks[rank], chunks[2 * n - 1 - rank]]
+        firsts = [0, len(mine[0])]
+        self.query_chunks = [(a, a + len(c), int(c[-1]) + 1) for a, c in zip(firsts, mine) if len(c)]
         # where each position of the sequence sits in the ranks' gathered, padded parts
         slots = torch.cat([r * self.longest + torch.arange(len(p)) for r, p in enumerate(per_rank)])
         self.gathered_index = to_device(slots[torch.argsort(torch.cat(per_rank))], device)
@@ -81,12 +90,14 @@ def to_device(t, device):
 
 class Context:
     """What the model's forward takes (TransformerLM.forward's `context`) on a context rank:
-    its tokens' global positions, the sequence's length, the mask of its queries over all
-    keys, and the function attention gathers keys and values with."""
+    its tokens' global positions, the sequence's length, its chunks as runs of its positions
+    (query_chunks), with packed documents the mask of its queries over all keys (None
+    otherwise), and the function attention gathers keys and values with."""
 
     def __init__(self, positions, span, mask, split, group):
         self.positions, self.span, self.mask = positions, span, mask
         self.split, self.group = split, group
+        self.query_chunks = split.query_chunks
 
     def keys_values(self, k, v):
         return GatherKeysValues.apply(k, self.split, self.group), GatherKeysValues.apply(v, self.split, self.group)
@@ -110,16 +121,15 @@ class ContextSplit:
         B, T = tokens.shape
         split = self.split(T)
         device = self.env.device
-        # The mask (this rank's queries × every key) is made where attention reads it: on a
-        # GPU, from the positions there, never copied from the host.
-        keys = torch.arange(T, device=device)
         segments = batch.get("segments") if self.per_document else None
-        if segments is None:
-            positions = split.local.expand(B, -1)
-            mask = (keys[None, :] <= split.local[:, None]).expand(B, 1, -1, -1)  # causal, in global positions
+        if segments is None:  # causal attention of each chunk over the keys before its end: no mask
+            positions, mask = split.local.expand(B, -1), None
         else:
+            # Packed documents' mask (this rank's queries × every key) is made where attention
+            # reads it: on a GPU, from the segments there, never copied from the host.
             segments = segments.to(device, non_blocking=True)
             positions = document_positions(segments)[:, split.local]
+            keys = torch.arange(T, device=device)
             same = segments[:, split.local, None] == segments[:, None, :]
             mask = (same & (keys[None, None, :] <= split.local[None, :, None]))[:, None]
         # cut on the device from the loader's pinned batch (a cut on the host would be a new,
