@@ -9,10 +9,11 @@ runs on the rank's own positions; the tokens' positions (RoPE, learned, sinusoid
 global. Each chunk attends causally to the keys up to its end, so no mask of the rank's
 queries over the whole sequence is made; packed documents (--task sft,
 --per-document-attention) keep their per-document mask of those queries over every key.
-Ranks of one context group read
-the same batches; each counts and scores its own positions, so token counts and losses are
-summed over them as over data-parallel ranks. Parameters are replicated over the group and
-FSDP shards them over it as over more data-parallel ranks.
+Ranks of one context group read the same batches; each counts and scores its own
+positions, so token counts and losses are summed over them as over data-parallel ranks;
+a loss of whole sequences (dpo's summed log-likelihoods) sums the ranks' parts of each
+row over the group first (sum_rows). Parameters are replicated over the group and FSDP
+shards them over it as over more data-parallel ranks.
 """
 
 import torch
@@ -55,6 +56,24 @@ class GatherKeysValues(torch.autograd.Function):
         return mine[:, :, : split.local_length], None, None
 
 
+class SumOverGroup(torch.autograd.Function):
+    """x summed over a group's ranks, on each of them; backward sums the ranks' gradients of
+    that sum, each of which this rank's x reaches."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def _pad(t, length):
     if t.shape[2] == length:
         return t
@@ -92,15 +111,28 @@ class Context:
     """What the model's forward takes (TransformerLM.forward's `context`) on a context rank:
     its tokens' global positions, the sequence's length, its chunks as runs of its positions
     (query_chunks), with packed documents the mask of its queries over all keys (None
-    otherwise), and the function attention gathers keys and values with."""
+    otherwise), and the function attention gathers keys and values with; for losses of
+    whole sequences, how the group sums rows and counts them once."""
 
-    def __init__(self, positions, span, mask, split, group):
+    def __init__(self, positions, span, mask, split, group, first):
         self.positions, self.span, self.mask = positions, span, mask
-        self.split, self.group = split, group
+        self.split, self.group, self.first = split, group, first
         self.query_chunks = split.query_chunks
 
     def keys_values(self, k, v):
         return GatherKeysValues.apply(k, self.split, self.group), GatherKeysValues.apply(v, self.split, self.group)
+
+    def sum_rows(self, x):
+        """Per-row sums over this rank's positions (B) → the whole rows' sums, on every rank;
+        the gradient of each rank's use of them reaches every rank's positions."""
+        return SumOverGroup.apply(x, self.group)
+
+    def count_once(self, x):
+        """x, a value every rank of the group computes alike from sum_rows, on its first rank
+        and zero on the others, so that summing over ranks counts it once. Zero by
+        multiplication, not a constant: every rank's backward must pass through sum_rows's,
+        whose all-reduce the group's ranks join together."""
+        return x if self.first else x * 0
 
 
 class ContextSplit:
@@ -140,7 +172,8 @@ class ContextSplit:
             "src_tokens": tokens.to(device, non_blocking=True)[:, split.local],
             "target": target.to(device, non_blocking=True)[:, split.local],
             "ntokens": ntokens,
-            # each sequence counted once in the group: by its first rank
+            # each sequence counted once in the group: by its first rank (dpo's pairs too)
             "nsentences": batch["nsentences"] if self.rank == 0 else 0,
-            "context": Context(positions, T, mask, split, self.group),
+            **({"sample_size": batch["sample_size"] if self.rank == 0 else 0} if "sample_size" in batch else {}),
+            "context": Context(positions, T, mask, split, self.group, self.rank == 0),
         }

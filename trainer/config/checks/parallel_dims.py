@@ -24,8 +24,6 @@ def check_context_parallel(cfg):
     if n == 1:
         return
     flag = f"--context-parallel-size {n}"
-    if cfg.task._name == "dpo":
-        raise UsageError(f"{flag}: dpo scores whole sequences on one rank; train dpo with --context-parallel-size 1")
     if cfg.common.compile:
         raise UsageError(f"{flag} and --compile: compiling attention's key/value gather is not supported yet")
     world, tp = cfg.distributed_training.distributed_world_size, cfg.common.model_parallel_size
