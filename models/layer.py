@@ -125,12 +125,15 @@ class DecoderLayer(nn.Module):
     def attention(self, x, cache=None, rope=None, mask=None, query_chunks=None):
         B, T, _ = x.shape
         qkv = self.qkv_proj(x)
-        # The heads this process holds: all of them, or under tensor parallelism a share of
-        # the query heads with their key/value heads (trainer/parallel/tensor_parallel.py
-        # orders qkv_proj's rows so), as the projection's width says.
+        # The heads this process holds, as the projection's width says: all of them, or under
+        # tensor parallelism a share of the query heads with the key/value heads they read
+        # (trainer/parallel/tensor_parallel.py orders qkv_proj's rows so). With fewer key/value
+        # heads than processes, a process's queries read one key/value head, which it shares
+        # with other processes: fewer than a whole group of query heads come with it.
         D = self.head_dim
         heads = qkv.shape[-1] // D
-        KV = heads * self.num_kv_heads // (self.num_heads + 2 * self.num_kv_heads)
+        group = self.num_heads // self.num_kv_heads  # query heads per key/value head
+        KV = 1 if heads < group + 2 else heads // (group + 2)
         H = heads - 2 * KV
         q, k, v = qkv.view(B, T, heads, D).split((H, KV, KV), dim=2)
         if self.q_norm is not None:  # Qwen3: per head, before the rotation

@@ -11,6 +11,8 @@ that stopped at the first only would run to --max-new-tokens."""
 import importlib.util
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,7 +53,7 @@ def hf(tmp_path_factory):
         intermediate_size=96,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=512,
         bos_token_id=ids["<|begin_of_text|>"],
         eos_token_id=[ids["<|end_of_text|>"], ids["<|eot_id|>"]],
@@ -143,6 +145,16 @@ def test_chat_reply_is_transformers_and_stops_at_second_eos(hf, capsys, tmp_path
     # --messages: the same conversation from a file, twice (a .jsonl of two conversations).
     (tmp_path / "c.jsonl").write_text((json.dumps(messages) + "\n") * 2)
     assert run_generate(capsys, "--path", hf / "chat", "--messages", tmp_path / "c.jsonl", *GREEDY)[1] == out * 2
+    # The model split over 2 tensor-parallel ranks (2 query heads and half the key/value head
+    # each), started by generate itself: rank 0 prints the same replies.
+    split = subprocess.run(
+        [str(Path(sys.executable).with_name("generate")), "--path", hf / "chat", "--messages", tmp_path / "c.jsonl"]
+        + [*GREEDY, "--model-parallel-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (split.returncode, split.stdout) == (0, out * 2), split.stderr
     # The template renders as transformers renders it, multi-turn, both template locations.
     turns = messages + _chat([("assistant", "a dog"), ("user", "and then?")])
     for name in ("chat", "jinja"):
@@ -200,6 +212,8 @@ def test_refused_in_one_line(hf, capsys, tmp_path):
         (["--path", hf / "plain", "--prompt", "hi", *GREEDY], "has no chat template"),
         (["--path", hf / "chat", "--system", "x", "--prompt", "hi"], "add --chat"),
         (["--path", hf / "chat", "--messages", tmp_path / "none.json", *GREEDY], "cannot read it"),
+        # turns typed on stdin reach one process: a split model takes its conversations as files
+        (["--path", hf / "chat", *GREEDY, "--model-parallel-size", "2"], "--messages FILE"),
     ):
         code, out, err = run_generate(capsys, *argv)
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and why in err, err

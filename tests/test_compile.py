@@ -38,11 +38,20 @@ def eager_one_process():
     return update_losses(BASE + ["--batch-size", "4"], 6, with_gnorm=True, merge=2)
 
 
-def test_compiled_fsdp_with_checkpointing_matches_eager(eager_one_process, tmp_path):
+# FSDP 2; tensor parallelism 2 (the layers' DTensor hooks traced with them, each checkpointed
+# eagerly around its compiled forward): 8 sequences an update
+LAYOUTS = {
+    "fsdp2": ["--batch-size", "4"],
+    "tp2": ["--batch-size", "4", "--update-freq", "2", "--model-parallel-size", "2"],
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_compiled_fsdp_with_checkpointing_matches_eager(layout, eager_one_process, tmp_path):
     from helpers import run_ranks
     from trainer.rendezvous import free_port
 
-    argv = BASE + ["--batch-size", "4", "--ddp-backend", "fully_sharded", "--checkpoint-activations", "--compile"]
+    argv = BASE + LAYOUTS[layout] + ["--ddp-backend", "fully_sharded", "--checkpoint-activations", "--compile"]
     out = tmp_path / "ranks"
     run_ranks(_compiled_rank, (argv, 2, free_port(), str(out)), 2)
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]

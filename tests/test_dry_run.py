@@ -27,11 +27,13 @@ TP_LLAMA += ["--decoder-kv-heads", "4", "--decoder-ffn-embed-dim", "128"]
 TP = {
     # FSDP 4 x TP 4, fp32; llama3_2_1b ties its output projection to the embedding
     "tp4_fully_sharded": (FSDP + ["--arch", "llama3_2_1b", "--model-parallel-size", "4"] + TP_LLAMA, 4),
-    # HSDP 2 x 2 x TP 4 (a 3-D mesh); llama3_1_8b's own output projection: VocabRows
+    # HSDP 2 x 2 x TP 4 (a 3-D mesh); llama3_1_8b's own output projection: VocabRows; 2 key/value
+    # heads, each gathered from the 2 ranks that hold half its rows
     "tp4_hybrid_shard": (
         ["--ddp-backend", "hybrid_shard", "--shard-group-size", "8", "--arch", "llama3_1_8b", "--bf16"]
         + ["--model-parallel-size", "4"]
-        + TP_LLAMA,
+        + TP_LLAMA
+        + ["--decoder-kv-heads", "2"],
         4,
     ),
     # fairseq's FSDP line: optimizer states and the step on the host, GradScaler over DTensors

@@ -177,7 +177,8 @@ def test_plan_takes_the_layout_flags_and_refuses_what_cannot_split(capsys):
     for flags, message in (
         (["--context-parallel-size", "3"], "must divide --distributed-world-size 8"),
         (["--model-parallel-size", "3"], "must divide --distributed-world-size 8"),
-        (["--model-parallel-size", "8", "--decoder-kv-heads", "4"], "must divide the model's key/value heads"),
+        # one key/value head over 8 ranks, 12 rows each of k and v: no equal shares
+        (["--model-parallel-size", "8", "--decoder-kv-heads", "1", "--decoder-head-dim", "12"], "key/value heads"),
     ):
         assert cli.plan_main(run + flags) == 2
         err = capsys.readouterr().err

@@ -47,7 +47,7 @@ def model_dir(tmp_path_factory):
         intermediate_size=96,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=1,  # one key/value head: shared by the 2 ranks of the tensor-parallel server
         max_position_embeddings=POSITIONS,
         bos_token_id=ids["<|begin_of_text|>"],
         eos_token_id=[ids["<|end_of_text|>"], ids["<|eot_id|>"]],

@@ -1,7 +1,8 @@
 """Tensor parallelism (--model-parallel-size) trains the model one process trains: per-update
 loss and gradient norm on real gloo ranks, alone (TP 2) and composed with FSDP and HSDP,
 equal one process reading the same sequences, for a Llama with grouped-query attention,
-a Qwen3 (per-head norms) and fairseq's transformer_lm."""
+a Qwen3 (per-head norms) and fairseq's transformer_lm, stepped by Adam, Muon, Adafactor and
+LAMB (whose statistics span the split matrices)."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,6 +38,9 @@ RUN = [
     "2",
 ]
 
+ADAFACTOR = "--optimizer adafactor --lr 0.3 --scale-parameter --beta1 0.9 --weight-decay 0.01".split()
+LAMB = ["--optimizer", "lamb", "--lr", "0.02", "--weight-decay", "0.1", "--clip-norm", "0"]
+
 # (ranks, model, flags): each run's tensor-parallel degree is --model-parallel-size.
 LAYOUTS = {
     "llama_tp2": (2, LLAMA, ["--batch-size", "2", "--update-freq", "2", "--ddp-backend", "fully_sharded"]),
@@ -46,10 +50,11 @@ LAYOUTS = {
         GPT,
         ["--batch-size", "2", "--ddp-backend", "fully_sharded", "--bf16", "--checkpoint-activations"],
     ),
-    # Muon: each matrix (q, k, v, gate, up whole) orthogonalised by one owner among the 4 ranks
-    "qwen3_fsdp2_tp2_muon": (
+    # Muon: each matrix (q, k, v, gate, up whole) orthogonalised by one owner among the 4 ranks;
+    # one key/value head for 2 TP ranks: each holds half its rows, both attend with all of it
+    "qwen3_fsdp2_tp2_muon_one_kv_head": (
         4,
-        QWEN3,
+        [*QWEN3, "--decoder-kv-heads", "1"],
         ["--batch-size", "2", "--ddp-backend", "fully_sharded", "--optimizer", "muon", "--lr", "0.01"],
     ),
     # LayerDrop at 0.5 of 2 layers: some updates run none, and the final norm splits the positions
@@ -66,6 +71,16 @@ LAYOUTS = {
     ),
     # two replicas, each one rank of FSDP shards (the fourth dimension's smallest case) × TP 2
     "llama_hsdp2_tp2": (4, LLAMA, ["--batch-size", "2", "--ddp-backend", "hybrid_shard", "--shard-group-size", "2"]),
+    # Adafactor's factored second moment: rows of out_proj and fc2 summed over tp's columns,
+    # columns of qkv_proj (reordered q, k, v) over tp's and FSDP's rows, its update clipped
+    # by each logical tensor's RMS, its step scaled by the parameter's RMS
+    "llama_fsdp2_tp2_adafactor": (4, LLAMA, ["--batch-size", "2", "--ddp-backend", "fully_sharded", *ADAFACTOR]),
+    # LAMB's trust ratio per logical tensor (q, k, v; gate, up) over both replicas' shards
+    "qwen3_hsdp2_tp2_lamb": (
+        4,
+        QWEN3,
+        ["--batch-size", "2", "--ddp-backend", "hybrid_shard", "--shard-group-size", "2", *LAMB],
+    ),
 }
 
 
@@ -178,6 +193,33 @@ def test_a_tensor_parallel_checkpoint_resumes_on_any_layout(layout, saved_on_tp2
     for n, (loss, gnorm) in {**first, **second}.items():
         assert loss == pytest.approx(whole[n][0], rel=1e-5), f"update {n}"
         assert gnorm == pytest.approx(whole[n][1], rel=1e-4), f"update {n}"
+
+
+def test_adafactor_state_resumes_across_tensor_parallelism(tmp_path):
+    """Adafactor's factored state saved at TP 2 × FSDP 2 (qkv_proj's row statistics in the
+    ranks' row order, out_proj's and fc2's whole, the columns replicated) continues on one
+    process, and one process's at TP 2 × FSDP 2: the curve of a run never stopped."""
+    flags = SAVED + ADAFACTOR
+    one = RESUMED_ON["one_process"][1]
+    tp = ["--batch-size", "2", "--ddp-backend", "fully_sharded", "--model-parallel-size", "2"]
+    whole = train_updates(
+        flags + one + ["--max-update", "4", "--save-interval-updates", "2", "--save-dir", str(tmp_path / "one")],
+        1,
+        tmp_path,
+    )
+    first = train_updates(flags + tp + ["--max-update", "2", "--save-dir", str(tmp_path / "tp")], 4, tmp_path)
+    on_one = train_updates(flags + one + ["--max-update", "4", "--save-dir", str(tmp_path / "tp")], 1, tmp_path)
+    saved_on_one = ["--restore-file", str(tmp_path / "one" / "checkpoint_1_2")]
+    on_tp = train_updates(
+        flags + tp + saved_on_one + ["--max-update", "4", "--save-dir", str(tmp_path / "b")], 4, tmp_path
+    )
+    assert sorted(first) == [1, 2] and sorted(on_one) == sorted(on_tp) == [3, 4], "an update ran twice"
+    for n, (loss, gnorm) in {**first, **on_one}.items():
+        assert loss == pytest.approx(whole[n][0], rel=1e-6), f"update {n}, saved at TP 2 × FSDP 2"
+        assert gnorm == pytest.approx(whole[n][1], rel=1e-5), f"update {n}, saved at TP 2 × FSDP 2"
+    for n, (loss, gnorm) in on_tp.items():
+        assert loss == pytest.approx(whole[n][0], rel=1e-6), f"update {n}, resumed at TP 2 × FSDP 2"
+        assert gnorm == pytest.approx(whole[n][1], rel=1e-5), f"update {n}, resumed at TP 2 × FSDP 2"
 
 
 # Context parallelism: each of the ranks of a context group holds two chunks of every sequence.

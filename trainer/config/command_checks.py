@@ -55,9 +55,9 @@ def check_eval_lm(args):
 def check_generate(args):
     if not args.temperature >= 0 or args.temperature == float("inf") or args.top_k < 0 or not 0 < args.top_p <= 1:
         raise UsageError("need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
-    if args.model_parallel_size > 1 and args.chat:
+    if args.model_parallel_size > 1 and args.chat and not (args.prompt or args.messages):
         raise UsageError(
-            "generate --chat reads its conversations as they are typed, on one process: chat with a model split "
-            f"over ranks through serve --distributed-world-size {args.model_parallel_size} "
-            f"--model-parallel-size {args.model_parallel_size}"
+            "generate --chat without --prompt or --messages reads its turns as they are typed, on one process: "
+            "pass the conversations with --messages FILE, or chat with a model split over ranks through serve "
+            f"--distributed-world-size {args.model_parallel_size} --model-parallel-size {args.model_parallel_size}"
         )

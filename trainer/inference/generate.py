@@ -55,7 +55,7 @@ def generate(args, prompts=None, env=None):
         )
     stop = chat.stop_ids(tokenizer, files_dir, cfg)
     if chatting:
-        return _chat(args, model, tokenizer, files_dir, stop, conversations)
+        return _chat(args, model, tokenizer, files_dir, stop, conversations, env)
     # A Hugging Face tokenizer starts a text as its model learned texts start (Llama 3's
     # <|begin_of_text|>; nothing for Qwen3); a fairseq LM learned every block as "</s> sentence".
     start = [] if isinstance(tokenizer, HFTokenizer) else [tokenizer.eos]
@@ -116,7 +116,7 @@ def _conversations(args):
     return None
 
 
-def _chat(args, model, tokenizer, files_dir, stop, conversations):
+def _chat(args, model, tokenizer, files_dir, stop, conversations, env=None):
     if not isinstance(tokenizer, HFTokenizer):
         raise UsageError(
             f"{files_dir}'s tokenizer is not a Hugging Face one, so it has no chat template: --chat needs a chat "
@@ -132,7 +132,9 @@ def _chat(args, model, tokenizer, files_dir, stop, conversations):
 
     if conversations is not None:
         for i, messages in enumerate(conversations):
-            print(reply(messages, args.seed + i), flush=True)
+            answer = reply(messages, args.seed + i)  # on every rank of a split model: each forward is the group's
+            if env is None or env.is_master:
+                print(answer, flush=True)
         return 0
     # Interactive: one conversation, each stdin line a user turn, each reply kept in it.
     messages = [{"role": "system", "content": args.system}] if args.system is not None else []

@@ -122,14 +122,19 @@ class save_on_host(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, unpack)
 
 
-def compile_layers(model):
+def compile_layers(model, forwards=False):
     """`torch.compile` each decoder layer in place (torchtitan's per-block compile): all
     layers share one class, so one compiled graph serves every layer. `Module.compile`
     keeps the layer itself in the model, so state-dict keys, and so checkpoints, are those
     of the bare model: a run may resume with or without --compile. FSDP2's hooks around
-    the layer stay outside the compiled graph (dynamo skips them by default)."""
+    the layer stay outside the compiled graph (dynamo skips them by default).
+    forwards: compile each layer's forward alone (its hooks, and a checkpoint wrapped around
+    it afterwards, run eagerly)."""
     for layer in model.layers:
-        layer.compile()
+        if forwards:
+            layer.forward = torch.compile(layer.forward)
+        else:
+            layer.compile()
 
 
 def device_meshes(hybrid, shard_group_size, env):
@@ -170,6 +175,11 @@ def shard_model(model, sharding, env):
     mesh, tp_mesh = device_meshes(sharding.hybrid, sharding.shard_group_size, env)
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh)
+        if not sharding.hybrid:
+            # FSDP's shard group holds the ranks of distinct tokens (env.data_group's): token
+            # counts and losses are summed on it, so that a GPU holds one NCCL communicator
+            # over those ranks, not two (the one made first is never used, so never built).
+            env.data_group = mesh.get_group()
     kwargs = dict(mesh=mesh, reshard_after_forward=sharding.reshard_after_forward)
     if tp_mesh is not None:
         kwargs["shard_placement_fn"] = fsdp_placement_under_tensor_parallelism(mesh)
@@ -263,10 +273,17 @@ def parallelize(model, cfg, env):
     config: the others take plain values."""
     model_cfg, dist_cfg = cfg.model, cfg.distributed_training
     # --offload-activations implies --checkpoint-activations (set when the config is composed).
+    # Under tensor or context parallelism a layer's checkpointed region holds collectives and
+    # DTensor redistributions, which torch.compile's traced checkpoint does not take (a mesh
+    # among its saved values): the layers' forwards are compiled, and checkpointed eagerly.
+    compile_inside = cfg.common.compile and model_cfg.checkpoint_activations and (env.tp > 1 or env.cp > 1)
+    if compile_inside:
+        compile_layers(model, forwards=True)
     if model_cfg.checkpoint_activations:
         apply_activation_checkpointing(model, model_cfg.offload_activations, env)
     if cfg.common.compile:
-        compile_layers(model)
+        if not compile_inside:
+            compile_layers(model)
         if env.is_master:
             log.info(
                 f"--compile: {len(model.layers)} decoder layers compiled with torch.compile (inductor); "

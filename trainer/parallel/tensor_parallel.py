@@ -4,7 +4,8 @@ styles), applied to the bare model before FSDP shards it over the data-parallel 
 Within a decoder layer, on the `tp` mesh dimension:
 - attention's qkv_proj is column-parallel by heads: each process holds its query heads
   and the key/value heads they read (grouped-query attention's groups stay whole), and
-  out_proj is row-parallel;
+  out_proj is row-parallel. With fewer key/value heads than processes, each key/value head
+  is replicated over the processes whose queries read it (`share_key_value_heads`);
 - the feed-forward's fc1 (gate and up under --gated-ffn) is column-parallel, fc2
   row-parallel;
 - between them the residual stream, its norms and its dropout are split by sequence
@@ -174,6 +175,32 @@ def layer_plan(layer):
     return plan
 
 
+def share_key_value_heads(layer, mesh):
+    """qkv_proj's forward hook when the group has more processes than the layer has key/value
+    heads: each head is read by the queries of n / KV processes, which hold 1/n of its rows
+    each, as evenly as other weights (tp_row_order). Its keys and values are gathered from
+    those pieces before attention, whose backward sums the processes' gradients of them
+    (Partial) and keeps each its own piece: the head computed once a process, its gradient
+    whole. Only the K/V pieces travel, of every process (one all-gather on the group, not
+    a subgroup's), a fraction of what sequence parallelism's gathers carry."""
+    n, KV, D = mesh.size(), layer.num_kv_heads, layer.head_dim
+    share, piece = n // KV, KV * D // n  # processes per key/value head; rows of k (or v) each holds
+    head = mesh.get_local_rank() // share
+
+    def hook(module, args, out):
+        q, kv = out.split((out.shape[-1] - 2 * piece, 2 * piece), dim=-1)
+        last = kv.dim() - 1
+        pieces = (
+            DTensor.from_local(kv, mesh, [Shard(last)], run_check=False)
+            .redistribute(mesh, [Replicate()])
+            .to_local(grad_placements=[Partial()])
+            .unflatten(-1, (n, 2, piece))[..., head * share : (head + 1) * share, :, :]
+        )
+        return torch.cat((q, pieces[..., 0, :].flatten(-2), pieces[..., 1, :].flatten(-2)), dim=-1)
+
+    return hook
+
+
 def to_sequence_shards(mesh):
     """A decoder layer's forward pre-hook: the whole hidden states every process computed
     before the first layer become this process's positions (a slice; its backward gathers
@@ -282,6 +309,8 @@ def apply_tensor_parallel(model, mesh):
     note says; row_orders(model) then says how qkv_proj's and fc1's rows are ordered."""
     for layer in model.layers:
         parallelize_module(layer, mesh, layer_plan(layer))
+        if layer.num_kv_heads < mesh.size():  # after ColwiseParallel's hook: on its local output
+            layer.qkv_proj.register_forward_hook(share_key_value_heads(layer, mesh))
         for attr in ("c_attn", "w_resid"):  # NormFormer's scales, on whole heads / channels
             p = getattr(layer, attr)
             if p is not None:

@@ -5,6 +5,7 @@ take, each with the micro-batches that keep the global batch. Torch-free."""
 from dataclasses import replace
 from math import gcd
 
+from trainer.config.checks.parallel_dims import splits_key_value_heads
 from trainer.plan.comm import comm_bytes
 from trainer.plan.shapes import ModelShape, Setup, tensor_parallel_share
 
@@ -41,7 +42,7 @@ def layouts(m: ModelShape, s: Setup):
     if s.device != "cuda" or not s.sharded or s.world == 1 or not s.model_parallel_ok:
         return [s]
     node = min(s.ranks_per_host, s.world)
-    tps = [t for t in divisors(node) if m.heads % t == 0 and m.kv % t == 0 and m.ffn % t == 0]
+    tps = [t for t in divisors(node) if m.heads % t == 0 and splits_key_value_heads(m.kv, m.hd, t) and m.ffn % t == 0]
     cps = divisors(s.world)
     out = [with_layout(s, t, c) for t in tps for c in cps if s.world % (t * c) == 0]
     out = [o for o in out if o is not None]

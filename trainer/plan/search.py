@@ -17,7 +17,6 @@ from data.errors import DataError
 from data.tokenizer import load_tokenizer
 from models.config import PUBLISHED_VOCABS, adaptive_bands, head_dim, kv_heads, num_layers
 from trainer.config.checks import check_adaptive_vocab
-from trainer.config.checks.parallel_dims import WHOLE_MATRIX_OPTIMIZERS
 from trainer.config.implied import implies_activation_checkpointing
 from trainer.config.model_source import hf_vocab_size
 from trainer.config.schema import ddp_backend, model_positions, vocabulary_data
@@ -220,12 +219,11 @@ def fsdp_shard(distributed, world, ranks_per_host, tp):
 
 
 def model_parallel_ok(cfg):
-    """Whether tensor parallelism can split this model and its optimizer's step
+    """Whether tensor parallelism can split this model
     (trainer/config/checks/parallel_dims.py's rules, less the degree's own)."""
     model = cfg.model
     return not (
         cfg.common.compile
-        or cfg.optimizer._name in WHOLE_MATRIX_OPTIMIZERS
         or model.adaptive_input
         or model.adaptive_softmax_cutoff is not None
         or model.quant_noise_pq > 0

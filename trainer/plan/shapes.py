@@ -97,13 +97,16 @@ class ModelShape:
 def tensor_parallel_share(m: ModelShape, tp: int):
     """The model one rank of a tensor-parallel group holds (trainer/parallel/tensor_parallel.py):
     1/tp of the query and key/value heads, of the feed-forward's width and of the vocabulary's
-    rows; the norms, the width d and learned positions whole. Its parameter count is the rank's."""
+    rows; the norms, the width d and learned positions whole. Its parameter count is the rank's.
+    With fewer key/value heads than ranks, a rank attends with one whole head (gathered from
+    the pieces of it the ranks sharing it hold): counted as one head's rows, a few more than
+    the rank holds."""
     if tp == 1:
         return m
     return replace(
         m,
         heads=m.heads // tp,
-        kv_heads=m.kv // tp,
+        kv_heads=max(1, m.kv // tp),
         head_dim=m.hd,
         ffn=m.ffn // tp,
         vocab=-(-m.vocab // tp),

@@ -1,22 +1,26 @@
 """fairseq's Adafactor (fairseq/optim/adafactor.py, the same code as transformers'), exact
-under FSDP2's row shards, on the tensors users have.
+under FSDP2's row shards and tensor parallelism's rows or columns, on the tensors users have.
 
 A matrix's second moment is kept factored: one value per row (the mean of its squared
-gradients over the columns) and one per column (the mean over the rows). A rank holds
-whole rows, so the row statistics are its own; but the column statistics, the mean of the
-row statistics, the RMS of the update (its clipping) and the RMS of the parameter
-(--scale-parameter) are over the whole matrix. Each rank computes its rows' partial sums,
-and a step sums them over the shard group in two all-reduces: one of everything known
-before the update (the parameters' squares, the row statistics, the column sums), one of
-the updates' squares. One process and DDP reduce nothing (sum_over_shards' identity), and
-run the same arithmetic.
+gradients over the columns) and one per column (the mean over the rows). Under FSDP2 a rank
+holds whole rows, so the row statistics are its own; but the column statistics, the mean
+of the row statistics, the RMS of the update (its clipping) and the RMS of the parameter
+(--scale-parameter) are over the whole matrix. Each rank computes its part's partial sums,
+and a step sums them over the ranks holding the other parts in two all-reduces: one of
+everything known before the update (the parameters' squares, the row statistics, the
+column sums, and the row sums of a matrix split by columns), one of the updates' squares.
+A matrix tensor parallelism splits by columns (out_proj, fc2; an odd vocabulary's
+embedding over FSDP's ranks) has rows whose means span ranks: every rank keeps all its rows'
+statistics, updates them from the summed row sums and takes their mean itself. One process
+and DDP reduce nothing (sum_over_shards' identity), and run the same arithmetic.
 
 Every statistic is per logical tensor: shardlm stacks q_proj, k_proj and v_proj in
 qkv_proj and a gated feed-forward's gate_proj and up_proj in fc1, which fairseq's and
 Hugging Face's models keep apart, so each of them gets its own column statistics, row
 mean, update RMS and parameter RMS (the `blocks` given, models/layer.py's
 weight_blocks), as Adafactor stepping the separate parameters would; their rows may
-straddle two ranks' shards (shard_sums.row_pieces).
+straddle two ranks' shards, or lie in the order tensor parallelism gives them
+(shard_sums.RowBlocks).
 
 FSDP2's last shard may be shorter, or empty, than the others (torch.chunk's split); the
 sums are of the rows a rank truly holds and the means divide by the parameter's whole row
@@ -28,11 +32,11 @@ import math
 import torch
 
 from trainer.parallel.shard_sums import (
+    RowBlocks,
     block_sums,
     local_shards,
     per_row,
     replicated_like,
-    row_pieces,
     rows_like,
     shard_layout,
     square_sums,
@@ -68,6 +72,7 @@ class Adafactor(torch.optim.Optimizer):
         relative_step=False,
         warmup_init=False,
         blocks=None,
+        orders=None,
     ):
         defaults = dict(
             lr=lr,
@@ -82,10 +87,11 @@ class Adafactor(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.blocks = dict(blocks or {})
-        self.layouts = {}  # id(parameter): its LogicalRows, fixed by the sharding
+        self.orders = dict(orders or {})
+        self.layouts = {}  # id(parameter): its RowBlocks, fixed by the sharding
 
     @classmethod
-    def from_config(cls, groups, lr, cfg, blocks=None):
+    def from_config(cls, groups, lr, cfg, blocks=None, orders=None):
         return cls(
             groups,
             lr=lr,
@@ -98,6 +104,7 @@ class Adafactor(torch.optim.Optimizer):
             relative_step=cfg.relative_step,
             warmup_init=cfg.warmup_init,
             blocks=blocks,
+            orders=orders,
         )
 
     @staticmethod
@@ -113,13 +120,14 @@ class Adafactor(torch.optim.Optimizer):
             return torch.clamp(rms, min=group["eps"][1]) * rel_step
         return rel_step
 
-    def layout(self, p, local):
-        """p's LogicalRows, computed once."""
+    def layout(self, p, local, mesh_layout):
+        """p's RowBlocks, computed once."""
         if id(p) not in self.layouts:
-            self.layouts[id(p)] = LogicalRows(p, self.blocks.get(id(p)), local.device)
+            blocks, order = self.blocks.get(id(p)), self.orders.get(id(p))
+            self.layouts[id(p)] = RowBlocks(p, blocks, order, mesh_layout, local.device)
         return self.layouts[id(p)]
 
-    def init_state(self, p, local, group):
+    def init_state(self, p, local, group, rows):
         state = self.state[p]
         state["step"] = torch.tensor(0.0)
         if group["beta1"] is not None:
@@ -128,7 +136,10 @@ class Adafactor(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             return
         zeros = dict(dtype=torch.float32, device=local.device)
-        state["exp_avg_sq_row"] = rows_like(p, torch.zeros(local.shape[:-1], **zeros))
+        if rows.split_cols:  # each row's sum spans ranks: every rank keeps all rows' statistics
+            state["exp_avg_sq_row"] = replicated_like(p, torch.zeros(p.shape[:1], **zeros))
+        else:
+            state["exp_avg_sq_row"] = rows_like(p, torch.zeros(local.shape[:-1], **zeros))
         matrices = len(self.blocks.get(id(p), ()))
         if p.ndim == 2 and matrices > 1:  # one column vector per matrix, whole on each rank
             state[BLOCK_COLUMNS] = replicated_like(p, torch.zeros((matrices, p.shape[-1]), **zeros))
@@ -153,7 +164,8 @@ class Adafactor(torch.optim.Optimizer):
         items = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not items:
             return loss
-        layout = shard_layout([p for _, p in items])
+        # from every parameter, not only those with gradients now: the same sums on each step
+        layout = shard_layout([p for g in self.param_groups for p in g["params"]])
         work, partial = [], []
 
         def slot(t):
@@ -165,22 +177,26 @@ class Adafactor(torch.optim.Optimizer):
         for group, p in items:
             (local,) = local_shards([p])
             grad = local_shards([p.grad])[0].float()
+            rows = self.layout(p, local, layout)
             if not self.state[p]:
-                self.init_state(p, local, group)
+                self.init_state(p, local, group, rows)
             state = self.state[p]
             state["step"] += 1
             step = state["step"].item()  # a host tensor, as torch's Adam keeps it
             beta2t = 1.0 - math.pow(step, group["decay_rate"])
             squared = grad * grad + group["eps"][0]
-            rows = self.layout(p, local)
             w = dict(group=group, p=p, local=local, grad=grad, step=step, beta2t=beta2t, rows=rows)
             if group["scale_parameter"]:
-                w["param_sq"] = slot(square_sums(local, rows.pieces))
+                w["param_sq"] = slot(rows.counted_only(square_sums(local, rows.pieces)))
             if p.ndim == 2:  # each matrix's means over its rows: over every rank's rows
                 row, _ = self.factors(p)
-                row.mul_(beta2t).add_(squared.mean(dim=-1), alpha=1.0 - beta2t)
-                w["row_sum"] = slot(block_sums(row, rows.pieces))
-                w["col_sum"] = slot(block_sums(squared, rows.pieces))
+                if rows.split_cols:  # a row's mean over its columns, which other ranks hold too
+                    w["row_sums"] = slot(rows.counted_only(rows.whole_rows(squared.sum(dim=-1))))
+                else:
+                    row.mul_(beta2t).add_(squared.mean(dim=-1), alpha=1.0 - beta2t)
+                    w["row_sum"] = slot(rows.counted_only(block_sums(row, rows.pieces)))
+                col_sums = rows.whole_columns(block_sums(squared, rows.pieces))
+                w["col_sum"] = slot(rows.counted_only(col_sums))
             elif p.ndim > 2:
                 row, col = self.factors(p)
                 row.mul_(beta2t).add_(squared.mean(dim=-1), alpha=1.0 - beta2t)
@@ -203,11 +219,17 @@ class Adafactor(torch.optim.Optimizer):
         if p.ndim == 2:
             row, col = self.factors(p)
             col.mul_(beta2t).add_(sums[w["col_sum"]].view(col.shape) / rows.counts[:, None], alpha=1.0 - beta2t)
-            row_mean = sums[w["row_sum"]] / rows.counts
+            if rows.split_cols:  # every row's statistic, whole on each rank
+                row.mul_(beta2t).add_(sums[w["row_sums"]] / p.shape[-1], alpha=1.0 - beta2t)
+                row_mean = rows.model_block_means(row)
+                row = row[rows.rows]
+            else:
+                row_mean = sums[w["row_sum"]] / rows.counts
             r_factor = (row / per_row(row_mean, rows.pieces, row)).rsqrt_().unsqueeze(-1)
+            cols = rows.cols if rows.cols is not None else slice(None)
             update = torch.empty_like(grad)
             for c, (a, n) in zip(col, rows.pieces):  # each matrix's rows by its own columns
-                torch.mul(r_factor[a : a + n] * c.rsqrt(), grad[a : a + n], out=update[a : a + n])
+                torch.mul(r_factor[a : a + n] * c[cols].rsqrt(), grad[a : a + n], out=update[a : a + n])
         elif p.ndim > 2:
             row, col = self.factors(p)
             r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
@@ -218,7 +240,7 @@ class Adafactor(torch.optim.Optimizer):
         rms = (sums[w["param_sq"]] / rows.numel).sqrt() if "param_sq" in w else None
         w["lr"] = self.step_size(group, w["step"], rms)
         w["update"] = update
-        return square_sums(update, rows.pieces)
+        return rows.counted_only(square_sums(update, rows.pieces))
 
     def apply(self, w, update_sum):
         """Clip the update by its RMS over each logical tensor, scale it by the lr, and step."""
@@ -238,15 +260,3 @@ class Adafactor(torch.optim.Optimizer):
         weights.add_(-update)
         if weights is not local:
             local.copy_(weights)
-
-
-class LogicalRows:
-    """The logical tensors a parameter stacks by rows (one, unless `blocks` gives their row
-    counts): this rank's piece of each (shard_sums.row_pieces), and each one's rows and
-    elements in the whole parameter, the divisors of its means."""
-
-    def __init__(self, p, blocks, device):
-        self.pieces = row_pieces(p, blocks)
-        rows = blocks or (p.shape[0] if p.ndim else 1,)
-        self.counts = torch.tensor(rows, dtype=torch.float32, device=device)
-        self.numel = self.counts * (p.numel() // sum(rows))

@@ -1,6 +1,6 @@
 """fairseq's --optimizer lamb: apex's FusedLAMB with the arguments fairseq passes (lr,
 betas, eps, weight decay) and apex's defaults for the rest, written with torch ops, exact
-under FSDP2's row shards.
+under FSDP2's row shards and tensor parallelism's rows or columns.
 
 FusedLAMB (apex/optimizers/fused_lamb.py, csrc/multi_tensor_lamb.cu), per update t:
 
@@ -12,7 +12,8 @@ FusedLAMB (apex/optimizers/fused_lamb.py, csrc/multi_tensor_lamb.cu), per update
 
 and the ratio only for parameters with weight decay (use_nvlamb=False): those without
 (biases, norms, embeddings here) take Adam's step. The norms are of whole parameters: a
-rank sums its rows' squares, and a step sums them over the shard group in two
+rank sums its part's squares (a part several ranks hold, once: shard_sums.RowBlocks.counted),
+and a step sums them over the ranks holding the other parts in two
 all-reduces, one before the update (the gradients' and the parameters' squares) and one
 of the updates' squares.
 
@@ -20,7 +21,8 @@ The trust ratio is per logical tensor: shardlm stacks q_proj, k_proj and v_proj 
 qkv_proj and a gated feed-forward's gate_proj and up_proj in fc1, which fairseq's and
 Hugging Face's models keep apart, so each gets ||w|| / ||u|| of its own rows (the `blocks`
 given, models/layer.py's weight_blocks), as FusedLAMB stepping the separate parameters
-would; their rows may straddle two ranks' shards (shard_sums.row_pieces).
+would; their rows may straddle two ranks' shards, or lie in the order tensor parallelism gives them
+(shard_sums.RowBlocks).
 
 apex keeps t in the parameter group, which shardlm's checkpoints leave out
 (hyper-parameters come from the config); here it is per-parameter state, a 0-d tensor.
@@ -28,7 +30,7 @@ apex keeps t in the parameter group, which shardlm's checkpoints leave out
 
 import torch
 
-from trainer.parallel.shard_sums import local_shards, per_row, row_pieces, shard_layout, square_sums, sum_over_shards
+from trainer.parallel.shard_sums import RowBlocks, local_shards, per_row, shard_layout, square_sums, sum_over_shards
 
 MAX_GRAD_NORM = 1.0  # apex FusedLAMB's default, which fairseq does not change
 
@@ -38,23 +40,40 @@ class LAMB(torch.optim.Optimizer):
     (trainer/train/optim.py: logical_blocks); any other parameter is one tensor."""
 
     def __init__(
-        self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, blocks=None
+        self,
+        params,
+        lr,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        max_grad_norm=MAX_GRAD_NORM,
+        blocks=None,
+        orders=None,
     ):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
         super().__init__(params, defaults)
         self.blocks = dict(blocks or {})
-        self.pieces = {}  # id(parameter): its row_pieces, fixed by the sharding
+        self.orders = dict(orders or {})
+        self.layouts = {}  # id(parameter): its RowBlocks, fixed by the sharding
 
     @classmethod
-    def from_config(cls, groups, lr, cfg, blocks=None):
+    def from_config(cls, groups, lr, cfg, blocks=None, orders=None):
         return cls(
-            groups, lr=lr, betas=tuple(cfg.lamb_betas), eps=cfg.lamb_eps, weight_decay=cfg.weight_decay, blocks=blocks
+            groups,
+            lr=lr,
+            betas=tuple(cfg.lamb_betas),
+            eps=cfg.lamb_eps,
+            weight_decay=cfg.weight_decay,
+            blocks=blocks,
+            orders=orders,
         )
 
-    def row_pieces(self, p):
-        if id(p) not in self.pieces:
-            self.pieces[id(p)] = row_pieces(p, self.blocks.get(id(p)))
-        return self.pieces[id(p)]
+    def layout(self, p, local, mesh_layout):
+        """p's RowBlocks, computed once."""
+        if id(p) not in self.layouts:
+            blocks, order = self.blocks.get(id(p)), self.orders.get(id(p))
+            self.layouts[id(p)] = RowBlocks(p, blocks, order, mesh_layout, local.device)
+        return self.layouts[id(p)]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -65,14 +84,18 @@ class LAMB(torch.optim.Optimizer):
         items = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not items:
             return loss
-        layout = shard_layout([p for _, p in items])
+        # from every parameter, not only those with gradients now: the same sums on each step
+        layout = shard_layout([p for g in self.param_groups for p in g["params"]])
         params = local_shards([p for _, p in items])
         grads = [g.float() for g in local_shards([p.grad for _, p in items])]
         decayed = [i for i, (group, _) in enumerate(items) if group["weight_decay"] != 0]
-        pieces = {i: self.row_pieces(items[i][1]) for i in decayed}
-        # one all-reduce: the gradients' squares (all together), then each decayed logical tensor's
-        grad_sq = torch.stack(torch._foreach_norm(grads)).square().sum().reshape(1)
-        param_sq = [square_sums(params[i], pieces[i]) for i in decayed]
+        rows = [self.layout(p, local, layout) for (_, p), local in zip(items, params)]
+        pieces = {i: rows[i].pieces for i in decayed}
+        # one all-reduce: the gradients' squares (all together, each part once), then each
+        # decayed logical tensor's
+        norms = [n for n, r in zip(torch._foreach_norm(grads), rows) if r.counted]
+        grad_sq = torch.stack(norms).square().sum().reshape(1) if norms else grads[0].new_zeros(1)
+        param_sq = [rows[i].counted_only(square_sums(params[i], pieces[i])) for i in decayed]
         sums = sum_over_shards(torch.cat([grad_sq, *param_sq]), layout)
         norm = sums[0].sqrt()
         param_norms = sums[1:].sqrt().split([len(pieces[i]) for i in decayed])
@@ -97,7 +120,7 @@ class LAMB(torch.optim.Optimizer):
             if group["weight_decay"] != 0:
                 update.add_(local.float(), alpha=group["weight_decay"])
             updates.append(update)
-        update_sq = [square_sums(updates[i], pieces[i]) for i in decayed]
+        update_sq = [rows[i].counted_only(square_sums(updates[i], pieces[i])) for i in decayed]
         update_norms = (
             sum_over_shards(torch.cat(update_sq), layout).sqrt().split([len(u) for u in update_sq]) if decayed else ()
         )

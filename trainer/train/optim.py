@@ -5,6 +5,7 @@ import torch
 from torch.optim.adam import adam
 
 from trainer.parallel.shard_sums import local_shards
+from trainer.parallel.tensor_parallel import row_orders
 from trainer.train.adafactor import Adafactor
 from trainer.train.lamb import LAMB
 from trainer.train.pointwise_optim import Adamax, ShardLocalAdadelta, ShardLocalAdagrad
@@ -28,6 +29,17 @@ def logical_blocks(model):
                 if stacked in params:
                     blocks[id(params[stacked])] = tuple(rows)
     return blocks
+
+
+def tensor_parallel_orders(model):
+    """{id(parameter): its rows' order} of the parameters whose rows tensor parallelism
+    orders by rank (tensor_parallel.row_orders), whose logical tensors then lie elsewhere
+    than in the model's order; {} without tensor parallelism."""
+    module = getattr(model, "module", model)
+    if not hasattr(module, "layers"):
+        return {}
+    params = dict(module.named_parameters())
+    return {id(params[name]): order for name, order in row_orders(module).items()}
 
 
 def param_groups(model, weight_decay):
@@ -69,7 +81,8 @@ def build_optimizer(model, cfg):
             groups, lr=lr, betas=tuple(optimizer_cfg.adam_betas), eps=optimizer_cfg.adam_eps, fused=True
         )
     if optimizer_cfg._name in PER_TENSOR_OPTIMIZERS:
-        return PER_TENSOR_OPTIMIZERS[optimizer_cfg._name].from_config(groups, lr, optimizer_cfg, logical_blocks(model))
+        optimizer = PER_TENSOR_OPTIMIZERS[optimizer_cfg._name]
+        return optimizer.from_config(groups, lr, optimizer_cfg, logical_blocks(model), tensor_parallel_orders(model))
     if optimizer_cfg._name in ELEMENTWISE_OPTIMIZERS:
         return ELEMENTWISE_OPTIMIZERS[optimizer_cfg._name].from_config(groups, lr, optimizer_cfg)
     if optimizer_cfg._name == "nag":

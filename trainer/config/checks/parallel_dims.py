@@ -2,15 +2,10 @@
 and --context-parallel-size (trainer/parallel/context_parallel.py): what each composes
 with, and a model tensor parallelism can split into equal shares."""
 
-from models.config import kv_heads
+from models.config import head_dim, kv_heads
 from trainer.config.checks.values import positive
 from trainer.config.schema import uses_fsdp
 from trainer.errors import UsageError
-
-# Optimizers whose step reads a whole tensor's rows' and columns' sums or norms, which
-# tensor parallelism splits across ranks: their steps are not built for those shares yet.
-# (Muon's owners take whole matrices from any split: trainer/parallel/tp_matrices.py.)
-WHOLE_MATRIX_OPTIMIZERS = ("adafactor", "lamb")
 
 
 def check_parallel_dims(cfg):
@@ -24,8 +19,6 @@ def check_context_parallel(cfg):
     if n == 1:
         return
     flag = f"--context-parallel-size {n}"
-    if cfg.common.compile:
-        raise UsageError(f"{flag} and --compile: compiling attention's key/value gather is not supported yet")
     world, tp = cfg.distributed_training.distributed_world_size, cfg.common.model_parallel_size
     if world > 1 and world % (n * tp):
         raise UsageError(f"{flag} × --model-parallel-size {tp} must divide --distributed-world-size {world}")
@@ -45,13 +38,6 @@ def check_tensor_parallel(cfg):
     world = distributed.distributed_world_size
     if world > 1 and world % n:
         raise UsageError(f"{flag} must divide --distributed-world-size {world}")
-    if cfg.common.compile:
-        raise UsageError(f"{flag} and --compile: compiling the split layers is not supported yet; drop --compile")
-    if cfg.optimizer._name in WHOLE_MATRIX_OPTIMIZERS:
-        raise UsageError(
-            f"{flag}: --optimizer {cfg.optimizer._name} sums whole rows and columns, which tensor parallelism splits "
-            "across ranks; use adam (or another per-element optimizer), or --model-parallel-size 1"
-        )
     check_model_splits(model, n, flag)
 
 
@@ -72,8 +58,20 @@ def check_model_splits(model, n, flag):
         )
     for what, count in (
         ("--decoder-attention-heads", model.decoder_attention_heads),
-        ("key/value heads (--decoder-kv-heads)", kv_heads(model)),
         ("--decoder-ffn-embed-dim", model.decoder_ffn_embed_dim),
     ):
         if count % n:
             raise UsageError(f"{flag} must divide the model's {what}, {count}: each rank holds an equal share")
+    kv, dim = kv_heads(model), head_dim(model)
+    if not splits_key_value_heads(kv, dim, n):
+        raise UsageError(
+            f"{flag} must divide the model's key/value heads (--decoder-kv-heads), {kv}, or be a multiple of "
+            f"them that divides the head dimension {dim} × {kv}: each rank holds an equal share of them"
+        )
+
+
+def splits_key_value_heads(kv, dim, n):
+    """Whether n tensor-parallel ranks split kv key/value heads of `dim` channels: whole heads
+    each, or (fewer heads than ranks) each head replicated over n / kv ranks that hold an equal
+    share of its rows (trainer/parallel/tensor_parallel.py share_key_value_heads)."""
+    return kv % n == 0 or (n % kv == 0 and (kv * dim) % n == 0)
