@@ -16,7 +16,8 @@ changes it for the kernel and the planner alike.
 # the N×V logits of the plain form.
 LOSS_CHUNK_BYTES = 32 * 2**20
 LOSS_CHUNK_BYTES_GPU = 2**30
-# One chunk's T×T attention scores; its backward holds three such tensors.
+# One chunk's T×T attention scores (T×S, T queries over S keys); its backward holds three
+# such tensors.
 ATTENTION_SCORES_BYTES = 8 * 2**20
 
 
@@ -27,6 +28,7 @@ def loss_chunk_rows(vocab, device_type):
     return max(1, budget // (4 * vocab))
 
 
-def attention_heads_per_chunk(heads, seq_len, itemsize):
-    """Heads (of batch × heads) whose T×T scores a CPU's matmul attention computes at once."""
-    return max(1, min(heads, ATTENTION_SCORES_BYTES // (seq_len * seq_len * itemsize)))
+def attention_heads_per_chunk(heads, seq_len, itemsize, keys=None):
+    """Heads (of batch × heads) whose T×T scores (T×keys) a CPU's matmul attention computes
+    at once."""
+    return max(1, min(heads, ATTENTION_SCORES_BYTES // (seq_len * (keys or seq_len) * itemsize)))

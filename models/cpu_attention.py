@@ -8,8 +8,12 @@ per head, in the input dtype (softmax accumulates in fp32 inside), which is what
 and Hugging Face's eager attentions compute under mixed precision, and forward and
 backward together take less time than the flash kernel's.
 
+The queries may be the last of the keys' positions (fewer queries than keys): the causal
+mask is then aligned to the lower right, each query seeing every key up to its own
+position, as context parallelism's chunks of a sequence attend to the keys before them.
+
 Memory stays that of a flash kernel: forward saves only q (pre-scaled), k and v, and
-backward recomputes each head's probabilities before using them. The T×T scores exist
+backward recomputes each head's probabilities before using them. The scores exist
 only for a chunk of heads at a time (models/chunks.py's ATTENTION_SCORES_BYTES of them,
 a size trainer/plan/ledger.py reads too), so long sequences do not allocate
 batch×heads×T² at once.
@@ -30,29 +34,36 @@ def _causal_probs(q_scaled, k, above_diagonal):
     return torch.softmax(scores.masked_fill_(above_diagonal, float("-inf")), -1)
 
 
+def _above_diagonal(queries, keys, device):
+    """queries × keys bool, True where a query may not attend: the keys after its position,
+    the queries being the last `queries` of the keys' positions (lower-right aligned)."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).triu_(keys - queries + 1)
+
+
 class CausalMatmulAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v):
         B, H, T, D = q.shape
-        q_scaled = (q * D**-0.5).reshape(B * H, T, D)  # scaling T×D, not T×T
-        k, v = k.reshape(B * H, T, D), v.reshape(B * H, T, D)
-        above_diagonal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)
-        step = chunks.attention_heads_per_chunk(B * H, T, q.element_size())
+        S = k.shape[2]
+        q_scaled = (q * D**-0.5).reshape(B * H, T, D)  # scaling T×D, not T×S
+        k, v = k.reshape(B * H, S, D), v.reshape(B * H, S, D)
+        above_diagonal = _above_diagonal(T, S, q.device)
+        step = chunks.attention_heads_per_chunk(B * H, T, q.element_size(), keys=S)
         out = [
             torch.bmm(_causal_probs(q_scaled[i : i + step], k[i : i + step], above_diagonal), v[i : i + step])
             for i in range(0, B * H, step)
         ]
         ctx.save_for_backward(q_scaled, k, v)
-        ctx.shape = (B, H, T, D)
+        ctx.shape = (B, H, T, S, D)
         return _joined(out).view(B, H, T, D)
 
     @staticmethod
     def backward(ctx, grad_out):
         q_scaled, k, v = ctx.saved_tensors
-        B, H, T, D = ctx.shape
+        B, H, T, S, D = ctx.shape
         grad_out = grad_out.reshape(B * H, T, D)
-        above_diagonal = torch.ones(T, T, dtype=torch.bool, device=k.device).triu_(1)
-        step = chunks.attention_heads_per_chunk(B * H, T, k.element_size())
+        above_diagonal = _above_diagonal(T, S, k.device)
+        step = chunks.attention_heads_per_chunk(B * H, T, k.element_size(), keys=S)
         parts = [
             _chunk_backward(
                 q_scaled[i : i + step], k[i : i + step], v[i : i + step], grad_out[i : i + step], above_diagonal
@@ -60,11 +71,11 @@ class CausalMatmulAttention(torch.autograd.Function):
             for i in range(0, B * H, step)
         ]
         dq, dk, dv = (_joined(p) for p in zip(*parts))
-        return (dq.mul_(D**-0.5).view(B, H, T, D), dk.view(B, H, T, D), dv.view(B, H, T, D))
+        return (dq.mul_(D**-0.5).view(B, H, T, D), dk.view(B, H, S, D), dv.view(B, H, S, D))
 
 
 def _chunk_backward(q_scaled, k, v, grad_out, above_diagonal):
-    """(dq·√d, dk, dv) of one chunk of heads. Its T×T tensors (probabilities and two
+    """(dq·√d, dk, dv) of one chunk of heads. Its T×S tensors (probabilities and two
     gradients, three at once at most) are freed on return, before the next chunk's."""
     probs = _causal_probs(q_scaled, k, above_diagonal)
     dv = torch.bmm(probs.transpose(1, 2), grad_out)
@@ -82,5 +93,6 @@ def use_matmul_attention(q, dropout_p):
 
 
 def causal_matmul_attention(q, k, v):
-    """softmax(q·kᵀ/√d, causal) · v for q, k, v of shape (batch, heads, T, head_dim)."""
+    """softmax(q·kᵀ/√d, causal) · v for q of shape (batch, heads, T, head_dim) and k, v of
+    (batch, heads, S, head_dim), S ≥ T: q's positions are the last T of the keys'."""
     return CausalMatmulAttention.apply(q, k, v)

@@ -9,6 +9,8 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+from torch.nn.attention.bias import causal_lower_right
 
 from models.config import head_dim, kv_heads
 from models.cpu_attention import causal_matmul_attention, use_matmul_attention
@@ -27,6 +29,36 @@ ACTIVATION_FNS = {
     "linear": lambda x: x,
     "swish": F.silu,
 }
+
+
+def causal_attention(q, k, v, dropout_p):
+    """Causal attention of q (B×H×T×D) over k and v (B×KV×S×D, S ≥ T), q's positions being
+    the last T of the keys': each query sees the keys up to its own position (the mask
+    aligned to the lower right; the usual causal one when S = T)."""
+    H, KV, T, S = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    if use_matmul_attention(q, dropout_p):
+        if KV != H:  # each key/value head serves H / KV query heads
+            k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+        return causal_matmul_attention(q, k, v)
+    if T == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=KV != H)
+    if KV != H and q.device.type == "cuda" and q.dtype == torch.float32:
+        # CUDA's flash kernel takes grouped key/value heads but not fp32, its memory-efficient
+        # one fp32 but not grouped heads: fp32 gets whole heads rather than the math kernel.
+        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+    gqa = k.shape[1] != H
+    if q.device.type == "cuda" and fused_attention_fits(q, k, v, dropout_p, gqa):
+        # CausalBias: SDPA runs the lower-right mask in that kernel without building it.
+        mask = causal_lower_right(T, S)
+    else:  # built T×S, once for the batch and heads (CausalBias would build it so here too)
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril_(S - T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+
+
+def fused_attention_fits(q, k, v, dropout_p, gqa):
+    """Whether CUDA's flash or memory-efficient kernel takes this attention (unmasked)."""
+    params = SDPAParams(q, k, v, None, dropout_p, False, gqa)
+    return can_use_flash_attention(params) or can_use_efficient_attention(params)
 
 
 def dropout(x, p, training):
@@ -98,7 +130,7 @@ class DecoderLayer(nn.Module):
             blocks["fc1.weight"] = (half, half)
         return blocks
 
-    def attention(self, x, cache=None, rope=None, mask=None):
+    def attention(self, x, cache=None, rope=None, mask=None, query_chunks=None):
         B, T, _ = x.shape
         qkv = self.qkv_proj(x)
         # The heads this process holds, as the projection's width says: all of them, or under
@@ -118,27 +150,32 @@ class DecoderLayer(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # Right padding only: a causal mask already keeps every real token off the pads.
-        # Packed documents bring their block-causal mask instead (never with a cache).
+        # Packed documents bring their block-causal mask instead (with a cache only under
+        # context parallelism).
         causal = mask is None
         if cache is not None:
+            k, v = cache(k, v)
+        if cache is not None and query_chunks is None:
             # Incremental decoding: the new positions attend to every cached one and causally
             # among themselves. is_causal would align the mask top-left (wrong once the cache
             # holds anything), so say it explicitly; a single new token sees all: no mask.
             # A batch whose rows are at lengths of their own brings its mask (models/batch_cache.py).
-            k, v = cache(k, v)
             start = k.shape[2] - T
             if mask is None and T > 1:
                 mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
             causal = False
         dropout_p = self.attention_dropout if self.training else 0.0
-        if causal and use_matmul_attention(q, dropout_p):
-            if KV != H:  # each key/value head serves H / KV query heads
-                k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
-            y = causal_matmul_attention(q, k, v)
-        else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p, enable_gqa=KV != H
+        if causal and query_chunks is not None:
+            # Context parallelism: each of x's runs of the sequence attends to the keys up to
+            # its end, and no mask of x's positions over the whole sequence is made.
+            y = torch.cat(
+                [causal_attention(q[:, :, a:b], k[:, :, :end], v[:, :, :end], dropout_p) for a, b, end in query_chunks],
+                dim=2,
             )
+        elif causal:
+            y = causal_attention(q, k, v, dropout_p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=KV != H)
         y = self.out_proj(y.transpose(1, 2).reshape(B, T, H * D))
         if self.c_attn is not None:
             C, heads = y.shape[-1], self.num_heads  # all heads' scales: out_proj's output is whole
@@ -157,15 +194,20 @@ class DecoderLayer(nn.Module):
             x = self.ffn_layernorm(x)
         return self.fc2(x)
 
-    def forward(self, x, cache=None, rope=None, mask=None):
+    def forward(self, x, cache=None, rope=None, mask=None, query_chunks=None):
         """cache: a function of this layer's new keys and values giving all it attends to:
         `KVCache.append` in generation, the context's gather under context parallelism
-        (TransformerLM.forward's `context`, with its mask); None otherwise.
+        (TransformerLM.forward's `context`); None otherwise.
         rope: the (cos, sin) tables of x's positions (`rope_tables`), with --rope.
         mask: packed documents' B×1×T×T block-causal mask (models/documents.py), True where
         a query may attend a key; None: plain causal attention. With a cache: None, or a
-        batch's B×1×T×L mask over its cached keys (models/batch_cache.py)."""
-        attention = partial(self.attention, cache=cache, rope=rope, mask=mask)
+        batch's B×1×T×L mask over its cached keys (models/batch_cache.py); under context
+        parallelism, packed documents' B×1×T×L mask of x's positions over the sequence's.
+        query_chunks: under context parallelism, the runs of x's positions that are runs of
+        the sequence's, each (first, end) in x with the sequence's position after its last;
+        the cache gives the sequence's keys and values, and without a mask each run attends
+        causally to those before that position."""
+        attention = partial(self.attention, cache=cache, rope=rope, mask=mask, query_chunks=query_chunks)
         for norm, sublayer, scale in (
             (self.self_attn_layer_norm, attention, None),
             (self.final_layer_norm, self.feed_forward, self.w_resid),

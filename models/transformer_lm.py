@@ -275,8 +275,10 @@ class TransformerLM(nn.Module):
         row (sequence log-likelihoods, e.g. DPO's), instead of their total.
         context: under context parallelism, tokens are some positions of each sequence and
         `context` (trainer/parallel/context_parallel.py) brings their global `positions`
-        (B×T), the sequence's length `span`, the `mask` of these queries over all its keys,
-        and `keys_values(k, v)`, which gives attention the whole sequence's."""
+        (B×T), the sequence's length `span`, `query_chunks` (the runs of the tokens that are
+        runs of the sequence: DecoderLayer.forward's), with packed documents the `mask` of
+        these queries over all its keys (None otherwise: causal attention over each run's
+        keys), and `keys_values(k, v)`, which gives attention the whole sequence's."""
         counted = None if self.padding_idx is None else (tokens != self.padding_idx).reshape(-1)
         for layer in self.sparse_layers:  # what a layer LayerDrop skips routed no token
             layer.moe.routing, layer.moe.counted = None, counted
@@ -288,9 +290,9 @@ class TransformerLM(nn.Module):
             set_noise_seeds(self._noisy, noise_seed)
         # The positions and mask are made once here and read by every layer: the documents'
         # with segments, the cache's rows' with a cache (a batch's rows at lengths of their own).
-        start, positions, span, mask = 0, None, tokens.shape[1], None
+        start, positions, span, mask, query_chunks = 0, None, tokens.shape[1], None, None
         if context is not None:
-            positions, span, mask = context.positions, context.span, context.mask
+            positions, span, mask, query_chunks = context.positions, context.span, context.mask, context.query_chunks
         elif segments is not None:
             positions, mask = document_positions(segments), block_causal_mask(segments)
         elif cache is not None:
@@ -300,7 +302,7 @@ class TransformerLM(nn.Module):
         if cache is None:  # training, and generation without a cache
             keys_values = None if context is None else context.keys_values
             for i in range(len(self.layers)) if layers is None or not self.training else layers:
-                x = self.layers[i](x, cache=keys_values, rope=rope, mask=mask)
+                x = self.layers[i](x, cache=keys_values, rope=rope, mask=mask, query_chunks=query_chunks)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cache=partial(cache.append, i), rope=rope, mask=mask)

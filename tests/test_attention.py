@@ -26,18 +26,27 @@ def forward_backward(attention, q, k, v, seed=1):
 
 
 def sdpa(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # q's positions are the last of the keys' (all of them but under context parallelism)
+    T, S = q.shape[2], k.shape[2]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(T, S, dtype=torch.bool).tril(S - T))
 
 
 def relative_errors(results, reference):
     return [((r.double() - ref.double()).norm() / ref.double().norm()).item() for r, ref in zip(results, reference)]
 
 
-def test_same_as_sdpa_in_fp32():
+@pytest.mark.parametrize("queries", [40, 24])
+def test_same_as_sdpa_in_fp32(queries):
     """In fp32 the arithmetic is exact enough to compare with SDPA element by element: a
-    wrong mask, scale or softmax gradient shows at once."""
-    ours = forward_backward(causal_matmul_attention, *qkv(torch.float32))
-    theirs = forward_backward(sdpa, *qkv(torch.float32))
+    wrong mask, scale or softmax gradient shows at once. 24 queries: the last 24 of the 40
+    keys' positions (a context-parallel chunk), the mask aligned to the lower right."""
+
+    def inputs():
+        q, k, v = qkv(torch.float32)
+        return q.detach()[:, :, -queries:].clone().requires_grad_(), k, v
+
+    ours = forward_backward(causal_matmul_attention, *inputs())
+    theirs = forward_backward(sdpa, *inputs())
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 

@@ -124,10 +124,12 @@ def test_activation_bytes_are_what_autograd_saves_on_the_real_layer(variant):
     )
 
 
-@pytest.mark.parametrize("scores_bytes", [None, 4 * 128 * 128 * 2])  # default: one chunk; then 4 of 16 heads
-def test_cpu_attention_backward_holds_what_plan_counts(monkeypatch, scores_bytes):
+# default: one chunk; then 4 of 16 heads; then a context-parallel rank's last chunk (CP 2)
+@pytest.mark.parametrize("scores_bytes,cp", [(None, 1), (4 * 128 * 128 * 2, 1), (None, 2)])
+def test_cpu_attention_backward_holds_what_plan_counts(monkeypatch, scores_bytes, cp):
     """The T×T tensors alive at once in the backward of models/cpu_attention.py, tracked op
-    by op (storages counted once), against plan's count for the same layer."""
+    by op (storages counted once), against plan's count for the same layer; under context
+    parallelism the T/(2 cp) × T tensors of the chunk that sees every key."""
     import weakref
 
     import torch
@@ -140,6 +142,7 @@ def test_cpu_attention_backward_holds_what_plan_counts(monkeypatch, scores_bytes
     if scores_bytes:  # one number, read by the kernel and the planner alike
         monkeypatch.setattr(chunks, "ATTENTION_SCORES_BYTES", scores_bytes)
     B, H, T = SETUP.sequences, SHAPE.heads, SETUP.seq_len
+    queries = T // (2 * cp) if cp > 1 else T
 
     class SquareTensors(TorchDispatchMode):
         def __init__(self):
@@ -151,19 +154,19 @@ def test_cpu_attention_backward_holds_what_plan_counts(monkeypatch, scores_bytes
             self.live += [
                 weakref.ref(t)
                 for t in tree_leaves(out)
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape[-2:] == (T, T)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape[-2:] == (queries, T)
             ]
             alive = [t for t in (ref() for ref in self.live) if t is not None]
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}
             self.peak = max(self.peak, sum(storages.values()))
             return out
 
-    q, k, v = [torch.randn(B, H, T, SHAPE.dim // H).to(torch.bfloat16).requires_grad_() for _ in range(3)]
+    q, k, v = [torch.randn(B, H, n, SHAPE.dim // H).to(torch.bfloat16).requires_grad_() for n in (queries, T, T)]
     out = cpu_attention.causal_matmul_attention(q, k, v)
     grad = torch.randn_like(out)
     with SquareTensors() as tracked:
         out.backward(grad)
-    bf16 = replace(SETUP, precision="bf16")
+    bf16 = replace(SETUP, precision="bf16", cp=cp)
     assert tracked.peak == memory_plan.cpu_attention_backward_bytes(SHAPE, bf16) > 0
     assert memory_plan.cpu_attention_backward_bytes(SHAPE, replace(bf16, device="cuda")) == 0
     assert memory_plan.cpu_attention_backward_bytes(SHAPE, SETUP) == 0  # fp32: SDPA

@@ -60,12 +60,17 @@ def test_dpo_doubles_the_policys_rows():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_packed_documents_count_their_masks(precision):
-    """The bool B×T×T mask once, and each layer's additive copy that SDPA keeps for backward."""
+    """The bool B×T×T mask once, and each layer's additive copy that SDPA keeps for backward;
+    under context parallelism B×T/2×T on CP 2 (the rank's queries over every key), and
+    still none for plain causal sequences (models/layer.py causal_attention)."""
     packed = replace(SETUP, packed_documents=True, precision=precision)
     rows, T, elem = packed.rows, packed.seq_len, packed.compute_bytes
     assert most(packed, "document_mask") == rows * T * T * (1 + SHAPE.layers * elem)
     assert most(replace(packed, checkpoint_activations=True), "document_mask") == rows * T * T * (1 + elem)
     assert most(replace(SETUP, precision=precision), "document_mask") == 0
+    cp2 = dict(world=2, shard=2, backend="fully_sharded", cp=2)
+    assert most(replace(packed, **cp2), "document_mask") == rows * T // 2 * T * (1 + SHAPE.layers * elem)
+    assert most(replace(SETUP, precision=precision, **cp2), "document_mask") == 0
     # two rows a pair for the mask too
     assert most(replace(packed, dpo=True), "document_mask") == 2 * most(packed, "document_mask")
 

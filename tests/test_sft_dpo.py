@@ -288,12 +288,13 @@ def test_ranks_train_as_one_process(chat, task, backend, update_freq, tmp_path):
 
 @pytest.mark.parametrize(
     "task,parallel",
-    [("sft", "--context-parallel-size"), ("sft", "--model-parallel-size"), ("dpo", "--model-parallel-size")],
+    [(task, parallel) for task in ARGV for parallel in ("--context-parallel-size", "--model-parallel-size")],
 )
 def test_split_sequences_or_heads_train_as_one_process(chat, task, parallel, tmp_path):
-    """--context-parallel-size 2: each rank holds half of every packed row's positions (a
-    chunk from each end), its documents' masks over the whole row; --model-parallel-size 2:
-    half of every layer's heads and width, the Hugging Face weights read straight into
+    """--context-parallel-size 2: each rank holds half of every row's positions (a chunk
+    from each end), packed documents their masks over the whole row, dpo's sequence
+    log-likelihoods summed over the two ranks (policy and reference); --model-parallel-size
+    2: half of every layer's heads and width, the Hugging Face weights read straight into
     those shards (dpo's reference split as the policy is): one process's run."""
     flags = ["--ddp-backend", "fully_sharded", "--update-freq", "2", parallel, "2"]
     split = train_updates(ARGV[task](chat[0], "llama", *flags, batch_size=1), 2, tmp_path)

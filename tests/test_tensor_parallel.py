@@ -5,10 +5,13 @@ a Qwen3 (per-head norms) and fairseq's transformer_lm, stepped by Adam, Muon, Ad
 LAMB (whose statistics span the split matrices)."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from helpers import _rank_worker, multi_rank_losses, train_updates, update_losses
+from trainer.parallel.context_parallel import ContextSplit
 
 UPDATES = 3
 SMALL = "--decoder-layers 2 --decoder-embed-dim 64 --decoder-ffn-embed-dim 96 --decoder-attention-heads 4".split()
@@ -243,3 +246,17 @@ def test_context_parallel_equals_one_process(name, tmp_path):
     loss, gnorm = multi_rank_losses(argv + parallel, world, UPDATES, tmp_path)
     assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-5)
     assert gnorm == pytest.approx(ref_gnorm, rel=1e-5, abs=1e-5)
+
+
+def test_a_context_rank_masks_only_packed_documents():
+    """Plain sequences reach attention as the rank's two chunks, each seeing the keys up to its
+    end, with no mask of the rank's queries over the whole sequence (B × T²/N bytes, which a
+    long sequence cannot afford); packed documents bring theirs."""
+    env = SimpleNamespace(cp=2, cp_rank=1, cp_group=None, device=torch.device("cpu"))
+    tokens = torch.arange(20).view(2, 10)
+    batch = {"src_tokens": tokens, "target": tokens, "nsentences": 2, "segments": torch.zeros(2, 10, dtype=torch.long)}
+    plain = ContextSplit(env, per_document=False, pad=-1)(batch)["context"]
+    assert plain.mask is None
+    assert plain.query_chunks == [(0, 3, 6), (3, 5, 8)]  # positions 3-5 and 6-7 of 10
+    packed = ContextSplit(env, per_document=True, pad=-1)(batch)["context"]
+    assert packed.mask.shape == (2, 1, 5, 10)

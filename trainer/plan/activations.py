@@ -33,11 +33,14 @@ from trainer.plan.shapes import ModelShape, Setup
 def cpu_attention_backward_bytes(m, s):
     """The T×T tensors a CPU's bf16/fp16 attention holds at once in one layer's backward
     (models/cpu_attention.py): probabilities and two gradients for one chunk of heads.
-    0 where attention is SDPA's (CUDA, fp32, attention dropout)."""
+    Under context parallelism a rank's chunks of the sequence go one at a time, each over
+    the keys up to its end: the last chunk's queries × all T keys at most. 0 where attention
+    is SDPA's (CUDA, fp32, attention dropout)."""
     if not uses_cpu_matmul_attention(m, s):
         return 0
-    per_head = s.seq_len**2 * 2
-    return 3 * chunks.attention_heads_per_chunk(s.rows * m.heads, s.seq_len, 2) * per_head
+    queries = s.seq_len if s.cp == 1 else -(-s.seq_len // (2 * s.cp))
+    per_head = queries * s.seq_len * 2
+    return 3 * chunks.attention_heads_per_chunk(s.rows * m.heads, queries, 2, keys=s.seq_len) * per_head
 
 
 def norm_saved_bytes(m: ModelShape, s: Setup):
@@ -72,8 +75,11 @@ def uses_cpu_matmul_attention(m: ModelShape, s: Setup):
 def document_mask_bytes(m: ModelShape, s: Setup):
     """(the mask shared by every layer, what one layer's attention adds) with packed
     documents: the B×1×T×T bool block-causal mask is built once per forward
-    (models/documents.py), and SDPA turns it into an additive mask of q's dtype in every
-    layer, which its backward keeps (counted on the real SDPA by tests/test_plan_tasks.py)."""
+    (models/documents.py; B×1×T/cp×T, the rank's queries over every key, under context
+    parallelism), and SDPA turns it into an additive mask of q's dtype in every layer,
+    which its backward keeps (counted on the real SDPA by tests/test_plan_tasks.py).
+    Plain causal sequences have none, under context parallelism too (each chunk attends
+    to the keys before its end: models/layer.py causal_attention)."""
     if not s.packed_documents:
         return 0, 0
     square = s.rows * s.local_seq_len * s.seq_len

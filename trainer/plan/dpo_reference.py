@@ -23,7 +23,8 @@ def reference_forward(walk):
     whole forward and its layers one at a time (resharded after each; no prefetch is set,
     but a GPU's all-gather stream runs one layer ahead); each layer's temporaries come and
     go, as a checkpointed layer's do; then its per-row loss scores a chunk of fp32 logits
-    at a time."""
+    at a time. Under context parallelism each rank scores its positions of the rows (their
+    sums are all-reduced over the group: B floats)."""
     m, s, L, elem, n = walk.m, walk.s, walk.ledger, walk.elem, walk.s.tokens
     layers_gathered = min(m.layers, 2 if s.device == "cuda" else 1)
     gathered = m.root_params * elem + walk.unit * layers_gathered if s.sharded else 0
@@ -31,6 +32,7 @@ def reference_forward(walk):
     alive = gathered + n * m.dim * walk.resid + rope + walk.shared_mask  # with the residual stream
     L.add("reference_forward", alive)
     layer = max(n * elem * 2 * (m.fc1_width + m.dim), cpu_attention_backward_bytes(m, s)) + walk.layer_mask
+    layer += walk.cp_forward  # context parallelism: the sequence's keys and values, gathered
     if walk.autocast:  # its weights need no gradient, so autocast casts them anew for each matmul
         layer += elem * max(m.dim * m.fc1_width, m.dim * m.qkv_width)
     L.transient("reference_forward", layer)

@@ -32,19 +32,18 @@ def with_layout(s: Setup, tp, cp):
     return replace(s, tp=tp, cp=cp, shard=group // tp, sequences=sequences, update_freq=per_rank // sequences)
 
 
-def layouts(m: ModelShape, s: Setup, context_parallel=True):
+def layouts(m: ModelShape, s: Setup):
     """The sharded Setup s on each tensor- and context-parallel layout worth trying: on GPUs,
     tensor-parallel groups inside a node (divisors of its GPUs that divide the query and
     key/value heads and the feed-forward width), context-parallel ones of any size that
     divides the world and splits each sequence into 2 × cp chunks; fewest model-parallel
     ranks first, then fewest bytes received per rank (comm.comm_bytes: tensor parallelism
-    divides FSDP's traffic, context parallelism's own is smaller). Elsewhere s alone.
-    context_parallel False: no cp > 1 (dpo, whose whole-sequence scores train runs unsplit)."""
+    divides FSDP's traffic, context parallelism's own is smaller). Elsewhere s alone."""
     if s.device != "cuda" or not s.sharded or s.world == 1 or not s.model_parallel_ok:
         return [s]
     node = min(s.ranks_per_host, s.world)
     tps = [t for t in divisors(node) if m.heads % t == 0 and splits_key_value_heads(m.kv, m.hd, t) and m.ffn % t == 0]
-    cps = divisors(s.world) if context_parallel else [1]
+    cps = divisors(s.world)
     out = [with_layout(s, t, c) for t in tps for c in cps if s.world % (t * c) == 0]
     out = [o for o in out if o is not None]
     if not any(o.tp == s.tp and o.cp == s.cp for o in out):

@@ -25,18 +25,16 @@ LABELS = {
 }
 
 
-def make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab=None, model_name=None, context_parallel=True):
+def make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab=None, model_name=None):
     """host_gb None: the host's memory is unknown; plans are not judged by it. vocab:
     (size, where it comes from) when not the data's (`train`'s own), as `plan` finds it
-    without DATA (search.published_vocab, search.apply_hf_config). context_parallel False:
-    the search leaves --context-parallel-size as given (dpo's runs unsplit)."""
+    without DATA (search.published_vocab, search.apply_hf_config)."""
     size, source = vocab or (vocab_size(cfg), None)
-    context_parallel = context_parallel and cfg.task._name != "dpo"
     refuse_experts(cfg, "plan (and --auto-tune)")
     m = model_shape(cfg, size)
     given = setup_of(cfg, device, ranks_per_host)
     p = predict(m, given)
-    tried, choice = choose(m, given, device_gb, host_gb, context_parallel)
+    tried, choice = choose(m, given, device_gb, host_gb)
     return dict(
         model=m,
         given=given,

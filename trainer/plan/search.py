@@ -256,7 +256,7 @@ def with_flags(s: Setup, **flags):
     return replace(s, checkpoint_activations=True) if implies_activation_checkpointing(s) else s
 
 
-def flag_sets(s: Setup, m: ModelShape = None, context_parallel=True):
+def flag_sets(s: Setup, m: ModelShape = None):
     """(label, Setup) for every backend/flag combination worth trying, fastest first. With
     the model `m`, on GPUs, the sharded flag sets are tried on each layout in turn
     (layouts(): fewest model-parallel ranks first), a larger tensor- or context-parallel
@@ -288,7 +288,7 @@ def flag_sets(s: Setup, m: ModelShape = None, context_parallel=True):
                 ("+ both offloads", dict(on, offload_activations=True, cpu_offload=True)),
             ]
         )
-    layout_list = layouts(m, fsdp, context_parallel) if m is not None else [fsdp]
+    layout_list = layouts(m, fsdp) if m is not None else [fsdp]
     for group in groups:
         for layout in layout_list:
             sets += [(label + layout_label(layout), with_flags(layout, **flags)) for label, flags in group]
@@ -344,10 +344,10 @@ def flags_of(s: Setup, given: Setup):
     return " ".join(out)
 
 
-def choose(m: ModelShape, given: Setup, device_gb, host_gb, context_parallel=True):
+def choose(m: ModelShape, given: Setup, device_gb, host_gb):
     """Every candidate tried (label, Setup, Prediction, fits), and the first that fits (or None)."""
     tried, choice = [], None
-    for label, s in flag_sets(given, m, context_parallel):
+    for label, s in flag_sets(given, m):
         if choice and (s.tp, s.cp) != (choice[1].tp, choice[1].cp):
             continue  # a larger layout than the one chosen is never faster; its offloads neither
         for sb in micro_batches(s):

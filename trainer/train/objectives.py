@@ -117,9 +117,12 @@ class DPOLoss:
     def __call__(self, model, batch, device, **kwargs):
         tokens = batch["src_tokens"].to(device, non_blocking=True)
         target = batch["target"].to(device, non_blocking=True)
+        context = batch.get("context")  # context parallelism: this rank's positions of each row
         with torch.no_grad():
-            reference_nll = self.reference(tokens, target=target, per_row=True)
-        policy_nll = model(tokens, target=target, per_row=True, **kwargs)
+            reference_nll = self.reference(tokens, target=target, per_row=True, context=context)
+        policy_nll = model(tokens, target=target, per_row=True, context=context, **kwargs)
+        if context is not None:  # the rows' whole sums, from every rank's positions of them
+            reference_nll, policy_nll = context.sum_rows(reference_nll), context.sum_rows(policy_nll)
         # log-probabilities are minus the summed cross-entropies
         log_ratio = (reference_nll - policy_nll).float()
         pairs = log_ratio.shape[0] // 2
@@ -128,9 +131,13 @@ class DPOLoss:
         losses = -(1 - self.smoothing) * F.logsigmoid(margin) - self.smoothing * F.logsigmoid(-margin)
         chosen, rejected = chosen.detach(), rejected.detach()
         sums = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).float().sum()])
+        loss = losses.sum()
+        if context is not None:  # every rank of the group has the pairs' losses: count them once
+            loss, sums = context.count_once(loss), context.count_once(sums)
+            pairs = pairs if context.first else 0
         if self.balance is None:
-            return losses.sum(), sums
-        loss, balance = self.balance(getattr(model, "module", model), losses.sum(), pairs)
+            return loss, sums
+        loss, balance = self.balance(getattr(model, "module", model), loss, pairs)
         return loss, torch.cat([sums.double(), balance])
 
 

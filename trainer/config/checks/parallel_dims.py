@@ -50,8 +50,6 @@ def check_context_parallel(cfg):
     if n == 1:
         return
     flag = f"--context-parallel-size {n}"
-    if cfg.task._name == "dpo":
-        raise UsageError(f"{flag}: dpo scores whole sequences on one rank; train dpo with --context-parallel-size 1")
     world, tp = cfg.distributed_training.distributed_world_size, cfg.common.model_parallel_size
     if world > 1 and world % (n * tp):
         raise UsageError(f"{flag} × --model-parallel-size {tp} must divide --distributed-world-size {world}")
