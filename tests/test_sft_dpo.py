@@ -261,11 +261,11 @@ ARGV = {"sft": sft_argv, "dpo": dpo_argv}
 _one_process = {}
 
 
-def one_process(chat, task, update_freq, tmp_path):
+def one_process(chat, task, update_freq, tmp_path, model="llama"):
     """{update: (loss, gnorm)} of one process, one sample (pair) per micro-batch."""
-    key = (task, update_freq)
+    key = (task, update_freq, model)
     if key not in _one_process:
-        argv = ARGV[task](chat[0], "llama", "--update-freq", str(update_freq), batch_size=1)
+        argv = ARGV[task](chat[0], model, "--update-freq", str(update_freq), batch_size=1)
         _one_process[key] = train_updates(argv, 1, tmp_path)
     return _one_process[key]
 
@@ -286,19 +286,24 @@ def test_ranks_train_as_one_process(chat, task, backend, update_freq, tmp_path):
         assert sharded[n] == pytest.approx(expected[n], rel=1e-5)
 
 
-@pytest.mark.parametrize(
-    "task,parallel",
-    [(task, parallel) for task in ARGV for parallel in ("--context-parallel-size", "--model-parallel-size")],
-)
+SPLITS = ("--context-parallel-size", "--model-parallel-size", "--expert-parallel-size")
+
+
+@pytest.mark.parametrize("task,parallel", [(task, parallel) for task in ARGV for parallel in SPLITS])
 def test_split_sequences_or_heads_train_as_one_process(chat, task, parallel, tmp_path):
     """--context-parallel-size 2: each rank holds half of every row's positions (a chunk
     from each end), packed documents their masks over the whole row, dpo's sequence
     log-likelihoods summed over the two ranks (policy and reference); --model-parallel-size
     2: half of every layer's heads and width, the Hugging Face weights read straight into
-    those shards (dpo's reference split as the policy is): one process's run."""
+    those shards (dpo's reference split as the policy is); --expert-parallel-size 2 (a
+    Qwen3-MoE): half of every layer's experts, the ranks' own samples (dpo's reference's
+    experts split too): one process's run."""
+    experts = parallel == "--expert-parallel-size"
+    model = "qwen3_moe" if experts else "llama"
     flags = ["--ddp-backend", "fully_sharded", "--update-freq", "2", parallel, "2"]
-    split = train_updates(ARGV[task](chat[0], "llama", *flags, batch_size=1), 2, tmp_path)
-    expected = one_process(chat, task, 2, tmp_path)
+    split = train_updates(ARGV[task](chat[0], model, *flags, batch_size=1), 2, tmp_path)
+    # the ranks of a tensor or context group read the same samples, an expert group's their own
+    expected = one_process(chat, task, 4 if experts else 2, tmp_path, model)
     assert sorted(split) == sorted(expected) == [1, 2]
     for n in expected:
         assert split[n] == pytest.approx(expected[n], rel=1e-5)
