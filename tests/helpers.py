@@ -226,6 +226,22 @@ def train_updates(argv, world, tmp_path):
     }
 
 
+def assert_resumes_on_the_curve(saved, argv, world, tmp_path, first, whole):
+    """`train ARGV` on `world` ranks resumed from a copy of checkpoint dir `saved` (after its
+    updates `first`, {1..4: (loss, gnorm)}) through update 8: the curve `whole` of a run never
+    stopped, no update run twice."""
+    import shutil
+
+    import pytest
+
+    shutil.copytree(saved, tmp_path / "ckpt")
+    second = train_updates(argv + ["--max-update", "8", "--save-dir", str(tmp_path / "ckpt")], world, tmp_path)
+    assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [5, 6, 7, 8], "an update ran twice"
+    for n, (loss, gnorm) in {**first, **second}.items():
+        assert loss == pytest.approx(whole[n][0], rel=1e-5), f"update {n}"
+        assert gnorm == pytest.approx(whole[n][1], rel=1e-4), f"update {n}"
+
+
 def train_update_stats(argv, world, tmp_path):
     """{num_updates: every sum of the update (trainer.meters.STATUS and the task's extras)}
     of a `train` run on `world` real processes (gloo)."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import multi_rank_losses, update_losses
+from helpers import assert_resumes_on_the_curve, multi_rank_losses, update_losses
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -230,18 +230,9 @@ def test_an_expert_parallel_checkpoint_resumes_on_any_layout(layout, saved_on_ep
     """Saved at EP 2, resumed at one process (EP 1) and at EP 4: the curve of a run never
     stopped (the checkpoint holds every expert's rows in order, the routers' balancing
     biases, and the data position)."""
-    import shutil
-
-    from helpers import train_updates
-
     first, whole, saved = saved_on_ep2
-    shutil.copytree(saved, tmp_path / "ckpt")
     world, flags = RESUMED_ON[layout]
-    second = train_updates(SAVED + flags + ["--max-update", "8", "--save-dir", str(tmp_path / "ckpt")], world, tmp_path)
-    assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [5, 6, 7, 8], "an update ran twice"
-    for n, (loss, gnorm) in {**first, **second}.items():
-        assert loss == pytest.approx(whole[n][0], rel=1e-5), f"update {n}"
-        assert gnorm == pytest.approx(whole[n][1], rel=1e-4), f"update {n}"
+    assert_resumes_on_the_curve(saved, SAVED + flags, world, tmp_path, first, whole)
 
 
 def test_serve_answers_the_openai_client_with_the_mixture(tmp_path, capsys):
