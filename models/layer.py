@@ -47,7 +47,7 @@ def causal_attention(q, k, v, dropout_p):
         # one fp32 but not grouped heads: fp32 gets whole heads rather than the math kernel.
         k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
     gqa = k.shape[1] != H
-    if q.device.type == "cuda" and fused_attention_fits(q, k, v, dropout_p, gqa):
+    if fused_attention_fits(q, k, v, dropout_p, gqa):
         # CausalBias: SDPA runs the lower-right mask in that kernel without building it.
         mask = causal_lower_right(T, S)
     else:  # built T×S, once for the batch and heads (CausalBias would build it so here too)
@@ -57,6 +57,8 @@ def causal_attention(q, k, v, dropout_p):
 
 def fused_attention_fits(q, k, v, dropout_p, gqa):
     """Whether CUDA's flash or memory-efficient kernel takes this attention (unmasked)."""
+    if q.device.type != "cuda":
+        return False
     params = SDPAParams(q, k, v, None, dropout_p, False, gqa)
     return can_use_flash_attention(params) or can_use_efficient_attention(params)
 

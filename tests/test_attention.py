@@ -113,3 +113,21 @@ def test_decoder_layer_uses_it_for_low_precision_on_cpu(dtype, attention_dropout
     assert ("CausalMatmulAttentionBackward" in _graph_names(y)) == expected
     y.float().sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_the_fused_kernels_lower_right_bias_is_the_built_mask(kv_heads, monkeypatch):
+    """Context parallelism's chunks (fewer queries than keys, the queries last) attend through
+    CausalBias where CUDA's fused kernels take them: that branch, run here (SDPA builds the
+    bias's mask on a CPU), gives what the mask built on a CPU gives."""
+    from models import layer
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, generator=g)
+    k, v = torch.randn(2, kv_heads, 10, 8, generator=g), torch.randn(2, kv_heads, 10, 8, generator=g)
+    built = layer.causal_attention(q, k, v, 0.0)
+    monkeypatch.setattr(layer, "fused_attention_fits", lambda *args: True)
+    assert torch.allclose(layer.causal_attention(q, k, v, 0.0), built, atol=1e-6)
+    upper_left = torch.ones(6, 10, dtype=torch.bool).tril_()  # the wrong alignment differs
+    wrong = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=upper_left, enable_gqa=kv_heads != 4)
+    assert not torch.allclose(wrong, built, atol=1e-3)
