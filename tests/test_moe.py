@@ -292,3 +292,21 @@ def test_balancing_biases_are_refused_by_the_hugging_face_export():
     assert llama_incompatibility(cfg.model) is None and hf_model_type(cfg.model) == "qwen3_moe"
     cfg = compose(RUN + MOE + ["--batch-size", "2", "--moe-router-bias-update-rate", "0.01"])
     assert "balancing biases" in llama_incompatibility(cfg.model)
+
+
+def test_the_grouped_matmul_branch_is_the_per_expert_one(monkeypatch):
+    """CUDA's one grouped matmul over the experts (torch._grouped_mm, bf16), taken here on a
+    CPU (forward: torch has its kernel there too): each expert's run of rows, an empty one
+    among them, gives what one matmul per expert gives."""
+    from models import moe
+
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([5, 0, 7, 4])
+    x = torch.randn(16, 32, generator=g).bfloat16()
+    fc1, fc2 = torch.randn(4 * 2 * 8, 32, generator=g).bfloat16(), torch.randn(4 * 32, 8, generator=g).bfloat16()
+    act = torch.nn.functional.silu
+    with torch.no_grad():
+        looped = moe.expert_ffn(x, fc1, fc2, counts, act)
+        monkeypatch.setattr(moe, "grouped_mm_runs", lambda x, w: True)
+        grouped = moe.expert_ffn(x, fc1, fc2, counts, act)
+    assert torch.allclose(grouped.float(), looped.float(), rtol=2e-2, atol=2e-2)
