@@ -150,7 +150,8 @@ FSDP = ["--ddp-backend", "fully_sharded"]
 EXPERT_PARALLEL = {
     # with auxiliary-loss-free balancing: the biases moved by every rank's counts alike
     "ep2": (2, FSDP, ["--update-freq", "2", "--moe-router-bias-update-rate", "0.05"]),
-    "ep2_fsdp2": (4, FSDP, ["--checkpoint-activations"]),
+    # Muon: each expert's gate, up and down matrices orthogonalised whole by one owner
+    "ep2_fsdp2_muon": (4, FSDP, ["--checkpoint-activations", "--optimizer", "muon", "--lr", "0.01"]),
     # Adafactor's row and column statistics of each expert, summed over the expert groups
     "ep2_hsdp2_adafactor": (
         4,

@@ -92,25 +92,37 @@ def test_sharded_step_is_the_whole_step(tmp_path):
         assert torch.equal(sharded[name], w), name
 
 
-def test_step_is_torch_muon_on_the_hugging_face_matrices():
-    """Muon's step of a model split as Hugging Face's Llama is (q_proj, k_proj, v_proj,
-    o_proj, gate_proj, up_proj, down_proj, each a parameter) under torch.optim.Muon, on the
-    same gradients, 3 steps (momentum, Nesterov, decoupled weight decay, the lr per shape):
-    the same weights. Both run the same bf16 Newton-Schulz on the same matrices, so they
-    agree to float32's rounding of the final add; orthogonalising qkv_proj or fc1 as one
-    matrix moves each weight by about lr (0.01)."""
+# a mixture of 4 experts of width 16: its router and each expert's gate, up and down
+EXPERTS = ["--moe-expert-count", "4", "--moe-top-k", "2", "--moe-ffn-embed-dim", "16"]
+
+
+@pytest.mark.parametrize("experts", [[], EXPERTS], ids=["dense", "mixture"])
+def test_step_is_torch_muon_on_the_hugging_face_matrices(experts):
+    """Muon's step of a model split as Hugging Face's Llama (or Qwen3-MoE) is (q_proj,
+    k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, each a parameter; a mixture's
+    router and each expert's three) under torch.optim.Muon, on the same gradients, 3 steps
+    (momentum, Nesterov, decoupled weight decay, the lr per shape): the same weights. Both
+    run the same bf16 Newton-Schulz on the same matrices, so they agree to float32's rounding
+    of the final add; orthogonalising qkv_proj, fc1 or the stacked experts as one matrix
+    moves each weight by about lr (0.01)."""
     from models.transformer_lm import build_model
     from trainer.train.muon import build_muon
 
-    cfg = compose(BASE + ["--batch-size", "2", "--muon-adjust-lr-fn", "match_rms_adamw"])
+    cfg = compose(BASE + experts + ["--batch-size", "2", "--muon-adjust-lr-fn", "match_rms_adamw"])
     model = build_model(cfg.model, 256, 32, seed=1)
     layer = model.layers[0]
     H, KV, D, ffn = layer.num_heads, layer.num_kv_heads, layer.head_dim, cfg.model.decoder_ffn_embed_dim
 
-    def hf_matrices(layer):
-        q, k, v = layer.qkv_proj.weight.split((H * D, KV * D, KV * D))
-        gate, up = layer.fc1.weight.split((ffn, ffn))
-        return [q, k, v, layer.out_proj.weight, gate, up, layer.fc2.weight]
+    def hf_matrices(layer, grad=False):
+        weight = (lambda p: p.grad) if grad else (lambda p: p)
+        q, k, v = weight(layer.qkv_proj.weight).split((H * D, KV * D, KV * D))
+        attention = [q, k, v, weight(layer.out_proj.weight)]
+        if layer.moe is None:
+            gate, up = weight(layer.fc1.weight).split((ffn, ffn))
+            return attention + [gate, up, weight(layer.fc2.weight)]
+        experts = layer.moe.experts
+        fc1, fc2 = weight(experts.fc1).chunk(experts.num_experts), weight(experts.fc2).chunk(experts.num_experts)
+        return attention + [weight(layer.moe.router.weight)] + [m for e in range(4) for m in (*fc1[e].chunk(2), fc2[e])]
 
     hf = [torch.nn.Parameter(w.detach().clone()) for lyr in model.layers for w in hf_matrices(lyr)]
     reference = torch.optim.Muon(hf, lr=0.01, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
@@ -119,19 +131,14 @@ def test_step_is_torch_muon_on_the_hugging_face_matrices():
         torch.manual_seed(step)
         for p in model.parameters():
             p.grad = torch.randn_like(p)
-        for p, g in zip(hf, (g for lyr in model.layers for g in hf_matrices_grads(lyr, H, KV, D, ffn))):
+        for p, g in zip(hf, (g for lyr in model.layers for g in hf_matrices(lyr, grad=True))):
             p.grad = g.clone()
         optimizer.step()
         reference.step()
     ours = [w for lyr in model.layers for w in hf_matrices(lyr)]
+    assert len(ours) == len(hf) == len(model.layers) * (17 if experts else 7)
     for mine, theirs in zip(ours, hf):
         assert torch.allclose(mine, theirs, rtol=0, atol=1e-6)
-
-
-def hf_matrices_grads(layer, H, KV, D, ffn):
-    q, k, v = layer.qkv_proj.weight.grad.split((H * D, KV * D, KV * D))
-    gate, up = layer.fc1.weight.grad.split((ffn, ffn))
-    return [q, k, v, layer.out_proj.weight.grad, gate, up, layer.fc2.weight.grad]
 
 
 _one_process = {}

@@ -23,6 +23,7 @@ every rank holds every matrix whole and computes them all, with no communication
 
 import logging
 import math
+from dataclasses import replace
 
 import torch
 
@@ -74,13 +75,43 @@ def muon_matrices(model):
     return params, matrices
 
 
+class MatrixPart:
+    """The matrices of the Muon parameters that lie on one mesh (`indices` of them in the
+    optimizer's), each Matrix's param an index into the part's own; their row layout
+    (RowLayout, or None: FSDP2's rows) and the exchange that brings them to their owners."""
+
+    def __init__(self, indices, params, matrices, layout):
+        self.indices, self.layout = indices, layout
+        where = {i: j for j, i in enumerate(indices)}
+        self.matrices = [replace(m, param=where[m.param]) for m in matrices if m.param in where]
+        own = [params[i] for i in indices]
+        self.exchange = MatrixExchange(own, self.matrices, None if layout is None else layout.shards)
+
+
+def matrix_parts(model, params, matrices):
+    """Muon's MatrixParts: one for every matrix, or under expert parallelism one for the
+    experts' (on their own mesh: trainer/parallel/experts.py) and one for the rest. A part on
+    a mesh of several split dimensions (tensor parallelism's, the experts') is laid out by
+    rows first (trainer/parallel/tp_matrices.py)."""
+    meshes = list(dict.fromkeys(getattr(p, "device_mesh", None) for p in params))
+    parts = []
+    for mesh in meshes:
+        indices = [i for i, p in enumerate(params) if getattr(p, "device_mesh", None) == mesh]
+        own = [params[i] for i in indices]
+        layout = None
+        if is_tensor_parallel(own):
+            layout = RowLayout(own)
+            matrices = tensor_parallel_matrices(model, params, matrices)
+        elif mesh is not None and "ep" in (mesh.mesh_dim_names or ()):
+            layout = RowLayout(own)
+        parts.append(MatrixPart(indices, params, matrices, layout))
+    return parts
+
+
 def build_muon(model, cfg):
     optimizer_cfg = cfg.optimizer
     params, matrices = muon_matrices(model)
-    layout = None
-    if is_tensor_parallel(params):  # each matrix laid out by rows first (trainer/parallel/tp_matrices.py)
-        layout = RowLayout(params)
-        matrices = tensor_parallel_matrices(model, params, matrices)
+    parts = matrix_parts(model, params, matrices)
     ids = {id(p) for p in params}
     adam_groups = []
     for group in param_groups(model, optimizer_cfg.weight_decay):
@@ -101,7 +132,7 @@ def build_muon(model, cfg):
         ns_steps=optimizer_cfg.muon_ns_steps,
         eps=optimizer_cfg.muon_eps,
         adjust_lr_fn=optimizer_cfg.muon_adjust_lr_fn,
-        layout=layout,
+        parts=parts,
     )
 
 
@@ -111,15 +142,15 @@ class Muon(ShardLocalAdamW):
     every rank steps or none does: it leaves found_inf to the host (GradScaler's check,
     trainer/train/deferred_read.py's read_before_step), which every rank reads alike."""
 
-    def __init__(self, params, matrices, adam_groups, lr, weight_decay, betas, adam_eps, layout=None, **muon):
-        """layout: under tensor parallelism, the RowLayout the matrices are exchanged in."""
+    def __init__(self, params, matrices, adam_groups, lr, weight_decay, betas, adam_eps, parts=None, **muon):
+        """parts: the MatrixParts the matrices are exchanged in (matrix_parts); default one,
+        FSDP2's rows."""
         groups = [{"params": params, "weight_decay": weight_decay, "muon": True}] + adam_groups
         super().__init__(groups, lr=lr, betas=betas, eps=adam_eps, fused=True)
         self._step_supports_amp_scaling = False  # fused AdamW's: not this step's
         self.muon = muon
         self.matrices = matrices
-        self.layout = layout
-        self.exchange = MatrixExchange(params, matrices, None if layout is None else layout.shards)
+        self.parts = parts or [MatrixPart(list(range(len(params))), params, matrices, None)]
 
     def __setstate__(self, state):
         """Adam's (load_state_dict calls it) reads the "step" of every state: the matrices'
@@ -131,10 +162,9 @@ class Muon(ShardLocalAdamW):
     def describe(self):
         """The split, a line for the log."""
         muon, adam = self.param_groups[0]["params"], [p for g in self.param_groups[1:] for p in g["params"]]
+        ranks = max(part.exchange.ranks for part in self.parts)
         where = (
-            f", each orthogonalised whole by one owner among the {self.exchange.ranks} ranks of a shard group"
-            if self.exchange.ranks > 1
-            else ""
+            f", each orthogonalised whole by one owner among the {ranks} ranks of a shard group" if ranks > 1 else ""
         )
         return (
             f"--optimizer muon: {len(self.matrices)} matrices in {len(muon)} weights "
@@ -152,19 +182,23 @@ class Muon(ShardLocalAdamW):
                 loss = closure()
         group = self.param_groups[0]
         updates = self.momentum_updates(group)
-        if self.layout is not None:
-            updates = [self.layout.to_rows(p, u) for p, u in zip(group["params"], updates)]
-        whole = self.exchange.gather(updates)
+        wholes = []
+        for part in self.parts:
+            ups = [updates[i] for i in part.indices]
+            if part.layout is not None:
+                ups = [part.layout.to_rows(group["params"][i], u) for i, u in zip(part.indices, ups)]
+            wholes.append(part.exchange.gather(ups))
         for adam_group in self.param_groups[1:]:
             lists = [], [], [], [], [], []
             has_complex = self._init_group(adam_group, *lists)
             self._step_group(adam_group, has_complex, lists, range(len(lists[0])))
         options = self.muon
-        orthogonal = {
-            m: newton_schulz(u, options["ns_coefficients"], options["ns_steps"], options["eps"])
-            for m, u in whole.items()
-        }
-        self.apply_updates(group, self.exchange.scatter(orthogonal))
+        for part, whole in zip(self.parts, wholes):
+            orthogonal = {
+                m: newton_schulz(u, options["ns_coefficients"], options["ns_steps"], options["eps"])
+                for m, u in whole.items()
+            }
+            self.apply_updates(group, part, part.exchange.scatter(orthogonal))
         if then is not None:
             then()
         return loss
@@ -188,28 +222,29 @@ class Muon(ShardLocalAdamW):
             updates.append((grad.lerp(buf, momentum) if nesterov else buf).bfloat16())
         return updates
 
-    def apply_updates(self, group, pieces):
+    def apply_updates(self, group, part, pieces):
         """torch's Muon: decoupled weight decay by the group's lr, then the orthogonalised
-        update by the lr adjusted to its matrix's shape."""
+        update by the lr adjusted to its matrix's shape; on the parameters of `part`."""
         lr, weight_decay = group["lr"], group["weight_decay"]
-        params = group["params"]
+        params = [group["params"][i] for i in part.indices]
         locals_ = local_shards(params)
         if weight_decay != 0:
             for p, local in zip(params, locals_):
                 if p.grad is not None:
                     local.mul_(1 - lr * weight_decay)
-        if self.layout is not None:  # each parameter's rows of the steps, laid back as it is split
-            steps = [self.layout.zeros(p, local.dtype) for p, local in zip(params, locals_)]
+        layout = part.layout
+        if layout is not None:  # each parameter's rows of the steps, laid back as it is split
+            steps = [layout.zeros(p, local.dtype) for p, local in zip(params, locals_)]
             for m, first, rows, update in pieces:
-                matrix = self.matrices[m]
+                matrix = part.matrices[m]
                 step = adjusted_lr(lr, self.muon["adjust_lr_fn"], matrix.rows, matrix.cols)
                 steps[matrix.param][first : first + rows] = update.to(steps[matrix.param].device).float() * step
             for p, local, rows in zip(params, locals_, steps):
                 if p.grad is not None:
-                    local.sub_(self.layout.from_rows(p, rows))
+                    local.sub_(layout.from_rows(p, rows))
             return
         for m, first, rows, update in pieces:
-            matrix = self.matrices[m]
+            matrix = part.matrices[m]
             if rows and params[matrix.param].grad is not None:
                 step = adjusted_lr(lr, self.muon["adjust_lr_fn"], matrix.rows, matrix.cols)
                 locals_[matrix.param][first : first + rows].add_(update.to(locals_[matrix.param].device), alpha=-step)

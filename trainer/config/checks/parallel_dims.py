@@ -31,11 +31,6 @@ def check_expert_parallel(cfg):
         raise UsageError(f"{flag} must divide --moe-expert-count {model.moe_expert_count}: each rank holds as many")
     if cfg.common.model_parallel_size > 1 or cfg.common.context_parallel_size > 1:
         raise UsageError(f"{flag} with tensor or context parallelism is not built yet; set those to 1")
-    if cfg.optimizer._name == "muon":
-        raise UsageError(
-            f"{flag}: --optimizer muon's owners do not gather whole expert matrices from the expert groups yet; "
-            "use adam (or another optimizer)"
-        )
     distributed = cfg.distributed_training
     world = distributed.distributed_world_size
     if world > 1 and world % n:
