@@ -3,7 +3,7 @@
 import json
 
 from trainer.plan.ledger import COMPONENTS, predict
-from trainer.plan.search import choose, fits, flags_of, model_shape, refuse_experts, setup_of, vocab_size
+from trainer.plan.search import choose, fits, flags_of, model_shape, setup_of, vocab_size
 
 LABELS = {
     "runtime": "runtime (interpreter, libraries, communication)",
@@ -32,7 +32,6 @@ def make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab=None, model
     the search leaves --context-parallel-size as given (dpo's runs unsplit)."""
     size, source = vocab or (vocab_size(cfg), None)
     context_parallel = context_parallel and cfg.task._name != "dpo"
-    refuse_experts(cfg, "plan (and --auto-tune)")
     m = model_shape(cfg, size)
     given = setup_of(cfg, device, ranks_per_host)
     p = predict(m, given)
@@ -78,6 +77,20 @@ def as_json(plan):
     )
 
 
+def expert_note(m, s):
+    """A mixture of experts: what the prediction assumes of routing, and the worst case."""
+    note = (
+        f"experts: {len(m.sparse_layers)} sparse layers x {m.experts} experts of {m.expert_ffn}, top-{m.top_k}; "
+        f"predicted at balanced routing ({s.tokens * m.top_k:,} expert rows a rank per layer and micro-batch)"
+    )
+    if s.ep == 1:
+        return note
+    return (
+        note + f"; at worst every token of the EP group goes to one rank's experts: "
+        f"{s.ep * s.tokens * m.top_k:,} rows ({s.ep}x those buffers)"
+    )
+
+
 def as_text(cfg, plan):
     m, s, p = plan["model"], plan["given"], plan["prediction"]
     flags = [s.backend] + [
@@ -89,6 +102,7 @@ def as_text(cfg, plan):
             ("cpu-offload", s.cpu_offload),
             (f"tensor parallel {s.tp}", s.tp > 1),
             (f"context parallel {s.cp}", s.cp > 1),
+            (f"expert parallel {s.ep}", s.ep > 1),
         )
         if on
     ]
@@ -120,7 +134,10 @@ def as_text(cfg, plan):
         + (f", all-to-all {comm['all_to_all']:.3f} GB" if comm["all_to_all"] else "")
         + (f"; inside tensor-parallel groups {comm['tensor_parallel']:.3f} GB" if comm["tensor_parallel"] else "")
         + (f"; inside context-parallel groups {comm['context_parallel']:.3f} GB" if comm["context_parallel"] else "")
+        + (f"; inside expert-parallel groups {comm['expert_parallel']:.3f} GB" if comm["expert_parallel"] else "")
     )
+    if m.sparse_layers:
+        lines.append(expert_note(m, s))
     lines += ["", "flag sets, fastest first (per-rank GB, host GB):"]
     for label, t, q, ok in plan["tried"]:
         extra = flags_of(t, s) or "(as given)"
