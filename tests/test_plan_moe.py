@@ -11,7 +11,11 @@ import pytest
 from plan_helpers import SETUP, cfg_of, measured_peak_gb, plan_json
 from test_plan_models import LLAMA_LAYER
 
+import cli
 from trainer.plan.activations import layer_activation_bytes, rope_table_bytes
+from trainer.plan.comm import comm_bytes
+from trainer.plan.layouts import layouts
+from trainer.plan.ledger import predict
 from trainer.plan.search import model_shape
 
 # The Llama layer at test size with 4 experts of width 128, 2 a token; --moe-freq 2 leaves
@@ -105,9 +109,6 @@ def test_expert_parallel_exchanges_and_expert_units_are_counted():
     forward runs twice) and 2 in backward, each the N·k×d rows' share leaving the rank; the
     experts' units gathered and reduced over shard / ep ranks, E/ep experts each, so FSDP's
     traffic falls and a rank's parameters stay 1/shard of the model."""
-    from trainer.plan.comm import comm_bytes
-    from trainer.plan.ledger import predict
-
     shape = shape_of("--decoder-layers", "2")
     fsdp4 = replace(SETUP, update_freq=2)
     ep2 = replace(fsdp4, ep=2)
@@ -122,3 +123,26 @@ def test_expert_parallel_exchanges_and_expert_units_are_counted():
     saved = comm_bytes(shape, fsdp4)["all_gather"] - comm_bytes(shape, ep2)["all_gather"]
     assert saved == pytest.approx(gathers * (3 / 4 - 1 / 4))
     assert predict(shape, ep2).components["parameters"] == predict(shape, fsdp4).components["parameters"]
+
+
+def test_the_search_tries_expert_parallel_degrees_on_gpus(capsys):
+    """On GPUs a mixture of experts' layouts are EP degrees that divide a node's GPUs, the
+    experts and the shard group (no TP or CP), fewest bytes received first; the choice is
+    written as --expert-parallel-size, and the report states the routing it assumes and the
+    worst case. With an optimizer EP refuses, the degree stays as given."""
+    shape = shape_of("--decoder-layers", "2")
+    gpus = replace(SETUP, device="cuda", world=16, ranks_per_host=8, shard=16, precision="bf16")
+    got = layouts(shape, gpus)
+    assert sorted(o.ep for o in got) == [1, 2, 4]  # 4 experts: 8 does not divide them
+    assert all(o.tp == o.cp == 1 for o in got)
+    assert [o.ep for o in layouts(shape, replace(gpus, optimizer="adafactor"))] == [1]
+    assert [o.ep for o in layouts(shape, replace(gpus, device="cpu"))] == [1]
+    # docs/planning.md's question: qwen3_moe_30b_a3b on 8 × 80 GB
+    argv = ["--arch", "qwen3_moe_30b_a3b", "--bf16", "--ddp-backend", "fully_sharded", "--distributed-world-size", "8"]
+    argv += ["--tokens-per-sample", "4096", "--batch-size", "1", "--device-memory-gb", "80"]
+    plan = plan_json(capsys, *argv)
+    assert plan["recommended"] == "--expert-parallel-size 8 --checkpoint-activations"
+    assert not plan["fits"] and plan["recommended_per_rank_gb"] < 80
+    assert cli.plan_main(argv + ["--expert-parallel-size", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "predicted at balanced routing" in text and "at worst every token of the EP group" in text
