@@ -246,7 +246,8 @@ class UpdateWalk:
             L.transient("activations", self.cp_forward + self.tp_buffer)
             sparse = m.is_sparse(i)
             if s.checkpoint_activations:
-                # computed, not saved
+                # computed, not saved: the feed-forward's hidden states; a sparse layer's dispatch
+                # holds about what it would save
                 L.transient("activations", self.act_of(i) if sparse else n * elem * 2 * (m.fc1_width + m.dim))
                 L.transient("document_mask", self.layer_mask)
                 if self.offload_acts:
