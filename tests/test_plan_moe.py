@@ -12,6 +12,7 @@ from plan_helpers import SETUP, cfg_of, measured_peak_gb, plan_json
 from test_plan_models import LLAMA_LAYER
 
 import cli
+from trainer.dryrun.command import planned_bytes
 from trainer.plan.activations import layer_activation_bytes, rope_table_bytes
 from trainer.plan.comm import comm_bytes
 from trainer.plan.layouts import layouts
@@ -146,3 +147,15 @@ def test_the_search_tries_expert_parallel_degrees_on_gpus(capsys):
     assert cli.plan_main(argv + ["--expert-parallel-size", "4"]) == 0
     text = capsys.readouterr().out
     assert "predicted at balanced routing" in text and "at worst every token of the EP group" in text
+
+
+def test_the_dry_run_prints_plans_prediction_for_a_mixture_of_experts():
+    """The dry run's last line (trainer/dryrun/command.py planned_bytes): plan's ledger for
+    the mixture on GPUs, EP 4 of 8 ranks, no longer a refusal; EP changes it (fewer experts
+    gathered, the exchanges' buffers: at this size the buffers weigh more)."""
+
+    argv = ["--task", "dummy_lm", "--dict-size", str(VOCAB), *MOE, "--bf16", "--batch-size", "2"]
+    argv += ["--ddp-backend", "fully_sharded", "--distributed-world-size", "8"]
+    ep4, _ = planned_bytes(cfg_of(*argv, "--expert-parallel-size", "4"))
+    ep1, _ = planned_bytes(cfg_of(*argv))
+    assert ep4 > ep1 > 0
