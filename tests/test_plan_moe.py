@@ -144,6 +144,7 @@ def test_the_search_tries_expert_parallel_degrees_on_gpus(capsys):
     plan = plan_json(capsys, *argv)
     assert plan["recommended"] == "--expert-parallel-size 8 --checkpoint-activations"
     assert not plan["fits"] and plan["recommended_per_rank_gb"] < 80
+    assert plan["expert_rows"] == {"balanced": 4096 * 8, "worst_case": 4096 * 8}  # as given: EP 1
     assert cli.plan_main(argv + ["--expert-parallel-size", "4"]) == 0
     text = capsys.readouterr().out
     assert "predicted at balanced routing" in text and "at worst every token of the EP group" in text

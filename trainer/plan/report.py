@@ -67,6 +67,9 @@ def as_json(plan):
             "model": plan["model_name"],
             "vocab": plan["model"].vocab,
             "vocab_source": plan["vocab_source"],  # null: DATA's tokenizer (or dummy_lm's --dict-size)
+            # a mixture of experts: the expert rows a rank takes per sparse layer and micro-batch,
+            # as predicted (balanced routing) and at worst (the EP group's tokens all to its experts)
+            "expert_rows": expert_rows_of(plan["model"], given),
             "recommended": flags_of(choice[1], given) if choice else None,
             "recommended_per_rank_gb": choice[2].per_rank_gb if choice else None,
             "candidates": [
@@ -77,17 +80,25 @@ def as_json(plan):
     )
 
 
+def expert_rows_of(m, s):
+    if not m.sparse_layers:
+        return None
+    rows = s.tokens * m.top_k
+    return {"balanced": rows, "worst_case": s.ep * rows}
+
+
 def expert_note(m, s):
     """A mixture of experts: what the prediction assumes of routing, and the worst case."""
+    rows = expert_rows_of(m, s)
     note = (
         f"experts: {len(m.sparse_layers)} sparse layers x {m.experts} experts of {m.expert_ffn}, top-{m.top_k}; "
-        f"predicted at balanced routing ({s.tokens * m.top_k:,} expert rows a rank per layer and micro-batch)"
+        f"predicted at balanced routing ({rows['balanced']:,} expert rows a rank per layer and micro-batch)"
     )
     if s.ep == 1:
         return note
     return (
         note + f"; at worst every token of the EP group goes to one rank's experts: "
-        f"{s.ep * s.tokens * m.top_k:,} rows ({s.ep}x those buffers)"
+        f"{rows['worst_case']:,} rows ({s.ep}x those buffers)"
     )
 
 
