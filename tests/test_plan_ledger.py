@@ -130,6 +130,7 @@ def test_communication_bytes():
         "all_to_all": 0,
         "tensor_parallel": 0,
         "context_parallel": 0,
+        "expert_parallel": 0,
     }
     hybrid = comm_bytes(SHAPE, replace(SETUP, backend="hybrid_shard", shard=2))
     assert hybrid["all_reduce"] == pytest.approx(2 * (P / 2) * 4 * 1 / 2)

@@ -20,7 +20,6 @@ import sys
 
 from omegaconf import OmegaConf
 
-from models.config import moe_layers
 from trainer.config.compose import compose_config
 from trainer.errors import UsageError
 from trainer.plan.ledger import RUNTIME_GB, simulate
@@ -192,11 +191,8 @@ def dry_run(cfg, out=sys.stdout):
     if cfg.common.compile:
         print("--compile: not checked; the layers ran uncompiled (inductor needs a CUDA build of torch)", file=out)
     peaks = ", ".join(f"rank {r['rank']} {gib(r['peak_bytes'])}" for r in reports)
-    if moe_layers(cfg.model):  # plan's ledger has no experts yet
-        predicted = "plan does not model mixtures of experts yet"
-    else:
-        tensors, runtime = planned_bytes(cfg)
-        predicted = f"plan predicts {gib(tensors)} (+ {gib(runtime)} runtime: CUDA context, NCCL buffers)"
+    tensors, runtime = planned_bytes(cfg)
+    predicted = f"plan predicts {gib(tensors)} (+ {gib(runtime)} runtime: CUDA context, NCCL buffers)"
     print(
         f"dry run: ok, {world} rank(s) on {nodes} node(s) x {gpus} GPUs; peak per rank tracked: {peaks}; {predicted}",
         file=out,

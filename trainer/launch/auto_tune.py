@@ -18,6 +18,7 @@ def apply_choice(cfg, s: Setup):
         "optimization.update_freq": s.update_freq,
         "common.model_parallel_size": s.tp,
         "common.context_parallel_size": s.cp,
+        "common.expert_parallel_size": s.ep,
     }
     values.update({key: value_in(s) for _, key, value_in in MEMORY_FLAGS})
     if s.sequences != sequences_per_batch(cfg):

@@ -22,6 +22,10 @@ kv heads only in SDPA (enable_gqa), but a CPU's bf16 attention repeats them to e
 head first and saves the repeated ones. The gated feed-forward saves fc1's output (gate and
 up, 2·ffn wide), the activation of the gate and their product.
 
+A mixture of experts' layer (models/moe.py) saves, in place of the feed-forward's tensors,
+the router's and the experts' (sparse_ffn_saved_bytes); its dispatch's transients are
+sparse_ffn_transient_bytes'.
+
 Quant-Noise's fc1 and fc2 keep the noised copy of their weights they multiplied by, and
 --quant-noise-scalar's clamps their outputs before the clamps (models/quant_noise.py).
 """
@@ -100,8 +104,50 @@ def rope_rows(s: Setup):
     return s.rows if s.packed_documents else 1
 
 
-def layer_activation_bytes(m: ModelShape, s: Setup):
-    """Bytes one decoder layer's forward saves for backward, for s.tokens tokens."""
+def expert_rows(m: ModelShape, s: Setup):
+    """Rows one rank's experts take per sparse layer and micro-batch: its own tokens' N·k
+    choices; under expert parallelism the choices of the group's tokens routed to its E/ep
+    experts, which routing decides. Predicted at balance (N·k); at worst every token of the
+    group goes to this rank's experts: ep·N·k (trainer/plan/report.py states it)."""
+    return s.tokens * m.top_k
+
+
+def sparse_ffn_saved_bytes(m: ModelShape, s: Setup):
+    """What a sparse layer's mixture of experts (models/moe.py MoEFeedForward) saves for
+    backward, its input aside (the norm's output, counted with the norm): the router's fp32
+    probabilities (N×E: softmax keeps its output), three N·k int64 index tensors (top-k's
+    ids, the order that sorts them by expert, the tokens' ids that x[tokens] and index_add
+    keep), --moe-norm-topk-prob's fp32 weights and their sum, the weights in sorted order
+    (N·k); per row an expert takes, its input row (d), gate and up (2F), act(gate) and the
+    product (F each); the experts' N·k×d outputs the weighting keeps, and their weighted copy
+    index_add keeps. Under expert parallelism the sorted copies x[tokens] are sent, not saved:
+    the received rows, put in expert order (the int64 order kept), are what the experts save,
+    and the unpermuting index_add keeps their outputs before they travel back."""
+    n, k, elem, E, d, F = s.tokens, m.top_k, s.compute_bytes, m.experts, m.dim, m.expert_ffn
+    routing = n * E * 4 + 3 * n * k * 8 + (n * k * 4 + n * 4 if m.norm_topk else 0) + n * k * elem
+    rows = expert_rows(m, s)
+    experts = rows * elem * (d + 4 * F) + (rows * (8 + d * elem) if s.ep > 1 else 0)
+    return routing + experts + 2 * n * k * d * elem
+
+
+def sparse_ffn_transient_bytes(m: ModelShape, s: Setup):
+    """(forward, backward) bytes a sparse layer's dispatch holds for a moment beyond what it
+    saves. Forward, one process: the experts' outputs before they are concatenated (N·k×d),
+    and the index_add's N×d result. Under expert parallelism the exchanges' buffers: the
+    sorted copies sent (N·k×d), the rows received and the outputs unpermuted to go back
+    (rows×d each). Backward: the gradient coming in (N×d),
+    that of the weighted outputs and of the outputs (N·k×d each; then the input rows'
+    pieces and their concatenation), under expert parallelism the exchanges' again."""
+    n, k, elem, d = s.tokens, m.top_k, s.compute_bytes, m.dim
+    rows = expert_rows(m, s)
+    if s.ep > 1:
+        return (n * k * d + 2 * rows * d) * elem, (n * d + 2 * n * k * d + 2 * rows * d) * elem
+    return (n * k * d + n * d) * elem, (n * d + 2 * n * k * d) * elem
+
+
+def layer_activation_bytes(m: ModelShape, s: Setup, sparse=False):
+    """Bytes one decoder layer's forward saves for backward, for s.tokens tokens; sparse: a
+    mixture of experts' layer (its feed-forward is sparse_ffn_saved_bytes')."""
     n, elem = s.tokens, s.compute_bytes  # tokens; bytes of one element in the compute dtype
     mask = 1 if s.device == "cuda" else elem  # one dropout-mask element
     autocast = s.precision != "fp32" and not s.sharded
@@ -115,9 +161,10 @@ def layer_activation_bytes(m: ModelShape, s: Setup):
         per_token += elem * m.qkv_width + (elem * (m.inner + m.kv * m.hd) if m.rope or m.qk_norm else 0)
     if m.qk_norm:  # rstd per head (models/norms.py RMSNorm); its input is a view of qkv's output
         per_token += 4 * q_and_kv + (elem * m.qkv_width if cpu_matmul else 0)
-    per_token += elem * ffn_saved_width(m)
-    masks = (m.dropout > 0) * 2 * m.dim * mask / s.tp + (m.activation_dropout > 0) * m.ffn * mask
-    if m.activation_dropout > 0 and m.activation_fn in ("relu", "tanh") and not m.gated:
+    dense_ffn = not sparse
+    per_token += elem * ffn_saved_width(m) * dense_ffn
+    masks = (m.dropout > 0) * 2 * m.dim * mask / s.tp + (m.activation_dropout > 0) * m.ffn * mask * dense_ffn
+    if dense_ffn and m.activation_dropout > 0 and m.activation_fn in ("relu", "tanh") and not m.gated:
         masks += m.ffn * elem  # fc2 now keeps the dropped output, the activation still its own
     if m.attention_dropout > 0 and s.device != "cuda":
         # the math path, in fp32 on a CPU: probabilities, dropout mask and dropped
@@ -133,8 +180,9 @@ def layer_activation_bytes(m: ModelShape, s: Setup):
     # (under autocast that copy's cast, as they would keep the weight's); with both noises
     # the scalar noise's clamp keeps the pq-noised copy too (in fp32 under autocast), and
     # the scalar noise's output clamps keep fc1's and fc2's outputs.
-    weights = m.dim * m.fc1_width + m.ffn * m.dim
+    weights = (m.dim * m.fc1_width + m.ffn * m.dim) * dense_ffn
     copies = 4 * (m.pq_noise and m.scalar_noise) if autocast else elem * (m.pq_noise + m.scalar_noise)
-    if m.scalar_noise:
+    if m.scalar_noise and dense_ffn:
         per_token += elem * (m.fc1_width + m.dim)
-    return n * (per_token + masks) + tables + copies * weights
+    moe = sparse_ffn_saved_bytes(m, s) if sparse else 0
+    return n * (per_token + masks) + tables + copies * weights + moe

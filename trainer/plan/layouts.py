@@ -1,6 +1,8 @@
-"""The tensor- and context-parallel layouts the flag search (trainer/plan/search.py) tries
-on GPUs: --model-parallel-size and --context-parallel-size degrees a model and a job can
-take, each with the micro-batches that keep the global batch. Torch-free."""
+"""The tensor-, context- and expert-parallel layouts the flag search (trainer/plan/search.py)
+tries on GPUs: --model-parallel-size and --context-parallel-size degrees a model and a job can
+take, each with the micro-batches that keep the global batch; for a mixture of experts,
+--expert-parallel-size degrees instead (tensor and context parallelism do not compose with
+experts yet). Torch-free."""
 
 from dataclasses import replace
 from math import gcd
@@ -11,7 +13,11 @@ from trainer.plan.shapes import ModelShape, Setup, tensor_parallel_share
 
 
 def layout_label(s: Setup):
-    return (f", tp {s.tp}" if s.tp > 1 else "") + (f", cp {s.cp}" if s.cp > 1 else "")
+    return (
+        (f", tp {s.tp}" if s.tp > 1 else "")
+        + (f", cp {s.cp}" if s.cp > 1 else "")
+        + (f", ep {s.ep}" if s.ep > 1 else "")
+    )
 
 
 def divisors(n):
@@ -38,7 +44,10 @@ def layouts(m: ModelShape, s: Setup):
     key/value heads and the feed-forward width), context-parallel ones of any size that
     divides the world and splits each sequence into 2 × cp chunks; fewest model-parallel
     ranks first, then fewest bytes received per rank (comm.comm_bytes: tensor parallelism
-    divides FSDP's traffic, context parallelism's own is smaller). Elsewhere s alone."""
+    divides FSDP's traffic, context parallelism's own is smaller). Elsewhere s alone.
+    A mixture of experts: expert_layouts(m, s)."""
+    if m.experts and s.device == "cuda" and s.sharded and s.world > 1:
+        return expert_layouts(m, s)
     if s.device != "cuda" or not s.sharded or s.world == 1 or not s.model_parallel_ok:
         return [s]
     node = min(s.ranks_per_host, s.world)
@@ -53,3 +62,15 @@ def layouts(m: ModelShape, s: Setup):
         return o.tp * o.cp, sum(comm_bytes(tensor_parallel_share(m, o.tp), o).values())
 
     return sorted(out, key=key)
+
+
+def expert_layouts(m: ModelShape, s: Setup):
+    """The sharded Setup s at each expert-parallel degree worth trying on GPUs: groups of
+    consecutive ranks inside a node (a divisor of its GPUs) that divide the experts and the
+    shard group; fewest bytes received per rank first (comm.comm_bytes: the experts gathered
+    over fewer ranks, E/ep of them, against the tokens' all-to-alls)."""
+    node = min(s.ranks_per_host, s.world)
+    out = [replace(s, ep=e) for e in divisors(node) if m.experts % e == 0 and s.shard % e == 0]
+    if not any(o.ep == s.ep for o in out):
+        out.append(s)
+    return sorted(out, key=lambda o: sum(comm_bytes(m, o).values()))

@@ -25,6 +25,7 @@ from trainer.plan.activations import (
     ffn_saved_width,
     layer_activation_bytes,
     rope_table_bytes,
+    sparse_ffn_transient_bytes,
 )
 from trainer.plan.comm import comm_bytes
 from trainer.plan.dpo_reference import per_row_loss, reference_forward, reference_model
@@ -145,12 +146,15 @@ class UpdateWalk:
         self.autocast = s.precision != "fp32" and not s.sharded  # DDP's mixed precision
         self.offload = s.cpu_offload and s.device == "cuda"
         self.offload_acts = s.offload_activations and s.device == "cuda"
-        self.unit = m.layer_params * elem if s.sharded else 0  # one layer gathered, in param dtype
+        # one layer gathered, in param dtype (the largest, where a mixture of experts' layers differ)
+        self.unit = max(self.unit_of(i) for i in range(m.layers)) if m.layers else 0
         # The next layer is gathered while one computes: FSDP2's own stream on a GPU, gloo's
         # thread with several CPU ranks (trainer/cpu/gloo_comms.py).
         self.prefetch = s.sharded and (s.device == "cuda" or s.world > 1)
         self.present = set()  # the layers gathered now
         self.act = layer_activation_bytes(m, s)
+        self.sparse_act = layer_activation_bytes(m, s, sparse=True) if m.sparse_layers else 0
+        self.sparse_forward, self.sparse_backward = sparse_ffn_transient_bytes(m, s) if m.sparse_layers else (0, 0)
         # Recomputed under checkpointing, a layer saves its input itself, the one kept.
         self.layer_input = s.tokens * m.dim * (4 if self.autocast else elem) / s.tp
         self.resid = 4 if self.autocast else elem  # the residual stream's element
@@ -165,12 +169,13 @@ class UpdateWalk:
         self.low_copies = elem * m.matmul_params  # autocast's copies of one layer's weights
         self.reduce_bytes = 4 if s.fp32_reduce_scatter else elem
         # also the size of a unit's unsharded gradient kept in the reduce dtype (--defer-grad-sync)
-        self.rs_buffer, self.root_rs = m.layer_params * self.reduce_bytes, m.root_params * self.reduce_bytes
+        self.root_rs = m.root_params * self.reduce_bytes
         self.in_flight = 0  # the reduce-scatter input still alive behind the next layer's backward
         # On several CPU ranks gloo's transfers keep it until the next reduce-scatter starts
         # (trainer/cpu/gloo_comms.py), past that one's copy-in; FSDP2 lets it go before.
         # Under tensor parallelism FSDP's own collectives run (trainer/parallel/parallelize.py).
-        self.kept_by_gloo = s.device == "cpu" and s.world > 1 and s.tp == 1
+        # Under expert parallelism, too (the experts' units have meshes of their own).
+        self.kept_by_gloo = s.device == "cpu" and s.world > 1 and s.tp == 1 and s.ep == 1
         # hybrid_shard: each unit's reduced shard in the reduce dtype, all-reduced across
         # replicas, is held by FSDP2 until the end of backward where it is not the gradient.
         self.all_reduced = 0
@@ -179,15 +184,29 @@ class UpdateWalk:
         self.root_read_in_backward = m.scalar_noise or s.dpo
         self.shared_mask, self.layer_mask = document_mask_bytes(m, s)
 
+    def gathered_params(self, i):
+        """Layer i's parameters as FSDP gathers them: a sparse layer's experts under expert
+        parallelism are their own unit, gathered over the ranks holding the same E/ep experts."""
+        m = self.m
+        if not m.is_sparse(i):
+            return m.layer_params
+        return m.sparse_layer_params - m.expert_params + m.expert_params // self.s.ep
+
+    def unit_of(self, i):
+        return self.gathered_params(i) * self.elem if self.s.sharded else 0
+
+    def act_of(self, i):
+        return self.sparse_act if self.m.is_sparse(i) else self.act
+
     def gather(self, i):
         if 0 <= i < self.m.layers and i not in self.present:
             self.present.add(i)
-            self.ledger.add("gathered_parameters", self.unit)
+            self.ledger.add("gathered_parameters", self.unit_of(i))
 
     def release(self, i):
         if i in self.present:
             self.present.discard(i)
-            self.ledger.sub("gathered_parameters", self.unit)
+            self.ledger.sub("gathered_parameters", self.unit_of(i))
 
     def states(self):
         """Sharded parameters, optimizer state and --store-ema's average (on the host under
@@ -225,15 +244,19 @@ class UpdateWalk:
             if self.prefetch:
                 self.gather(i + 1)
             L.transient("activations", self.cp_forward + self.tp_buffer)
+            sparse = m.is_sparse(i)
             if s.checkpoint_activations:
-                L.transient("activations", n * elem * 2 * (m.fc1_width + m.dim))  # computed, not saved
+                # computed, not saved: the feed-forward's hidden states; a sparse layer's dispatch
+                # holds about what it would save
+                L.transient("activations", self.act_of(i) if sparse else n * elem * 2 * (m.fc1_width + m.dim))
                 L.transient("document_mask", self.layer_mask)
                 if self.offload_acts:
                     self.host += self.layer_input
                 else:
                     L.add("activations", self.layer_input)
             else:
-                L.add("activations", self.act)
+                L.add("activations", self.act_of(i))
+                L.transient("activations", self.sparse_forward if sparse else 0)
                 L.add("document_mask", self.layer_mask)
             if s.reshard_after_forward and i + 1 < m.layers:  # the last layer's backward is next
                 self.release(i)
@@ -301,38 +324,51 @@ class UpdateWalk:
         # fc2's (so the first node holds only those); fc1's node, fc1's, when the feed-forward's
         # other saved tensors are freed and the gradients for fc1's output and input are alive
         # with the one coming in; the attention's by the layer's end, its activations freed.
-        fc2_grads = elem * (m.dim * m.ffn + (m.dim if m.bias else 0))
-        fc1_grads = elem * (m.dim * m.fc1_width + (m.fc1_width if m.bias else 0))
-        at_fc1 = n * (2 * m.dim + m.fc1_width) * elem - n * elem * ffn_saved_width(m)
+        dense_fc2 = elem * (m.dim * m.ffn + (m.dim if m.bias else 0))
+        dense_fc1 = elem * (m.dim * m.fc1_width + (m.fc1_width if m.bias else 0))
+        dense_at_fc1 = n * (2 * m.dim + m.fc1_width) * elem - n * elem * ffn_saved_width(m)
+        # A sparse layer's: the gathered experts' down projections, then their gate and up with
+        # the router; its dispatch's backward buffers in place of fc2's and fc1's nodes'.
+        local_experts = m.expert_params // s.ep
+        sparse_fc2 = elem * local_experts // 3
+        sparse_fc1 = elem * (local_experts - local_experts // 3 + m.experts * m.dim)
         for i in reversed(range(m.layers)):
+            sparse = m.is_sparse(i)
+            act = self.act_of(i)
+            fc2_grads, fc1_grads = (sparse_fc2, sparse_fc1) if sparse else (dense_fc2, dense_fc1)
+            first_node = self.sparse_backward if sparse else act_grads
+            at_fc1 = 0 if sparse else dense_at_fc1
             self.gather(i)
             if self.prefetch:
                 self.gather(i - 1)
             if s.checkpoint_activations:  # recomputed; the input was kept (or comes back)
-                L.add("activations", self.act - (0 if self.offload_acts else self.layer_input))
+                L.add("activations", act - (0 if self.offload_acts else self.layer_input))
                 L.add("document_mask", self.layer_mask)
             grads = s.sharded and not mb.kept  # this backward makes the layer's unsharded gradients
             if grads:
                 L.add("unsharded_gradients", fc2_grads)
             elif not s.sharded and mb.first:
-                L.add("gradients", 4 * m.layer_params)
-            L.transient("activations", max(act_grads, attention_grads))
+                L.add("gradients", 4 * m.params_of(i))
+            L.transient("activations", max(first_node, attention_grads))
             if grads:
                 L.add("unsharded_gradients", fc1_grads)
                 L.transient("activations", at_fc1)
-            L.sub("activations", self.act)
+            L.sub("activations", act)
             if grads:
-                L.add("unsharded_gradients", self.unit - fc2_grads - fc1_grads)
+                L.add("unsharded_gradients", self.unit_of(i) - fc2_grads - fc1_grads)
             L.sub("document_mask", self.layer_mask)
             if self.autocast:
                 L.sub("mixed_precision_copies", self.low_copies)
+            gathered = self.gathered_params(i)
+            rs_buffer = gathered * self.reduce_bytes
             if mb.deferring:
                 if not mb.kept and self.reduce_bytes != elem:  # accumulated in the reduce dtype
-                    L.add("unsharded_gradients", self.rs_buffer - self.unit)
+                    L.add("unsharded_gradients", rs_buffer - self.unit_of(i))
                 self.release(i)
             elif s.sharded:
                 self.release(i)  # FSDP2's post-backward reshards the layer, then reduces it
-                self.reduce(m.layer_params, self.rs_buffer if mb.kept else self.unit, mb)
+                # its shard is 1/S of the layer (the experts' 1/(S/ep) of E/ep experts)
+                self.reduce(gathered, rs_buffer if mb.kept else self.unit_of(i), mb, m.params_of(i))
         L.sub("activations", rope_table_bytes(m, s))
         L.sub("document_mask", self.shared_mask)
 
@@ -358,7 +394,7 @@ class UpdateWalk:
             L.sub("gradients", self.all_reduced)
             self.in_flight = self.all_reduced = 0
 
-    def reduce(self, params, unsharded, mb: MicroBatch):
+    def reduce(self, params, unsharded, mb: MicroBatch, sharded_params=None):
         """FSDP2's reduction of one unit's gradients after its backward (post-backward's
         foreach_reduce): the previous unit's reduce-scatter input is let go, the gradients
         (`unsharded` bytes) are copied into a flat input in the reduce dtype and freed, and
@@ -375,7 +411,8 @@ class UpdateWalk:
         L.add("unsharded_gradients", rs_input)
         L.sub("unsharded_gradients", unsharded + (self.in_flight if self.kept_by_gloo else 0))
         self.in_flight = rs_input
-        output, fp32 = rs_input / s.shard, 4 * params / s.shard
+        sharded_params = params if sharded_params is None else sharded_params
+        output, fp32 = sharded_params * self.reduce_bytes / s.shard, 4 * sharded_params / s.shard
         cast = fp32 if self.reduce_bytes != 4 else 0
         kept = mb.first_reduce and not self.offload
         held = output if s.backend == "hybrid_shard" and (cast or not kept) else 0

@@ -109,7 +109,9 @@ def state_bytes(m: ModelShape, s: Setup):
 
 
 def largest_param(m: ModelShape):
-    return max(r * c for r, c in layer_weights(m) + root_matrices(m))
+    # a sparse layer's stacked gate and up rows of every expert (moe.experts.fc1: E·2F × d)
+    experts_fc1 = 2 * m.expert_params // 3 if m.sparse_layers else 0
+    return max([r * c for r, c in layer_weights(m) + root_matrices(m)] + [experts_fc1])
 
 
 def step_moments(m: ModelShape, s: Setup):

@@ -18,7 +18,7 @@ def optimizer_step(walk):
         alive = alive_at_early_gather(m, s)
         for k, v in alive.items():
             L.add(k, v)
-        L.transient("gathered_parameters", m.root_params * walk.elem + (walk.unit if m.layers else 0))
+        L.transient("gathered_parameters", m.root_params * walk.elem + (walk.unit_of(0) if m.layers else 0))
         for k, v in alive.items():
             L.sub(k, v)
 

@@ -3,7 +3,7 @@
 import json
 
 from trainer.plan.ledger import COMPONENTS, predict
-from trainer.plan.search import choose, fits, flags_of, model_shape, refuse_experts, setup_of, vocab_size
+from trainer.plan.search import choose, fits, flags_of, model_shape, setup_of, vocab_size
 
 LABELS = {
     "runtime": "runtime (interpreter, libraries, communication)",
@@ -30,7 +30,6 @@ def make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab=None, model
     (size, where it comes from) when not the data's (`train`'s own), as `plan` finds it
     without DATA (search.published_vocab, search.apply_hf_config)."""
     size, source = vocab or (vocab_size(cfg), None)
-    refuse_experts(cfg, "plan (and --auto-tune)")
     m = model_shape(cfg, size)
     given = setup_of(cfg, device, ranks_per_host)
     p = predict(m, given)
@@ -66,6 +65,9 @@ def as_json(plan):
             "model": plan["model_name"],
             "vocab": plan["model"].vocab,
             "vocab_source": plan["vocab_source"],  # null: DATA's tokenizer (or dummy_lm's --dict-size)
+            # a mixture of experts: the expert rows a rank takes per sparse layer and micro-batch,
+            # as predicted (balanced routing) and at worst (the EP group's tokens all to its experts)
+            "expert_rows": expert_rows_of(plan["model"], given),
             "recommended": flags_of(choice[1], given) if choice else None,
             "recommended_per_rank_gb": choice[2].per_rank_gb if choice else None,
             "candidates": [
@@ -73,6 +75,28 @@ def as_json(plan):
                 for _, s, q, ok in plan["tried"]
             ],
         }
+    )
+
+
+def expert_rows_of(m, s):
+    if not m.sparse_layers:
+        return None
+    rows = s.tokens * m.top_k
+    return {"balanced": rows, "worst_case": s.ep * rows}
+
+
+def expert_note(m, s):
+    """A mixture of experts: what the prediction assumes of routing, and the worst case."""
+    rows = expert_rows_of(m, s)
+    note = (
+        f"experts: {len(m.sparse_layers)} sparse layers x {m.experts} experts of {m.expert_ffn}, top-{m.top_k}; "
+        f"predicted at balanced routing ({rows['balanced']:,} expert rows a rank per layer and micro-batch)"
+    )
+    if s.ep == 1:
+        return note
+    return (
+        note + f"; at worst every token of the EP group goes to one rank's experts: "
+        f"{rows['worst_case']:,} rows ({s.ep}x those buffers)"
     )
 
 
@@ -87,6 +111,7 @@ def as_text(cfg, plan):
             ("cpu-offload", s.cpu_offload),
             (f"tensor parallel {s.tp}", s.tp > 1),
             (f"context parallel {s.cp}", s.cp > 1),
+            (f"expert parallel {s.ep}", s.ep > 1),
         )
         if on
     ]
@@ -118,7 +143,10 @@ def as_text(cfg, plan):
         + (f", all-to-all {comm['all_to_all']:.3f} GB" if comm["all_to_all"] else "")
         + (f"; inside tensor-parallel groups {comm['tensor_parallel']:.3f} GB" if comm["tensor_parallel"] else "")
         + (f"; inside context-parallel groups {comm['context_parallel']:.3f} GB" if comm["context_parallel"] else "")
+        + (f"; inside expert-parallel groups {comm['expert_parallel']:.3f} GB" if comm["expert_parallel"] else "")
     )
+    if m.sparse_layers:
+        lines.append(expert_note(m, s))
     lines += ["", "flag sets, fastest first (per-rank GB, host GB):"]
     for label, t, q, ok in plan["tried"]:
         extra = flags_of(t, s) or "(as given)"

@@ -15,7 +15,7 @@ from data.data_dir import data_dirs
 from data.embedded_corpus import prepare_embedded_corpus
 from data.errors import DataError
 from data.tokenizer import load_tokenizer
-from models.config import PUBLISHED_VOCABS, adaptive_bands, head_dim, kv_heads, moe_layers, num_layers
+from models.config import PUBLISHED_VOCABS, adaptive_bands, head_dim, kv_heads, moe_ffn, moe_layers, num_layers
 from trainer.config.checks import check_adaptive_vocab
 from trainer.config.implied import implies_activation_checkpointing
 from trainer.config.model_source import hf_vocab_size
@@ -75,10 +75,9 @@ def apply_hf_config(cfg, model_dir):
     return vocab, where
 
 
-def refuse_experts(cfg, command="plan"):
-    """The ledger counts dense layers: a mixture of experts' prediction would miss its
-    experts' parameters, states and dispatch buffers. (train's host check, a lower bound, reads
-    the dense shape as it is.)"""
+def refuse_experts(cfg, command):
+    """plan --serve's ledger counts a dense layer's forward: a mixture of experts' dispatch
+    buffers at inference are not modelled yet (training's are: trainer/plan/activations.py)."""
     if moe_layers(cfg.model):
         raise UsageError(f"{command} does not model mixtures of experts (--moe-expert-count) yet")
 
@@ -114,6 +113,21 @@ def model_shape(cfg, vocab):
         rope=model_cfg.rope,
         pq_noise=model_cfg.quant_noise_pq > 0,
         scalar_noise=model_cfg.quant_noise_scalar > 0,
+        **expert_shape(model_cfg),
+    )
+
+
+def expert_shape(model_cfg):
+    """ModelShape's mixture-of-experts fields (models/moe.py); none for a dense model."""
+    sparse = moe_layers(model_cfg)
+    if not sparse:
+        return {}
+    return dict(
+        experts=model_cfg.moe_expert_count,
+        expert_ffn=moe_ffn(model_cfg),
+        top_k=model_cfg.moe_top_k,
+        norm_topk=model_cfg.moe_norm_topk_prob,
+        sparse_layers=tuple(sorted(sparse)),
     )
 
 
@@ -213,6 +227,7 @@ def setup_of(cfg, device, ranks_per_host):
         ema_bytes=ema_bytes(cfg),
         tp=tp,
         cp=cp,
+        ep=common.expert_parallel_size,
         model_parallel_ok=model_parallel_ok(cfg),
     )
 
@@ -228,10 +243,12 @@ def fsdp_shard(distributed, world, ranks_per_host, tp):
 
 def model_parallel_ok(cfg):
     """Whether tensor parallelism can split this model
-    (trainer/config/checks/parallel_dims.py's rules, less the degree's own)."""
+    (trainer/config/checks/parallel_dims.py's rules, less the degree's own; a mixture of
+    experts takes neither tensor nor context parallelism yet, only expert parallelism)."""
     model = cfg.model
     return not (
         cfg.common.compile
+        or moe_layers(model)
         or model.adaptive_input
         or model.adaptive_softmax_cutoff is not None
         or model.quant_noise_pq > 0
@@ -330,6 +347,8 @@ def flags_of(s: Setup, given: Setup):
     out = [f"--ddp-backend {s.backend}"] if s.backend != given.backend else []
     if s.tp != given.tp:
         out.append(f"--model-parallel-size {s.tp}")
+    if s.ep != given.ep:
+        out.append(f"--expert-parallel-size {s.ep}")
     if s.cp != given.cp:
         out.append(f"--context-parallel-size {s.cp}")
     for flag, key, value_in in MEMORY_FLAGS:
@@ -348,7 +367,7 @@ def choose(m: ModelShape, given: Setup, device_gb, host_gb):
     """Every candidate tried (label, Setup, Prediction, fits), and the first that fits (or None)."""
     tried, choice = [], None
     for label, s in flag_sets(given, m):
-        if choice and (s.tp, s.cp) != (choice[1].tp, choice[1].cp):
+        if choice and (s.tp, s.cp, s.ep) != (choice[1].tp, choice[1].cp, choice[1].ep):
             continue  # a larger layout than the one chosen is never faster; its offloads neither
         for sb in micro_batches(s):
             p = predict(m, sb)

@@ -39,6 +39,14 @@ class ModelShape:
     rope: bool = False  # --rope: cos/sin tables, rotated q and k
     pq_noise: bool = False  # --quant-noise-pq: fc1 and fc2 multiply by a noised copy of their weights
     scalar_noise: bool = False  # --quant-noise-scalar: so do they, and they clamp their outputs (and the logits)
+    # Mixtures of experts (models/moe.py): the sparse layers hold, in place of fc1 and fc2, a
+    # router (E×d, no bias) and `experts` gated experts of width expert_ffn (gate, up, down:
+    # 3·d·F each, no biases); each token goes to top_k of them. The other layers are dense.
+    experts: int = 0
+    expert_ffn: int = 0
+    top_k: int = 0
+    norm_topk: bool = False  # --moe-norm-topk-prob: the top-k weights renormalized
+    sparse_layers: tuple = ()  # their ids (models/config.py moe_layers)
 
     @property
     def hd(self):
@@ -78,6 +86,29 @@ class ModelShape:
         return self.matmul_params + biases + 2 * self.norm_params(dim) + qk_norms + self.normformer_params
 
     @property
+    def ffn_params(self):
+        """A dense layer's feed-forward: fc1 and fc2, with their biases."""
+        biases = (self.fc1_width + self.dim) if self.bias else 0
+        return self.dim * self.fc1_width + self.ffn * self.dim + biases
+
+    @property
+    def expert_params(self):
+        """One sparse layer's experts (moe.experts.fc1 and fc2): E·3·d·F."""
+        return self.experts * 3 * self.dim * self.expert_ffn
+
+    @property
+    def sparse_layer_params(self):
+        """A sparse layer: the dense layer's attention and norms, the router and the experts."""
+        return self.layer_params - self.ffn_params + self.experts * self.dim + self.expert_params
+
+    def is_sparse(self, i):
+        return i in self.sparse_layers
+
+    def params_of(self, i):
+        """Layer i's parameters (FSDP's unit)."""
+        return self.sparse_layer_params if self.is_sparse(i) else self.layer_params
+
+    @property
     def root_params(self):
         """Parameters outside the decoder layers: FSDP's root unit."""
         dim = self.dim
@@ -91,7 +122,8 @@ class ModelShape:
 
     @property
     def params(self):
-        return self.layers * self.layer_params + self.root_params
+        sparse = len(self.sparse_layers)
+        return (self.layers - sparse) * self.layer_params + sparse * self.sparse_layer_params + self.root_params
 
 
 def tensor_parallel_share(m: ModelShape, tp: int):
@@ -149,6 +181,10 @@ class Setup:
     # ranks are data × context × tensor; `shard` above counts FSDP's ranks (data × context).
     tp: int = 1
     cp: int = 1
+    # --expert-parallel-size (trainer/parallel/experts.py): each sparse layer's experts split
+    # over ep consecutive ranks of the shard group, FSDP-sharded over the shard // ep ranks
+    # that hold the same ones. Per rank that is still 1/shard of them; gathered, E/ep experts.
+    ep: int = 1
     # the model and optimizer are ones tensor parallelism splits (no adaptive bands, Quant-Noise,
     # --scale-fc, whole-matrix optimizer or --compile): the search may try tp > 1
     model_parallel_ok: bool = True
