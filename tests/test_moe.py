@@ -153,6 +153,8 @@ EXPERT_PARALLEL = {
     # Muon: each expert's gate, up and down matrices orthogonalised whole by one owner
     "ep2_fsdp2_muon": (4, FSDP, ["--checkpoint-activations", "--optimizer", "muon", "--lr", "0.01"]),
     # Adafactor's row and column statistics of each expert, summed over the expert groups
+    # fairseq's FSDP line: fp16's loss scale over both meshes' gradients, parameters on the host
+    "ep2_fp16_cpu_offload": (2, FSDP, ["--fp16", "--cpu-offload"]),
     "ep2_hsdp2_adafactor": (
         4,
         ["--ddp-backend", "hybrid_shard", "--shard-group-size", "2"],
@@ -169,7 +171,8 @@ def test_expert_parallelism_trains_the_mixture_one_process_trains(layout, tmp_pa
     )
     argv = RUN + MOE + ["--batch-size", "2", *parallel, *shared, "--expert-parallel-size", "2"]
     loss, gnorm = multi_rank_losses(argv, world, 3, tmp_path)
-    assert loss == pytest.approx(ref_loss, rel=1e-5) and gnorm == pytest.approx(ref_gnorm, rel=1e-5)
+    tol = 1e-3 if "--fp16" in shared else 1e-5  # fp16's rounding, in another summation order
+    assert loss == pytest.approx(ref_loss, rel=tol) and gnorm == pytest.approx(ref_gnorm, rel=tol)
     if layout == "ep2":  # the experts' gradients at twice their scale: not what one process trains
         import json
 
