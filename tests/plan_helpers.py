@@ -80,3 +80,22 @@ def measured_peak_gb(model, updates, cwd):
     return max(
         json.loads(line[line.index("{") :])["mem_gb"] for line in r.stdout.splitlines() if "| train_inner |" in line
     )
+
+
+def saved_for_backward_bytes(layer, *args, **kwargs):
+    """The bytes `layer`'s forward on args saves for backward, its weights aside, each
+    storage once (views of one tensor share theirs)."""
+    import torch  # the measured layers' tests only: plan's own helpers are torch-free
+
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(*args, **kwargs)
+    return sum(saved.values())

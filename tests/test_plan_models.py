@@ -6,7 +6,7 @@ torch's count."""
 from dataclasses import replace
 
 import pytest
-from plan_helpers import SETUP, SHAPE, cfg_of
+from plan_helpers import SETUP, SHAPE, cfg_of, saved_for_backward_bytes
 
 from models import chunks
 from trainer.plan.ledger import layer_activation_bytes
@@ -106,22 +106,10 @@ def test_activation_bytes_are_what_autograd_saves_on_the_real_layer(variant):
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     layer = DecoderLayer(cfg).to(dtype).train()
     x = torch.randn(SETUP.sequences, SETUP.seq_len, shape.dim, dtype=dtype, requires_grad=True)
-    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x)
+    saved = saved_for_backward_bytes(layer, x)
     # bf16 norms keep their mean and rstd in bf16, where the planner counts fp32: 8 bytes a token
     slack = 8 * SETUP.tokens if precision == "bf16" else 0
-    assert sum(saved.values()) == pytest.approx(
-        layer_activation_bytes(shape, replace(SETUP, precision=precision)), abs=slack
-    )
+    assert saved == pytest.approx(layer_activation_bytes(shape, replace(SETUP, precision=precision)), abs=slack)
 
 
 # default: one chunk; then 4 of 16 heads; then a context-parallel rank's last chunk (CP 2)

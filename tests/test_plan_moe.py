@@ -8,7 +8,7 @@ EP 2 run."""
 from dataclasses import replace
 
 import pytest
-from plan_helpers import SETUP, cfg_of, measured_peak_gb, plan_json
+from plan_helpers import SETUP, cfg_of, measured_peak_gb, plan_json, saved_for_backward_bytes
 from test_plan_models import LLAMA_LAYER
 
 import cli
@@ -63,21 +63,11 @@ def test_sparse_layer_saves_what_plan_counts(precision, norm_topk):
         torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(setup.sequences, setup.seq_len, shape.dim, dtype=dtype, requires_grad=True)
     rope = rope_tables(rope_inverse_frequencies(cfg.model), 0, setup.seq_len, dtype)
-    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, rope=rope)
+    saved = saved_for_backward_bytes(layer, x, rope=rope)
     counted = layer_activation_bytes(shape, setup, sparse=True) + rope_table_bytes(shape, setup)
     # bf16 norms keep their mean and rstd in bf16, where the planner counts fp32: 8 bytes a token
     slack = 8 * setup.tokens if precision == "bf16" else 0
-    assert sum(saved.values()) == pytest.approx(counted, abs=slack)
+    assert saved == pytest.approx(counted, abs=slack)
 
 
 # Two sparse layers whose activations outweigh the runtime (tests/test_plan_parallel.py's
