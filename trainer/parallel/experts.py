@@ -38,7 +38,7 @@ class ExpertParallelDispatch:
         recv = by_source.sum(1).tolist()
         tokens = _exchange(x, recv, send, self.group)
         # runs by (source, expert) → by (expert, source): each expert's rows together
-        order = _expert_major(by_source)
+        order = _expert_major(by_source, sum(recv))
         y = experts(tokens[order], by_source.sum(0))
         return _exchange(_unpermute(y, order), send, recv, self.group)
 
@@ -52,18 +52,19 @@ def _unpermute(y, order):
     return torch.zeros_like(y).index_add(0, order, y)
 
 
-def _expert_major(by_source):
-    """The row order taking runs laid out source by source (each source's rows expert by
-    expert, counts `by_source`) to expert by expert (each expert's rows source by source)."""
+def _expert_major(by_source, total):
+    """The row order taking `total` rows laid out source by source (each source's rows expert
+    by expert, counts `by_source`) to expert by expert (each expert's rows source by source).
+    The total comes from the host: repeat_interleave would otherwise read it from the device."""
     n, local = by_source.shape
     flat = by_source.reshape(-1)
     starts = torch.cumsum(flat, 0) - flat  # each (source, expert) run's first row
     runs = starts.view(n, local).t().reshape(-1)  # expert-major
     lengths = by_source.t().reshape(-1)
-    total = int(flat.sum())
     if total == 0:
         return torch.zeros(0, dtype=torch.long, device=by_source.device)
-    run_of_row = torch.repeat_interleave(torch.arange(len(lengths), device=by_source.device), lengths)
+    rows = torch.arange(len(lengths), device=by_source.device)
+    run_of_row = torch.repeat_interleave(rows, lengths, output_size=total)
     first_row = torch.cumsum(lengths, 0) - lengths
     within = torch.arange(total, device=by_source.device) - first_row[run_of_row]
     return runs[run_of_row] + within
