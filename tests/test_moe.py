@@ -101,21 +101,21 @@ def test_greedy_tokens_with_the_kv_cache_are_transformers(tmp_path):
 
 
 def test_a_fine_tuned_qwen3_moe_exports_bit_for_bit(tmp_path):
+    """train (lr 0) from a Hugging Face Qwen3-MoE, then export-model --format hf: its tensors
+    bit for bit, its config's experts."""
     import json
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
+    import cli
+    from helpers import train_updates
+
     _, path = hf_model("qwen3_moe", tmp_path)
-    bin_dir = Path(sys.executable).parent
-    train = [str(bin_dir / "train"), "--task", "dummy_lm", "--dict-size", "96", "--dataset-size", "32"]
-    train += ["--finetune-from-model", str(path), "--lr", "0", "--optimizer", "sgd", "--max-update", "1"]
-    train += ["--save-dir", str(tmp_path / "ckpt"), "--batch-size", "2", "--tokens-per-sample", "16"]
-    done = subprocess.run(train + ["--log-format", "none"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    export = [str(bin_dir / "export-model"), "--path", str(tmp_path / "ckpt" / "checkpoint_last")]
-    subprocess.run(export + ["--out", str(tmp_path / "out"), "--format", "hf"], check=True, timeout=300)
+    train = ["--task", "dummy_lm", "--dict-size", "96", "--dataset-size", "32", "--finetune-from-model", str(path)]
+    train += ["--lr", "0", "--optimizer", "sgd", "--max-update", "1", "--save-dir", str(tmp_path / "ckpt")]
+    train_updates(train + ["--batch-size", "2", "--tokens-per-sample", "16"], 1, tmp_path)
+    export = ["--path", str(tmp_path / "ckpt" / "checkpoint_last"), "--out", str(tmp_path / "out"), "--format", "hf"]
+    assert cli.export_model_main(export) == 0
     a, b = load_file(path / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     config = json.loads((tmp_path / "out" / "config.json").read_text())

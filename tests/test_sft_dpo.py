@@ -239,7 +239,8 @@ def test_sft_first_loss_is_trl(chat, model, tmp_path):
     assert packed[2][0] < packed[1][0]
 
 
-@pytest.mark.parametrize("model", list(TEMPLATES))
+# the mixture's DPO: test_split_sequences_or_heads_train_as_one_process (EP 2 against one process)
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
 def test_dpo_first_loss_and_rewards_are_trl(chat, model, tmp_path):
     """The first update's rewards are DPOTrainer's, and its loss is TRL's sigmoid loss plus
     --dpo-label-smoothing's share: -(1-e) log s(m) - e log s(-m) = -log s(m) + e m, with m the
