@@ -139,12 +139,20 @@ def expert_ffn(x, fc1, fc2, counts, activation_fn):
         h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
         gate, up = h.chunk(2, dim=-1)
         return torch._grouped_mm(activation_fn(gate) * up, w2.transpose(-2, -1), offs=offsets)
+    # the runs' sizes, read on the host; they add up to x's rows, which its shape says
+    sizes = counts.tolist()
+    sizes[-1] = x.shape[0] - sum(sizes[:-1])
     outs = []
-    for e, run in enumerate(x.split(counts.tolist())):
+    for e, run in enumerate(x.split(sizes)):
         if run.shape[0]:
             gate, up = F.linear(run, w1[e]).chunk(2, dim=-1)
             outs.append(F.linear(activation_fn(gate) * up, w2[e]))
-    return torch.cat(outs) if outs else x.new_zeros(0, dim)
+    if not outs:
+        # No token reached these experts (an expert-parallel rank's, under a skewed routing):
+        # their weights still get a gradient, of zeros, so that FSDP's reduce-scatter of them
+        # runs on this rank as on the others of its group, which would otherwise wait for it.
+        return x.new_zeros(0, dim) + 0 * (fc1.sum() + fc2.sum())
+    return torch.cat(outs)
 
 
 def grouped_mm_runs(x, w):

@@ -163,12 +163,14 @@ class TransformerLM(nn.Module):
             tensor.zero_()
 
     @torch.no_grad()
-    def init_buffers(self):
-        """The buffers' initial values (auxiliary-loss-free balancing's router biases: 0)."""
+    def init_buffers(self, device=None):
+        """The buffers' initial values (auxiliary-loss-free balancing's router biases: 0), on
+        `device` (where the forward runs; default where they are)."""
         for layer in self.sparse_layers:
-            for buffer in (layer.moe.router_bias, layer.moe.update_load):
+            for name in ("router_bias", "update_load"):
+                buffer = getattr(layer.moe, name)
                 if buffer is not None:
-                    buffer.zero_()
+                    setattr(layer.moe, name, torch.zeros(buffer.shape, device=device or buffer.device))
 
     def init_weights(self, seed=1):
         for name, p in self.named_parameters():

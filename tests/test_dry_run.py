@@ -99,6 +99,17 @@ GRID = {
         + TINY_LLAMA,
         16,
     ),
+    # fairseq's FSDP line on a mixture with auxiliary-loss-free balancing: its biases on the
+    # GPU while the parameters live on the host; one matmul per expert (fp16 is not grouped),
+    # an expert rank that fake reads leave without tokens still reduce-scattering its experts
+    "moe_ep4_fp16_cpu_offload": (
+        FSDP
+        + ["--arch", "qwen3_moe_30b_a3b", "--decoder-head-dim", "16", "--fp16", "--cpu-offload"]
+        + ["--moe-expert-count", "8", "--moe-top-k", "2", "--moe-ffn-embed-dim", "32", "--expert-parallel-size", "4"]
+        + ["--moe-router-bias-update-rate", "0.01"]
+        + TINY_LLAMA,
+        16,
+    ),
     **{name: (flags, 16) for name, (flags, _) in TP.items()},
 }
 

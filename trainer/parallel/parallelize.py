@@ -285,7 +285,9 @@ def materialize_shards(model, shard_device, compute_device, seed):
     from torch.distributed.tensor import distribute_tensor
 
     model.to_empty(device=shard_device)
-    model.init_buffers()  # to_empty left them unset too
+    # to_empty left the buffers unset too, and FSDP does not move them off the host under
+    # --cpu-offload: they go where the forward reads them
+    model.init_buffers(compute_device)
     orders = row_orders(model)  # tensor parallelism's order of qkv_proj's and fc1's rows
     for name, p in model.named_parameters():
         full = torch.empty(p.shape, dtype=p.dtype, device=compute_device)
