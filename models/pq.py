@@ -127,7 +127,7 @@ def kmeans(W, n_centroids, n_iter, eps=1e-6, max_tentatives=30, seed=0, generato
 def quantize(weight, block_size, n_centroids, n_iter=15, eps=1e-6, max_tentatives=100, **draws):
     """A 2-D weight's (centroids, assignments), with quantize_model_'s defaults (15
     iterations, 100 tentatives). `draws`: seed, or generator and rng, as kmeans takes."""
-    return kmeans(blocks_of(weight, block_size), n_centroids, n_iter, eps, max_tentatives, **draws)
+    return kmeans(blocks_of(weight.detach(), block_size), n_centroids, n_iter, eps, max_tentatives, **draws)
 
 
 def _counts(assignments, centroids):

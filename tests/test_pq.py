@@ -231,7 +231,8 @@ def test_pq_linear_forward_and_centroid_gradient():
     (PQConv2d alone divides by the counts)."""
     torch.manual_seed(0)
     linear = nn.Linear(32, 24)
-    centroids, assignments = pq.quantize(linear.weight.detach(), 8, 6, n_iter=4, seed=3)
+    centroids, assignments = pq.quantize(linear.weight, 8, 6, n_iter=4, seed=3)
+    assert not centroids.requires_grad  # k-means sees the weight's values, not its graph
     ours = pq.PQLinear(centroids.clone(), assignments, linear.bias.detach().clone(), 32, 24)
     ref = FairseqPQLinear(centroids.clone(), assignments, linear.bias.detach().clone(), 32, 24)
     x = torch.randn(5, 7, 32)
