@@ -14,7 +14,8 @@ The file has three optional entries; a missing one takes fairseq's default:
 Stages: training runs for max_epoch or max_update (exactly one of them set, a multiple of
 the number of stages), cut into equal parts. The first stage is quantized at the start of
 the first epoch, each later one at the start of epoch 1 + s * (max_epoch / stages), or
-after update s * (max_update / stages).
+after update s * (max_update / stages), counted as the run counts its updates (a count
+restored from a checkpoint included, as fairseq's).
 """
 
 import yaml
@@ -84,14 +85,14 @@ def check_stage_matches(stage, regex, names):
     backslashes doubled inside plain YAML scalars)."""
     if not names:
         hint = " (a plain YAML scalar keeps `\\\\` as two backslashes: write `\\.`)" if "\\\\" in regex else ""
-        raise UsageError(f"quantization config: layers_to_quantize[{stage}] = {regex!r} matches no layer{hint}")
+        raise UsageError(f"quantization config: layers_to_quantize[{stage}] = {regex} matches no layer{hint}")
 
 
 class QuantizationSchedule:
     """fairseq's Quantizer without the model: when each stage is quantized. The trainer calls
     begin_epoch at the start of every epoch and step_update after every update; each returns
-    the stage to quantize now (then rebuilds its optimizer and LR scheduler, as fairseq's
-    trainer.reinitialize does), or None."""
+    the stage to quantize now, or None. After quantizing a stage the trainer rebuilds its
+    optimizer and LR scheduler, as fairseq's trainer.reinitialize makes it do."""
 
     def __init__(self, config, max_epoch, max_update):
         self.n_centroids_config = config["n_centroids"]
