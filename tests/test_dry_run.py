@@ -91,11 +91,12 @@ GRID = {
     "llama": (FSDP + ["--arch", "llama3_2_1b"] + TINY_LLAMA, 8),
     "qwen3": (FSDP + ["--arch", "qwen3_0_6b", "--decoder-head-dim", "16"] + TINY_LLAMA, 8),
     # a mixture of experts in bf16: its experts split over 4 ranks (all-to-all, the split sizes
-    # read on the host), one grouped matmul per expert group (CUDA's torch._grouped_mm)
-    "moe_ep4_bf16": (
+    # read on the host), one grouped matmul per expert group (CUDA's torch._grouped_mm); the
+    # rest split by TP 2, whose ranks route their own positions (the routers on every rank's mesh)
+    "moe_tp2_ep4_bf16": (
         FSDP
         + ["--arch", "qwen3_moe_30b_a3b", "--decoder-head-dim", "16", "--bf16", "--moe-expert-count", "8"]
-        + ["--moe-top-k", "2", "--moe-ffn-embed-dim", "32", "--expert-parallel-size", "4"]
+        + ["--moe-top-k", "2", "--moe-ffn-embed-dim", "32", "--expert-parallel-size", "4", "--model-parallel-size", "2"]
         + TINY_LLAMA,
         16,
     ),

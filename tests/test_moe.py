@@ -155,21 +155,32 @@ EXPERT_PARALLEL = {
     # Adafactor's row and column statistics of each expert, summed over the expert groups
     # fairseq's FSDP line: fp16's loss scale over both meshes' gradients, parameters on the host
     "ep2_fp16_cpu_offload": (2, FSDP, ["--fp16", "--cpu-offload"]),
-    "ep2_hsdp2_adafactor": (
+    # under tensor parallelism each rank routes its own positions: the experts split over the
+    # two ranks of a tensor-parallel group, HSDP's replicas the other data-parallel ranks
+    "hsdp2_tp2_ep2_adafactor": (
         4,
-        ["--ddp-backend", "hybrid_shard", "--shard-group-size", "2"],
+        ["--ddp-backend", "hybrid_shard", "--shard-group-size", "2", "--model-parallel-size", "2"],
         ["--optimizer", "adafactor", "--lr", "0.01"],
+    ),
+    # the router and whole experts of each layer on every rank of the tensor-parallel group,
+    # sharded over both by FSDP; the balancing biases moved by both ranks' choices
+    "tp2_checkpointed_biased": (
+        2,
+        [*FSDP, "--model-parallel-size", "2"],
+        ["--checkpoint-activations", "--moe-router-bias-update-rate", "0.05"],
     ),
 }
 
 
 @pytest.mark.parametrize("layout", EXPERT_PARALLEL)
-def test_expert_parallelism_trains_the_mixture_one_process_trains(layout, tmp_path):
+def test_expert_and_tensor_parallelism_train_the_mixture_one_process_trains(layout, tmp_path):
     world, parallel, shared = EXPERT_PARALLEL[layout]
+    tp = 2 if "--model-parallel-size" in parallel else 1  # its ranks read the same samples
     ref_loss, ref_gnorm = update_losses(
-        RUN + MOE + ["--batch-size", "2", *FSDP, *shared], 3, with_gnorm=True, merge=world
+        RUN + MOE + ["--batch-size", "2", *FSDP, *shared], 3, with_gnorm=True, merge=world // tp
     )
-    argv = RUN + MOE + ["--batch-size", "2", *parallel, *shared, "--expert-parallel-size", "2"]
+    experts = [] if layout.startswith("tp2") else ["--expert-parallel-size", "2"]
+    argv = RUN + MOE + ["--batch-size", "2", *parallel, *shared, *experts]
     loss, gnorm = multi_rank_losses(argv, world, 3, tmp_path)
     tol = 1e-3 if "--fp16" in shared else 1e-5  # fp16's rounding, in another summation order
     assert loss == pytest.approx(ref_loss, rel=tol) and gnorm == pytest.approx(ref_gnorm, rel=tol)
@@ -241,9 +252,12 @@ def test_an_expert_parallel_checkpoint_resumes_on_any_layout(layout, saved_on_ep
 
 def test_serve_answers_the_openai_client_with_the_mixture(tmp_path, capsys):
     """serve on a Qwen3-MoE with its tokenizer: two concurrent completions (a batch of rows in
-    the KV cache, each routed on its own) are generate's greedy text."""
+    the KV cache, each routed on its own) are generate's greedy text; so is generate's with
+    the model split over 2 tensor-parallel ranks, each routing its own positions."""
     import json
     import random
+    import subprocess
+    import sys
     import threading
 
     from test_serve import _start, _wait_healthy
@@ -266,6 +280,13 @@ def test_serve_answers_the_openai_client_with_the_mixture(tmp_path, capsys):
         argv = ["--path", str(path), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "10"]
         assert cli.generate_main(argv) == 0
         expected.append(capsys.readouterr().out.rstrip("\n"))
+    split = subprocess.run(
+        [str(Path(sys.executable).with_name("generate")), *argv, "--model-parallel-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (split.returncode, split.stdout) == (0, expected[-1] + "\n"), split.stderr
     port = free_port()
     proc = _start(path, port, "--max-batch", "2")
     try:

@@ -262,11 +262,11 @@ ARGV = {"sft": sft_argv, "dpo": dpo_argv}
 _one_process = {}
 
 
-def one_process(chat, task, update_freq, tmp_path, model="llama"):
+def one_process(chat, task, update_freq, tmp_path, model="llama", *extra):
     """{update: (loss, gnorm)} of one process, one sample (pair) per micro-batch."""
-    key = (task, update_freq, model)
+    key = (task, update_freq, model, *extra)
     if key not in _one_process:
-        argv = ARGV[task](chat[0], model, "--update-freq", str(update_freq), batch_size=1)
+        argv = ARGV[task](chat[0], model, "--update-freq", str(update_freq), *extra, batch_size=1)
         _one_process[key] = train_updates(argv, 1, tmp_path)
     return _one_process[key]
 
@@ -288,6 +288,10 @@ def test_ranks_train_as_one_process(chat, task, backend, update_freq, tmp_path):
 
 
 SPLITS = ("--context-parallel-size", "--model-parallel-size", "--expert-parallel-size")
+# on a mixture of experts, the experts split over the ranks of a tensor-parallel group, each
+# of which routes its own positions; its balancing loss on, which counts no padding
+SPLIT_FLAGS = {"--expert-parallel-size": ["--expert-parallel-size", "2", "--model-parallel-size", "2"]}
+BALANCED = ["--moe-aux-loss-coef", "0.5"]
 
 
 @pytest.mark.parametrize("task,parallel", [(task, parallel) for task in ARGV for parallel in SPLITS])
@@ -296,15 +300,17 @@ def test_split_sequences_or_heads_train_as_one_process(chat, task, parallel, tmp
     from each end), packed documents their masks over the whole row, dpo's sequence
     log-likelihoods summed over the two ranks (policy and reference); --model-parallel-size
     2: half of every layer's heads and width, the Hugging Face weights read straight into
-    those shards (dpo's reference split as the policy is); --expert-parallel-size 2 (a
-    Qwen3-MoE): half of every layer's experts, the ranks' own samples (dpo's reference's
-    experts split too): one process's run."""
+    those shards (dpo's reference split as the policy is); --expert-parallel-size 2 ×
+    --model-parallel-size 2 (a Qwen3-MoE): half of every layer's heads and half of its
+    experts, each rank routing its own positions (padding uncounted in the balancing loss;
+    dpo's reference split as the policy is): one process's run."""
     experts = parallel == "--expert-parallel-size"
     model = "qwen3_moe" if experts else "llama"
-    flags = ["--ddp-backend", "fully_sharded", "--update-freq", "2", parallel, "2"]
-    split = train_updates(ARGV[task](chat[0], model, *flags, batch_size=1), 2, tmp_path)
-    # the ranks of a tensor or context group read the same samples, an expert group's their own
-    expected = one_process(chat, task, 4 if experts else 2, tmp_path, model)
+    balanced = BALANCED if experts else []
+    flags = ["--ddp-backend", "fully_sharded", "--update-freq", "2", *SPLIT_FLAGS.get(parallel, [parallel, "2"])]
+    split = train_updates(ARGV[task](chat[0], model, *flags, *balanced, batch_size=1), 2, tmp_path)
+    # the ranks of a tensor or context group read the same samples
+    expected = one_process(chat, task, 2, tmp_path, model, *balanced)
     assert sorted(split) == sorted(expected) == [1, 2]
     for n in expected:
         assert split[n] == pytest.approx(expected[n], rel=1e-5)

@@ -168,10 +168,29 @@ def device_meshes(hybrid, shard_group_size, env):
     return mesh["replicate", "shard"], mesh["tp"]
 
 
+def token_mesh(fsdp_mesh, tp_mesh, env):
+    """FSDP's mesh of what each rank computes on tokens of its own: the mixture-of-experts
+    layers' routers and experts, which tensor parallelism does not split, but runs on each
+    rank's own sequence positions (trainer/parallel/tensor_parallel.py). Without tensor
+    parallelism that is FSDP's mesh; with it, the data-parallel and tensor-parallel ranks
+    together: every rank ("tokens"), or (HSDP) HSDP's replicas × the rest."""
+    if tp_mesh is None:
+        return fsdp_mesh
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if fsdp_mesh.ndim == 1:
+        return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("tokens",))
+    replicas = fsdp_mesh.size(0)
+    return init_device_mesh(
+        env.device.type, (replicas, env.world_size // replicas), mesh_dim_names=("replicate", "tokens")
+    )
+
+
 def expert_meshes(fsdp_mesh, n, env):
     """(the expert-parallel mesh, FSDP's mesh of the experts) under --expert-parallel-size n:
     n consecutive ranks of a shard group split the experts ("ep"); the ranks at the same place
-    of the shard group's other expert groups ("efsdp"), and HSDP's replicas, shard them."""
+    of the shard group's other expert groups ("efsdp"), and HSDP's replicas, shard them.
+    fsdp_mesh: token_mesh's (under tensor parallelism, its ranks are shard group ranks too)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if env.world_size % n:
@@ -215,11 +234,13 @@ def shard_model(model, sharding, env):
                 "it runs, with no memory effect here"
             )
     experts = []
+    moe_mesh = token_mesh(mesh, tp_mesh, env)
     if sharding.expert_parallel_size > 1:
-        ep_mesh, expert_mesh = expert_meshes(mesh, sharding.expert_parallel_size, env)
+        ep_mesh, expert_mesh = expert_meshes(moe_mesh, sharding.expert_parallel_size, env)
         experts = apply_expert_parallel(model, ep_mesh)
         for unit in experts:  # each layer's experts, sharded over the ranks that hold the same ones
             fully_shard(unit, **{**kwargs, "mesh": expert_mesh})
+    experts += shard_routers(model, moe_mesh, tp_mesh, kwargs)
     units = [
         layer for layer in model.layers if sum(p.numel() for p in layer.parameters()) >= sharding.min_params_to_wrap
     ]
@@ -275,6 +296,21 @@ def shard_model(model, sharding, env):
     # since a skipped layer gets no gradient and so no step before it next runs.
     early = EarlyGather(model, units) if env.world_size > 1 else None
     return model, background, early, prefetch
+
+
+def shard_routers(model, moe_mesh, tp_mesh, kwargs):
+    """Under tensor parallelism, each mixture-of-experts layer (its router; its experts too
+    unless expert parallelism sharded them already) as an FSDP unit of its own on token_mesh:
+    its gradients are summed over the tensor-parallel ranks too, whose positions it routed.
+    Without, they stay in their layer's unit. Returns the units."""
+    if tp_mesh is None:
+        return []
+    from torch.distributed.fsdp import fully_shard
+
+    units = [layer.moe for layer in model.layers if layer.moe is not None]
+    for unit in units:
+        fully_shard(unit, **{**kwargs, "mesh": moe_mesh})
+    return units
 
 
 @torch.no_grad()
@@ -366,6 +402,12 @@ def freeze(model, cfg, env):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=sharding.param_dtype)
         if sharding.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
+        moe_mesh = token_mesh(mesh, tp_mesh, env)
+        if sharding.expert_parallel_size > 1:
+            ep_mesh, expert_mesh = expert_meshes(moe_mesh, sharding.expert_parallel_size, env)
+            for unit in apply_expert_parallel(model, ep_mesh):
+                fully_shard(unit, **{**kwargs, "mesh": expert_mesh})
+        shard_routers(model, moe_mesh, tp_mesh, kwargs)
         for layer in model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)

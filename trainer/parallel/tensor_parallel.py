@@ -11,6 +11,13 @@ Within a decoder layer, on the `tp` mesh dimension:
 - between them the residual stream, its norms and its dropout are split by sequence
   positions: an all-gather before each column-parallel projection, a reduce-scatter after
   each row-parallel one.
+A mixture-of-experts layer's router and experts (models/moe.py) are not split: each process
+routes its own sequence positions through whole experts, as a data-parallel rank routes its
+own tokens, so that the layer needs no collective in forward and no process computes what
+another does. To them the processes of the group are data-parallel ranks: FSDP shards them
+over the data-parallel and tensor-parallel ranks together (trainer/parallel/parallelize.py),
+expert parallelism draws its ranks from both, and the router's statistics are summed over
+the group (`route_own_positions`), whose processes see the same micro-batch.
 The token embedding and the output projection are split by vocabulary rows: the embedding
 sums the processes' rows (an all-reduce), and the loss is computed on the vocabulary shards
 (models/linear_cross_entropy.py) without ever holding B×T×V logits. What runs before the
@@ -83,11 +90,14 @@ def local_pieces(p, order=None):
 
 def fused_rows(model):
     """{parameter name: its row blocks} of the parameters whose rows tensor parallelism
-    reorders: every layer's qkv_proj (and its bias), a gated fc1 (and its bias)."""
+    reorders: every layer's qkv_proj (and its bias), a gated fc1 (and its bias); not a
+    mixture of experts' stacked experts, which it does not split."""
     fused = {}
     for i, layer in enumerate(model.layers):
         for name, blocks in layer.weight_blocks().items():
             module = name.rsplit(".", 1)[0]
+            if module.startswith("moe."):
+                continue
             for kind in ("weight", "bias"):
                 if getattr(getattr(layer, module), kind, None) is not None:
                     fused[f"layers.{i}.{module}.{kind}"] = tuple(blocks)
@@ -164,9 +174,10 @@ def layer_plan(layer):
         "qkv_proj": ColwiseParallel(input_layouts=Shard(1)),
         "out_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "final_layer_norm": SequenceParallel(),
-        "fc1": ColwiseParallel(input_layouts=Shard(1)),
-        "fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
     }
+    if layer.moe is None:
+        plan["fc1"] = ColwiseParallel(input_layouts=Shard(1))
+        plan["fc2"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
     if layer.q_norm is not None:  # per head, on this process's heads (dim 2 of B×T×H×D)
         plan["q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -199,6 +210,60 @@ def share_key_value_heads(layer, mesh):
         return torch.cat((q, pieces[..., 0, :].flatten(-2), pieces[..., 1, :].flatten(-2)), dim=-1)
 
     return hook
+
+
+class SumOwnGradient(torch.autograd.Function):
+    """x summed over `group`; its backward passes each process's gradient of the sum as that
+    of its own x (Megatron's reduce from the model-parallel region). DTensor's Partial →
+    Replicate would not do: its backward spreads the gradient back as a Partial, a share of
+    it on each process."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def route_own_positions(moe, mesh):
+    """Hooks on a mixture-of-experts layer (models/moe.py) under sequence parallelism: it
+    takes this process's positions (the local shard of its B×T/N×d input; their padding mask
+    cut to them) and gives back its output as the same shard. In training, the routing's
+    statistics are then summed over the group, so that every process holds its micro-batch's
+    as one process would: the choices and token counts (no gradient) by an all-reduce, the
+    probability sums by one whose backward gives each process the gradient of its own
+    tokens' (SumOwnGradient), so the balancing loss, equal on every process, sends its
+    gradient once."""
+    group = mesh.get_group()
+    whole = {}  # the shape and stride of the last input (a shard may be one position short)
+
+    def before(module, args):
+        x = args[0]
+        whole["shape"], whole["stride"] = x.shape, x.stride()
+        _, offset = compute_local_shape_and_global_offset(x.shape, mesh, x.placements)
+        x = x.to_local()  # its backward: the gradient of these positions, Shard(1)
+        counted = module.counted
+        if counted is not None and counted.numel() != x.shape[0] * x.shape[1]:  # not cut yet
+            first = offset[1]
+            module.counted = counted.view(x.shape[0], -1)[:, first : first + x.shape[1]].reshape(-1)
+        return (x, *args[1:])
+
+    def after(module, args, out):
+        stats = module.routing
+        if module.training and stats is not None:
+            tokens = torch.as_tensor(stats.tokens, dtype=torch.float32, device=stats.choices.device)
+            counts = torch.cat([stats.choices.float(), tokens[None]])
+            dist.all_reduce(counts, group=group)
+            probs = SumOwnGradient.apply(stats.probs_sum, group)
+            module.routing = type(stats)(counts[:-1], probs, counts[-1])
+        return DTensor.from_local(out, mesh, [Shard(1)], run_check=False, shape=whole["shape"], stride=whole["stride"])
+
+    moe.register_forward_pre_hook(before)
+    moe.register_forward_hook(after)
 
 
 def to_sequence_shards(mesh):
@@ -315,6 +380,8 @@ def apply_tensor_parallel(model, mesh):
             p = getattr(layer, attr)
             if p is not None:
                 layer.register_parameter(attr, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+        if layer.moe is not None:
+            route_own_positions(layer.moe, mesh)
         layer.register_forward_pre_hook(to_sequence_shards(mesh), with_kwargs=True)
     root = {"embed_tokens": VocabParallelEmbedding()}
     for name in ("embed_positions", "layernorm_embedding", "project_in_dim"):

@@ -8,7 +8,7 @@ from trainer.config.schema import model_positions, uses_fsdp
 from trainer.errors import UsageError
 from trainer.host import host_memory_gb, runs_on_gpu
 from trainer.plan import report, serve
-from trainer.plan.search import apply_hf_config, model_shape, published_vocab, refuse_experts, vocab_size
+from trainer.plan.search import apply_hf_config, model_shape, published_vocab, vocab_size
 
 
 def plan_report(cfg, opts):
@@ -73,6 +73,5 @@ def serve_report(cfg, opts, vocab, device, device_gb):
     elem = 2 if half else serve.SERVE_DTYPE_BYTES
     positions = min(opts.max_positions or model_positions(cfg), model_positions(cfg))
     setup = serve.ServeSetup(device, world, opts.max_batch, positions, elem)
-    refuse_experts(cfg, "plan --serve")
     plan = serve.serve_plan(model_shape(cfg, size), setup, device_gb)
     return json.dumps(plan) if opts.format == "json" else serve.as_text(plan)

@@ -75,13 +75,6 @@ def apply_hf_config(cfg, model_dir):
     return vocab, where
 
 
-def refuse_experts(cfg, command):
-    """plan --serve's ledger counts a dense layer's forward: a mixture of experts' dispatch
-    buffers at inference are not modelled yet (training's are: trainer/plan/activations.py)."""
-    if moe_layers(cfg.model):
-        raise UsageError(f"{command} does not model mixtures of experts (--moe-expert-count) yet")
-
-
 def model_shape(cfg, vocab):
     model_cfg = cfg.model
     positions = model_positions(cfg)

@@ -8,6 +8,9 @@ KV cache, max_batch rows × --max-positions (default every position), allocated 
 whole on every rank, since every rank runs every forward; and the largest forward's temporaries:
 a prefill of the longest prompt (one row, every position, its logits for every position
 kept for echo's log-probabilities) or a decode step (max_batch rows, one token each).
+A mixture of experts (models/moe.py) is served as a dense model is: no expert parallelism,
+each sparse layer one FSDP unit holding all its experts, gathered whole; its forward's
+largest moment is the experts' dispatch (sparse_ffn_bytes).
 Torch-free, as the rest of plan/.
 """
 
@@ -42,19 +45,48 @@ def kv_cache_bytes(m: ModelShape, s: ServeSetup):
     return 2 * m.layers * s.max_batch * m.kv * s.positions * m.hd * s.elem
 
 
+def sparse_ffn_bytes(m: ModelShape, s: ServeSetup, n):
+    """The largest moment of a mixture of experts' feed-forward (models/moe.py) over n tokens,
+    its input aside: the router's fp32 probabilities (N×E), the top-k ids, the order that
+    sorts them by expert and the tokens' ids (int64, N·k each), the weights, the sorted copies
+    x[tokens] (N·k×d), and the experts' work on those N·k rows. A CPU runs the experts one at
+    a time, one run of N·k/E rows at balanced routing: at its largest either the last run's
+    gate and up, act(gate) and their product (4F a row) beside the other runs' outputs (d),
+    or the outputs' concatenation beside them and the last run's gate and up. A GPU's grouped
+    matmul (bf16, Hopper's and later) takes every row at once: gate and up, act(gate) and the
+    product (4F), then the output (d) beside gate, up and the product; other GPUs run the
+    CPU's loop, so a GPU counts the larger."""
+    if not m.sparse_layers:
+        return 0
+    rows, d, F = n * m.top_k, m.dim, m.expert_ffn
+    routing = n * m.experts * 4 + 3 * rows * 8 + rows * s.elem
+    run = -(-rows // m.experts)
+    loop = max((rows - run) * d + run * 4 * F, 2 * rows * d + run * 2 * F)
+    grouped = rows * (3 * F + max(F, d)) if s.device == "cuda" else 0
+    return routing + s.elem * (rows * d + max(loop, grouped))
+
+
 def forward_bytes(m: ModelShape, s: ServeSetup, rows, tokens):
     """(activations, logits) of one forward over `rows` rows of `tokens` new tokens each,
     attending to at most s.positions keys. Without autograd nothing is kept from one layer
     to the next but the residual stream, so the largest layer moment counts: its input, the
-    qkv projection, the feed-forward's hidden width, and the attention scores, fp32 rows ×
-    heads × tokens × keys (the masked SDPA's math path on a CPU; a GPU's kernels hold less)."""
+    qkv projection, the feed-forward's hidden width (a dense layer's fc1, a sparse layer's
+    dispatch), and the attention scores, fp32 rows × heads × tokens × keys (the masked SDPA's
+    math path on a CPU; a GPU's kernels hold less)."""
     n = rows * tokens
     keys = min(s.positions, tokens) if tokens > 1 else s.positions
-    layer = n * s.elem * (2 * m.dim + max(m.qkv_width, m.fc1_width)) + rows * m.heads * tokens * keys * 4
+    dense_ffn = m.fc1_width if m.layers > len(m.sparse_layers) else 0
+    widest = max(n * s.elem * max(m.qkv_width, dense_ffn), sparse_ffn_bytes(m, s, n))
+    layer = n * s.elem * 2 * m.dim + widest + rows * m.heads * tokens * keys * 4
     # The model's logits in the serving dtype; echo's log_softmax reads an fp32 copy and makes another.
     cast = 0 if s.elem == 4 else 4
     logits = n * m.vocab * (s.elem + cast + 4)
     return layer, logits
+
+
+def gathered_layers_params(m: ModelShape, count):
+    """The most parameters `count` consecutive layers hold (sparse layers outweigh dense ones)."""
+    return max(sum(m.params_of(j) for j in range(i, i + count)) for i in range(m.layers - count + 1))
 
 
 def serve_components(m: ModelShape, s: ServeSetup):
@@ -68,7 +100,7 @@ def serve_components(m: ModelShape, s: ServeSetup):
         "runtime": RUNTIME_GB[s.device] * GB,
         "parameters": m.params * s.elem / s.world,
         # Unsharded (one rank) the weights are all there already: nothing more is gathered.
-        "gathered_parameters": (m.root_params + layers_gathered * m.layer_params) * s.elem if sharded else 0,
+        "gathered_parameters": (m.root_params + gathered_layers_params(m, layers_gathered)) * s.elem if sharded else 0,
         "kv_cache": kv_cache_bytes(m, s),
         "activations": acts,
         "logits": logits,

@@ -29,8 +29,8 @@ def check_expert_parallel(cfg):
         )
     if model.moe_expert_count % n:
         raise UsageError(f"{flag} must divide --moe-expert-count {model.moe_expert_count}: each rank holds as many")
-    if cfg.common.model_parallel_size > 1 or cfg.common.context_parallel_size > 1:
-        raise UsageError(f"{flag} with tensor or context parallelism is not built yet; set those to 1")
+    if cfg.common.context_parallel_size > 1:
+        raise UsageError(f"{flag} with context parallelism is not built yet; set --context-parallel-size 1")
     distributed = cfg.distributed_training
     world = distributed.distributed_world_size
     if world > 1 and world % n:
@@ -77,11 +77,6 @@ def check_model_splits(model, n, flag):
         )
     if getattr(model, "quant_noise_pq", 0) > 0 or getattr(model, "quant_noise_scalar", 0) > 0:
         raise UsageError(f"{flag}: Quant-Noise draws its noise over whole weights; leave it at 1")
-    if moe_layers(model):
-        raise UsageError(
-            f"{flag}: the mixture-of-experts layers (--moe-expert-count) are not split by tensor parallelism yet; "
-            "train them with --model-parallel-size 1"
-        )
     if getattr(model, "scale_fc", False):
         raise UsageError(
             f"{flag}: --scale-fc normalizes the feed-forward's hidden width, which tensor parallelism splits "
