@@ -322,3 +322,85 @@ class SizeTracker:
             f"{self.size_centroids:.2f} MB + {self.size_non_quantized:.2f} MB = "
             f"{size_compressed:.2f} MB, compression ratio: {ratio:.2f}x"
         )
+
+
+class StackedLinear(nn.Module):
+    """A linear layer whose weight stacks several matrices by rows (the attention's qkv_proj:
+    fairseq's q_proj, k_proj and v_proj), some of them quantized: each part is a PQLinear
+    (without bias) or a plain weight, and the stacked weight is rebuilt in every forward.
+    fairseq quantizes q, k and v as three layers, each with its own centroids."""
+
+    def __init__(self, parts, bias):
+        super().__init__()
+        self.parts = nn.ModuleDict(parts)
+        self.bias = bias if bias is None else nn.Parameter(bias)
+
+    @property
+    def weight(self):
+        return torch.cat([part.weight for part in self.parts.values()])
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+def empty_pq_module(module, spec, device):
+    """The PQ counterpart of `module` (an nn.Linear or nn.Embedding) with uninitialized
+    centroids and zero assignments of the shapes `spec` ({"centroids": (k, block),
+    "assignments": (n,), "counts": (m,)}) says: the place a checkpoint's values load into."""
+    centroids = torch.empty(spec["centroids"], device=device)
+    assignments = torch.zeros(spec["assignments"], dtype=torch.long, device=device)
+    pq = quantized_module(module, centroids, assignments)
+    pq.counts = torch.zeros(spec["counts"], device=device)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        pq.bias = nn.Parameter(torch.empty(module.bias.shape, device=device))
+    return pq
+
+
+def quantized_specs(shapes):
+    """{module name: its PQ spec} from a checkpoint's tensor shapes ({name: shape}): a module
+    saved as `<name>.centroids`, `.assignments` and `.counts` in place of `<name>.weight`."""
+    specs = {}
+    for name, shape in shapes.items():
+        if name.endswith(".centroids"):
+            module = name[: -len(".centroids")]
+            specs[module] = {
+                "centroids": tuple(shape),
+                "assignments": tuple(shapes[module + ".assignments"]),
+                "counts": tuple(shapes[module + ".counts"]),
+            }
+    return specs
+
+
+def stacked(linear, rows, device):
+    """A StackedLinear of `linear`'s shape whose parts (uninitialized, plain) are `rows`
+    ({part name: row count}, in row order)."""
+    parts = {name: nn.Linear(linear.in_features, n, bias=False, device=device) for name, n in rows.items()}
+    bias = None if linear.bias is None else torch.empty(linear.bias.shape, device=device)
+    return StackedLinear(parts, bias)
+
+
+def apply_quantized(model, specs, part_rows, device):
+    """Make the modules `specs` names (quantized_specs) PQ modules of those shapes, in place,
+    uninitialized: what a checkpoint of a quantized model loads into. A name under
+    `<owner>.parts.` is a part of a stacked weight: `owner` becomes a StackedLinear first, of
+    the parts part_rows(owner) gives ({name: rows})."""
+    for name, spec in specs.items():
+        head, _, _ = name.rpartition(".")
+        if head.endswith(".parts"):
+            owner = head[: -len(".parts")]
+            module = attrgetter(owner)(model)
+            if not isinstance(module, StackedLinear):
+                set_submodule(model, owner, stacked(module, part_rows(owner), device))
+        set_submodule(model, name, empty_pq_module(attrgetter(name)(model), spec, device))
+
+
+def split_stacked(state, owner, rows):
+    """`state` ({name: tensor}, a model's whole tensors) with `owner`'s weight cut into the
+    weights of its parts (rows: {part name: row count}), as a StackedLinear names them; a
+    state already cut is returned as it is."""
+    state = dict(state)
+    weight = state.pop(owner + ".weight", None)
+    if weight is not None:
+        for part, piece in zip(rows, weight.split(list(rows.values()))):
+            state[f"{owner}.parts.{part}.weight"] = piece
+    return state

@@ -125,7 +125,10 @@ class QuantizationSchedule:
     def begin_epoch(self, epoch):
         """At the start of `epoch` (from 1): the stage to quantize, or None. By updates too,
         the first stage comes at the first epoch's start."""
-        by_epoch = self.epoch_schedule is not None and epoch > 0 and (epoch - 1) % self.epoch_schedule == 0
+        every = self.epoch_schedule
+        # a resumed epoch starts again: its stage, quantized before the save, is not done twice
+        by_epoch = every is not None and epoch > 0 and (epoch - 1) % every == 0
+        by_epoch = by_epoch and self.quantization_step == (epoch - 1) // every
         return self._next_stage() if by_epoch or self.quantization_step == 0 else None
 
     def step_update(self, num_updates):
