@@ -347,9 +347,10 @@ def empty_pq_module(module, spec, device):
     """The PQ counterpart of `module` (an nn.Linear or nn.Embedding) with uninitialized
     centroids and zero assignments of the shapes `spec` ({"centroids": (k, block),
     "assignments": (n,), "counts": (m,)}) says: the place a checkpoint's values load into."""
-    centroids = torch.empty(spec["centroids"], device=device)
-    assignments = torch.zeros(spec["assignments"], dtype=torch.long, device=device)
-    pq = quantized_module(module, centroids, assignments)
+    # built on the host (the counts' bincount has no meta kernel), then given its place
+    pq = quantized_module(module, torch.empty(spec["centroids"]), torch.zeros(spec["assignments"], dtype=torch.long))
+    pq.centroids = nn.Parameter(torch.empty(spec["centroids"], device=device))
+    pq.assignments = torch.zeros(spec["assignments"], dtype=torch.long, device=device)
     pq.counts = torch.zeros(spec["counts"], device=device)
     if isinstance(module, nn.Linear) and module.bias is not None:
         pq.bias = nn.Parameter(torch.empty(module.bias.shape, device=device))
