@@ -80,10 +80,12 @@ GRID = {
     "memory_efficient_fp16": (FSDP + ["--memory-efficient-fp16"], 8),
     "fp16_cpu_offload_adam": (FSDP + ["--fp16", "--cpu-offload"], 16),
     "cpu_offload_cpu_adam": (FSDP + ["--cpu-offload", "--optimizer", "cpu_adam"], 8),
-    "checkpoint_activations": (FSDP + ["--checkpoint-activations"], 8),
-    "offload_activations": (FSDP + ["--offload-activations"], 8),
-    "update_freq_4": (FSDP + ["--update-freq", "4"], 8),
-    "no_reshard_after_forward": (FSDP + ["--no-reshard-after-forward"], 8),
+    # two FSDP flags a row: each changes what another row's does not
+    "checkpoint_activations_update_freq_4": (FSDP + ["--checkpoint-activations", "--update-freq", "4"], 8),
+    "offload_activations_no_reshard_after_forward": (
+        FSDP + ["--offload-activations", "--no-reshard-after-forward"],
+        8,
+    ),
     "adafactor": (FSDP + ["--optimizer", "adafactor", "--lr", "0.001"], 8),
     "lamb": (FSDP + ["--optimizer", "lamb"], 8),
     # 16 ranks share fewer matrices than ranks: the last owns none (Muon's exchange)

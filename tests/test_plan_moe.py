@@ -2,10 +2,12 @@
 trainer/plan/shapes.py's expert fields, activations.py's sparse layer, comm.py's
 `expert_parallel`): the parameter count against the built model, what a sparse layer saves
 for backward against autograd on the real layer, the exchanges counted, the EP degrees the
-search tries on GPUs, and predicted against measured peaks of a one-process run and an
-EP 2 run."""
+search tries on GPUs, predicted against measured peaks of an EP 2 and a TP 2 run, and the
+parameters a rank holds under TP (× EP) against the real sharded model's."""
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from plan_helpers import SETUP, cfg_of, measured_peak_gb, plan_json, saved_for_backward_bytes
@@ -91,6 +93,66 @@ def test_prediction_matches_a_measured_expert_parallel_run(tmp_path, capsys):
     assert predicted == pytest.approx(measured, rel=0.10)
 
 
+def test_prediction_matches_a_measured_tensor_parallel_run(tmp_path, capsys):
+    """Predicted vs measured peak resident memory per rank (mem_gb) at TP 2 on 2 ranks: each
+    rank routes its own half of the positions through whole experts, which FSDP shards over
+    both ranks (the mixture's own unit), and holds its half of the attention. 16 experts, so
+    that their states weigh: counted whole on each rank, the prediction would miss by more
+    than the tolerance."""
+    layout = ["--ddp-backend", "fully_sharded", "--distributed-world-size", "2", "--model-parallel-size", "2"]
+    model = MEASURED + ["--moe-expert-count", "16"] + layout
+    predicted = plan_json(capsys, *model, "--cpu")["per_rank_gb"]
+    measured = measured_peak_gb(model, 2, tmp_path)
+    print(f"{' '.join(layout)}: predicted {predicted} GB, measured {measured} GB")
+    assert predicted == pytest.approx(measured, rel=0.10)
+
+
+def _held_rank(index, layouts, ports, out):
+    """One of 2 ranks: for each layout, the model built and sharded as `train` builds it, and
+    the elements of the parameters this rank holds."""
+    from helpers import compose
+    from trainer.parallel import ranks as distributed
+    from trainer.rendezvous import Rendezvous
+    from trainer.train.main import build
+
+    held = []
+    for argv, port in zip(layouts, ports):
+        cfg = compose(argv)
+        rdv = Rendezvous(f"tcp://127.0.0.1:{port}", 2, rank=index, local_rank=index, local_world_size=2)
+        env = distributed.init_rank(cfg, rdv, needs_process_group=True)
+        try:
+            _, trainer, _ = build(cfg, env)
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in trainer.model.parameters()]
+            held.append(sum(p.numel() for p in local))
+        finally:
+            distributed.teardown()
+    Path(f"{out}.{index}").write_text(json.dumps(held))
+
+
+def test_a_rank_holds_the_parameters_plan_counts_under_tensor_parallelism(tmp_path):
+    """The parameters rank 0 holds of the real sharded model (2 gloo ranks: its TP share of
+    attention, norms and the odd vocabulary's rows; 1/2 of every router and expert, sharded
+    over the TP ranks too), dense and sparse layers mixed, at TP 2 and at TP 2 × EP 2 (each
+    rank 2 of the 4 experts), against plan's count (shapes.sharded_params)."""
+    from helpers import run_ranks
+    from trainer.plan.search import setup_of
+    from trainer.plan.shapes import sharded_params, tensor_parallel_share
+    from trainer.rendezvous import free_port
+
+    model = ["--task", "dummy_lm", "--dict-size", str(VOCAB), "--tokens-per-sample", "64", "--batch-size", "2", *MOE]
+    model += ["--decoder-layers", "4", "--moe-freq", "2", "--ddp-backend", "fully_sharded"]
+    model += ["--distributed-world-size", "2", "--model-parallel-size", "2"]
+    layouts = [model, model + ["--expert-parallel-size", "2"]]
+    out = tmp_path / "held"
+    run_ranks(_held_rank, (layouts, [free_port() for _ in layouts], str(out)), 2)
+    held = json.loads(Path(f"{out}.0").read_text())
+    for argv, got in zip(layouts, held):
+        cfg = cfg_of(*argv)
+        shape = model_shape(cfg, VOCAB)
+        assert shape.sparse_layers == (1, 3)
+        assert got == sharded_params(tensor_parallel_share(shape, 2), setup_of(cfg, "cpu", 2)), argv
+
+
 def test_expert_parallel_exchanges_and_expert_units_are_counted():
     """Per sparse layer and micro-batch: 2 all-to-alls in forward (a checkpointed layer's
     forward runs twice) and 2 in backward, each the N·k×d rows' share leaving the rank; the
@@ -104,25 +166,30 @@ def test_expert_parallel_exchanges_and_expert_units_are_counted():
     ckpt = comm_bytes(shape, replace(ep2, checkpoint_activations=True))["expert_parallel"]
     assert ckpt == pytest.approx(2 * 2 * 6 * rows / 2)
     assert comm_bytes(shape, fsdp4)["expert_parallel"] == 0
-    # 2 micro-batches × 3 gathers of a layer's experts (layer 0 again in backward): over 4
-    # ranks, 3/4 of E experts come from the others; at EP 2 over 2 ranks, 1/2 of E/2
-    gathers = 2 * 3 * shape.expert_params * 4
+    # per micro-batch (2): in their layers' units, 3 gathers of a layer's experts (layer 0
+    # again in backward), over 4 ranks, 3/4 of E experts from the others; at EP 2, units of
+    # their own, resharded after forward in the last layer too, 4 gathers over 2 ranks, 1/2 of E/2
+    experts = 2 * shape.expert_params * 4
     saved = comm_bytes(shape, fsdp4)["all_gather"] - comm_bytes(shape, ep2)["all_gather"]
-    assert saved == pytest.approx(gathers * (3 / 4 - 1 / 4))
+    assert saved == pytest.approx(experts * (3 * 3 / 4 - 4 * 1 / 4))
     assert predict(shape, ep2).components["parameters"] == predict(shape, fsdp4).components["parameters"]
 
 
 def test_the_search_tries_expert_parallel_degrees_on_gpus(capsys):
-    """On GPUs a mixture of experts' layouts are EP degrees that divide a node's GPUs, the
-    experts and the shard group (no TP or CP), fewest bytes received first; the choice is
-    written as --expert-parallel-size, and the report states the routing it assumes and the
-    worst case. Every optimizer runs under EP: Adafactor's search tries the same degrees."""
+    """On GPUs a mixture of experts' layouts are the TP degrees a dense model's are, each with
+    the EP degrees that divide a node's GPUs, the experts and the ranks the mixture is sharded
+    over (no CP); fewest TP ranks first, then fewest bytes received; the choice is written as
+    --expert-parallel-size, and the report states the routing it assumes and the worst case.
+    Every optimizer runs under EP: Adafactor's search tries the same degrees."""
     shape = shape_of("--decoder-layers", "2")
     gpus = replace(SETUP, device="cuda", world=16, ranks_per_host=8, shard=16, precision="bf16")
     got = layouts(shape, gpus)
-    assert sorted(o.ep for o in got) == [1, 2, 4]  # 4 experts: 8 does not divide them
-    assert all(o.tp == o.cp == 1 for o in got)
-    assert sorted(o.ep for o in layouts(shape, replace(gpus, optimizer="adafactor"))) == [1, 2, 4]
+    # TP 1, 2, 4 (4 heads; TP 8 does not divide them) × EP 1, 2, 4 (4 experts: 8 does not divide them)
+    both = {(t, e) for t in (1, 2, 4) for e in (1, 2, 4)}
+    assert {(o.tp, o.ep) for o in got} == both
+    assert all(o.cp == 1 for o in got) and [o.tp for o in got] == sorted(o.tp for o in got)
+    assert {(o.tp, o.ep) for o in layouts(shape, replace(gpus, optimizer="adafactor"))} == both
+    assert {(o.tp, o.ep) for o in layouts(shape, replace(gpus, model_parallel_ok=False))} == {(1, 1), (1, 2), (1, 4)}
     assert [o.ep for o in layouts(shape, replace(gpus, device="cpu"))] == [1]
     # docs/planning.md's question: qwen3_moe_30b_a3b on 8 × 80 GB
     argv = ["--arch", "qwen3_moe_30b_a3b", "--bf16", "--ddp-backend", "fully_sharded", "--distributed-world-size", "8"]

@@ -1,8 +1,9 @@
 """The planner under tensor and context parallelism (--model-parallel-size,
 --context-parallel-size; trainer/plan/shapes.py tensor_parallel_share, ledger.py, comm.py,
-layouts.py): a tensor-parallel rank's parameters and a layer's saved activations against the
-real split layer on 2 gloo ranks, predicted against measured peaks of TP 2, FSDP 2 × TP 2 and
-CP 2 runs, the collectives counted, and the layouts the search tries on GPUs."""
+layouts.py): a tensor-parallel rank's parameters and a layer's saved activations (dense, and a
+mixture of experts') against the real split layer on 2 gloo ranks, predicted against measured
+peaks of TP 2, FSDP 2 × TP 2 and CP 2 runs, the collectives counted, and the layouts the
+search tries on GPUs."""
 
 import json
 from dataclasses import replace
@@ -18,13 +19,16 @@ from trainer.plan.shapes import tensor_parallel_share
 
 # The Llama layer at test size (test_plan_models'), two of them.
 LLAMA = ["--decoder-layers", "2", *LLAMA_LAYER]
+# and as a mixture of experts (test_plan_moe's): each rank routes its own positions through whole experts
+LLAMA_MOE = [*LLAMA, "--moe-expert-count", "4", "--moe-top-k", "2", "--moe-ffn-embed-dim", "128"]
 VOCAB = 779  # odd: the vocabulary's rows split unevenly
+MODELS = {"dense": LLAMA, "moe": LLAMA_MOE}
 
 
 def _split_layer_rank(index, port, out):
-    """One rank of a TP 2 group: the model split as train splits it, its parameters' local
-    elements, and the bytes the first layer's forward saves for backward (local storages,
-    weights aside), in fp32 and in bf16."""
+    """One rank of a TP 2 group: the model (dense, and a mixture of experts) split as train
+    splits it, its parameters' local elements, and the bytes the first layer's forward saves
+    for backward (local storages, weights aside), in fp32 and in bf16."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -35,27 +39,29 @@ def _split_layer_rank(index, port, out):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    cfg = cfg_of("--task", "dummy_lm", "--dict-size", str(VOCAB), "--tokens-per-sample", str(SETUP.seq_len), *LLAMA)
     result = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        torch.manual_seed(0)
-        model = build_model(cfg.model, VOCAB, SETUP.seq_len).to(dtype)
-        apply_tensor_parallel(model, mesh)
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-        weights = {p.untyped_storage().data_ptr() for p in local}
-        saved = {}
+    for name, flags in MODELS.items():
+        cfg = cfg_of("--task", "dummy_lm", "--dict-size", str(VOCAB), "--tokens-per-sample", str(SETUP.seq_len), *flags)
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            model = build_model(cfg.model, VOCAB, SETUP.seq_len).to(dtype)
+            apply_tensor_parallel(model, mesh)
+            local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+            weights = {p.untyped_storage().data_ptr() for p in local}
+            saved = {}
 
-        def pack(t, weights=weights, saved=saved):
-            t = t._local_tensor if isinstance(t, DTensor) else t
-            if t.untyped_storage().data_ptr() not in weights:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
+            def pack(t, weights=weights, saved=saved):
+                t = t._local_tensor if isinstance(t, DTensor) else t
+                if t.untyped_storage().data_ptr() not in weights:
+                    saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
 
-        x = torch.randn(SETUP.sequences, SETUP.seq_len, cfg.model.decoder_embed_dim, dtype=dtype, requires_grad=True)
-        rope = rope_tables(rope_inverse_frequencies(cfg.model), 0, SETUP.seq_len, dtype)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.layers[0](x, rope=rope)
-        result[str(dtype)] = {"params": sum(p.numel() for p in local), "saved": sum(saved.values())}
+            shape = (SETUP.sequences, SETUP.seq_len, cfg.model.decoder_embed_dim)
+            x = torch.randn(*shape, dtype=dtype, requires_grad=True)
+            rope = rope_tables(rope_inverse_frequencies(cfg.model), 0, SETUP.seq_len, dtype)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                model.layers[0](x, rope=rope)
+            result[f"{name} {dtype}"] = {"params": sum(p.numel() for p in local), "saved": sum(saved.values())}
     # the embedding's backward (the model's last, fp32 here): the gradient it makes for this
     # rank's rows of the table
     model.embed_tokens(torch.randint(0, VOCAB, (2, 8))).sum().backward()
@@ -69,23 +75,29 @@ def test_a_tensor_parallel_rank_holds_and_saves_what_plan_counts(tmp_path):
     parameters are tensor_parallel_share's count (its heads, width and vocabulary rows; norms
     whole), and a layer's forward saves what the ledger counts: the norms' inputs and rstd on
     the rank's positions (sequence parallelism), the projections' inputs gathered over all
-    positions, the attention and feed-forward on the rank's heads and width."""
+    positions, the attention and feed-forward on the rank's heads and width; a mixture of
+    experts' router and experts on the rank's own positions, its norm's output not gathered."""
     from helpers import run_ranks
     from trainer.rendezvous import free_port
 
     out = tmp_path / "ranks"
     run_ranks(_split_layer_rank, (free_port(), str(out)), 2)
+    for name, flags in MODELS.items():
+        cfg = cfg_of("--task", "dummy_lm", "--dict-size", str(VOCAB), *flags)
+        shape = model_shape(cfg, VOCAB)
+        share = tensor_parallel_share(shape, 2)
+        for rank in range(2):
+            got = json.loads(Path(f"{out}.{rank}").read_text())
+            for precision, dtype in (("fp32", "torch.float32"), ("bf16", "torch.bfloat16")):
+                setup = replace(SETUP, world=2, shard=1, tp=2, precision=precision)
+                if rank == 0:  # the uneven vocabulary: rank 0 holds the larger share, which plan counts
+                    assert got[f"{name} {dtype}"]["params"] == share.params
+                sparse = shape.is_sparse(0)
+                counted = layer_activation_bytes(share, setup, sparse=sparse) + rope_table_bytes(share, setup)
+                assert got[f"{name} {dtype}"]["saved"] == counted, (name, rank, precision)
     cfg = cfg_of("--task", "dummy_lm", "--dict-size", str(VOCAB), *LLAMA)
     shape = model_shape(cfg, VOCAB)
     share = tensor_parallel_share(shape, 2)
-    for rank in range(2):
-        got = json.loads(Path(f"{out}.{rank}").read_text())
-        for precision, dtype in (("fp32", "torch.float32"), ("bf16", "torch.bfloat16")):
-            setup = replace(SETUP, world=2, shard=1, tp=2, precision=precision)
-            if rank == 0:  # the uneven vocabulary: rank 0 holds the larger share, which plan counts
-                assert got[dtype]["params"] == share.params
-            counted = layer_activation_bytes(share, setup) + rope_table_bytes(share, setup)
-            assert got[dtype]["saved"] == counted, (rank, precision)
     assert share.params < shape.params / 2 + shape.dim * 8  # about half: only norms are whole
     # the embedding's backward makes the gradient of the rank's own rows of the table only
     # (trainer/parallel/tensor_parallel.py's lookup; torch's RowwiseParallel made the whole

@@ -24,7 +24,8 @@ up, 2·ffn wide), the activation of the gate and their product.
 
 A mixture of experts' layer (models/moe.py) saves, in place of the feed-forward's tensors,
 the router's and the experts' (sparse_ffn_saved_bytes); its dispatch's transients are
-sparse_ffn_transient_bytes'.
+sparse_ffn_transient_bytes'. Under tensor parallelism both are of the rank's own positions,
+which it routes through whole experts, and the router keeps its norm's output ungathered.
 
 Quant-Noise's fc1 and fc2 keep the noised copy of their weights they multiplied by, and
 --quant-noise-scalar's clamps their outputs before the clamps (models/quant_noise.py).
@@ -47,13 +48,17 @@ def cpu_attention_backward_bytes(m, s):
     return 3 * chunks.attention_heads_per_chunk(s.rows * m.heads, queries, 2, keys=s.seq_len) * per_head
 
 
-def norm_saved_bytes(m: ModelShape, s: Setup):
-    """Per token, what one norm before a matmul saves, that matmul's saved input included."""
+def norm_saved_bytes(m: ModelShape, s: Setup, gathered=True):
+    """Per token, what one norm before a matmul saves, that matmul's saved input included.
+    gathered=False: the norm before a mixture of experts, whose router keeps the norm's output
+    on the rank's own positions."""
     elem = s.compute_bytes  # bytes of one element in the compute dtype
     stream = 4 if s.precision != "fp32" and not s.sharded else elem  # autocast keeps the residual stream fp32
     # input, (mean,) rstd, output. Under tensor parallelism the norm sees 1/tp of the positions
-    # (sequence parallelism) and the matmul keeps its input all-gathered over them.
-    return (stream * m.dim + (4 if m.norm == "rmsnorm" else 8)) / s.tp + elem * m.dim
+    # (sequence parallelism) and a column-parallel matmul keeps its input all-gathered over them.
+    return (stream * m.dim + (4 if m.norm == "rmsnorm" else 8) + (0 if gathered else elem * m.dim)) / s.tp + (
+        elem * m.dim if gathered else 0
+    )
 
 
 # Activations whose backward keeps their output, not their input: the tensor fc2 (or the
@@ -106,10 +111,11 @@ def rope_rows(s: Setup):
 
 def expert_rows(m: ModelShape, s: Setup):
     """Rows one rank's experts take per sparse layer and micro-batch: its own tokens' N·k
-    choices; under expert parallelism the choices of the group's tokens routed to its E/ep
-    experts, which routing decides. Predicted at balance (N·k); at worst every token of the
-    group goes to this rank's experts: ep·N·k (trainer/plan/report.py states it)."""
-    return s.tokens * m.top_k
+    choices (N: the positions it routes, 1/tp of the micro-batch's under tensor parallelism);
+    under expert parallelism the choices of the group's tokens routed to its E/ep experts,
+    which routing decides. Predicted at balance (N·k); at worst every token of the group goes
+    to this rank's experts: ep·N·k (trainer/plan/report.py states it)."""
+    return s.routed_tokens * m.top_k
 
 
 def sparse_ffn_saved_bytes(m: ModelShape, s: Setup):
@@ -122,8 +128,9 @@ def sparse_ffn_saved_bytes(m: ModelShape, s: Setup):
     product (F each); the experts' N·k×d outputs the weighting keeps, and their weighted copy
     index_add keeps. Under expert parallelism the sorted copies x[tokens] are sent, not saved:
     the received rows, put in expert order (the int64 order kept), are what the experts save,
-    and the unpermuting index_add keeps their outputs before they travel back."""
-    n, k, elem, E, d, F = s.tokens, m.top_k, s.compute_bytes, m.experts, m.dim, m.expert_ffn
+    and the unpermuting index_add keeps their outputs before they travel back. N: the tokens
+    the rank routes (under tensor parallelism its own positions, Setup.routed_tokens)."""
+    n, k, elem, E, d, F = s.routed_tokens, m.top_k, s.compute_bytes, m.experts, m.dim, m.expert_ffn
     routing = n * E * 4 + 3 * n * k * 8 + (n * k * 4 + n * 4 if m.norm_topk else 0) + n * k * elem
     rows = expert_rows(m, s)
     experts = rows * elem * (d + 4 * F) + (rows * (8 + d * elem) if s.ep > 1 else 0)
@@ -137,8 +144,9 @@ def sparse_ffn_transient_bytes(m: ModelShape, s: Setup):
     sorted copies sent (N·k×d), the rows received and the outputs unpermuted to go back
     (rows×d each). Backward: the gradient coming in (N×d),
     that of the weighted outputs and of the outputs (N·k×d each; then the input rows'
-    pieces and their concatenation), under expert parallelism the exchanges' again."""
-    n, k, elem, d = s.tokens, m.top_k, s.compute_bytes, m.dim
+    pieces and their concatenation), under expert parallelism the exchanges' again. N: as
+    sparse_ffn_saved_bytes'."""
+    n, k, elem, d = s.routed_tokens, m.top_k, s.compute_bytes, m.dim
     rows = expert_rows(m, s)
     if s.ep > 1:
         return (n * k * d + 2 * rows * d) * elem, (n * d + 2 * n * k * d + 2 * rows * d) * elem
@@ -153,8 +161,8 @@ def layer_activation_bytes(m: ModelShape, s: Setup, sparse=False):
     autocast = s.precision != "fp32" and not s.sharded
     cpu_matmul = uses_cpu_matmul_attention(m, s)
     q_and_kv = m.heads + m.kv  # heads q_norm and k_norm see
-    # the two norms before qkv_proj and fc1, and the attention output out_proj keeps
-    per_token = 2 * norm_saved_bytes(m, s) + elem * m.inner
+    # the two norms before qkv_proj and fc1 (or the router), and the attention output out_proj keeps
+    per_token = norm_saved_bytes(m, s) + norm_saved_bytes(m, s, gathered=not sparse) + elem * m.inner
     if cpu_matmul:  # q (scaled), k and v, each repeated to every query head
         per_token += 3 * elem * m.inner
     else:  # qkv_proj's output (v is a view of it), the rotated (or normalized) q and k

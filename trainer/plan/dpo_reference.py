@@ -6,15 +6,16 @@ ledger of device memory (or its host bytes under --cpu-offload on a GPU). Torch-
 
 from models import chunks  # the kernels' chunk sizes (torch-free): the model's and the prediction's are one
 from trainer.plan.activations import cpu_attention_backward_bytes, rope_rows
+from trainer.plan.shapes import sharded_params
 
 
 def reference_model(walk):
     """The frozen reference: fp32 parameters only, sharded as the policy's (whole under DDP)."""
-    m, s = walk.m, walk.s
+    held = 4 * sharded_params(walk.m, walk.s)
     if walk.offload:
-        walk.host += 4 * m.params / s.shard
+        walk.host += held
     else:
-        walk.ledger.add("reference_model", 4 * m.params / s.shard)
+        walk.ledger.add("reference_model", held)
 
 
 def reference_forward(walk):

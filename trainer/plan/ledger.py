@@ -31,7 +31,7 @@ from trainer.plan.comm import comm_bytes
 from trainer.plan.dpo_reference import per_row_loss, reference_forward, reference_model
 from trainer.plan.optimizer_memory import state_bytes
 from trainer.plan.optimizer_step import optimizer_step
-from trainer.plan.shapes import ModelShape, Setup, tensor_parallel_share
+from trainer.plan.shapes import ModelShape, Setup, sharded_params, tensor_parallel_share
 
 # The planner's names, importable from here as before the split into shapes, activations and comm.
 __all__ = [
@@ -186,7 +186,9 @@ class UpdateWalk:
 
     def gathered_params(self, i):
         """Layer i's parameters as FSDP gathers them: a sparse layer's experts under expert
-        parallelism are their own unit, gathered over the ranks holding the same E/ep experts."""
+        parallelism are their own unit, gathered over the ranks holding the same E/ep experts;
+        under tensor parallelism its router and experts are (the rank's TP share of attention
+        and norms, with the whole router and E/ep whole experts)."""
         m = self.m
         if not m.is_sparse(i):
             return m.layer_params
@@ -212,24 +214,24 @@ class UpdateWalk:
         """Sharded parameters, optimizer state and --store-ema's average (on the host under
         --cpu-offload on a GPU, with the sharded gradients), and DDP's buckets."""
         m, s, L = self.m, self.s, self.ledger
-        P, S = m.params, s.shard
+        held = sharded_params(m, s)  # this rank's shards
         sharded_state, replicated_state = state_bytes(m, s)
         for name, nbytes in (
-            ("parameters", 4 * P / S),
+            ("parameters", 4 * held),
             ("optimizer_state", sharded_state),
             ("optimizer_state_replicated", replicated_state),
-            ("ema", s.ema_bytes * P / S),
+            ("ema", s.ema_bytes * held),
         ):
             if self.offload:
                 self.host += nbytes
             else:
                 L.add(name, nbytes)
         if self.offload:
-            self.host += 4 * P / S  # the sharded gradients
+            self.host += 4 * held  # the sharded gradients
         if s.dpo:
             reference_model(self)
         if s.ddp_buckets:
-            L.add("gradients", 4 * P)  # DDP's buckets: a flat copy of every gradient
+            L.add("gradients", 4 * m.params)  # DDP's buckets: a flat copy of every gradient
 
     def forward(self):
         m, s, L, elem, n = self.m, self.s, self.ledger, self.elem, self.s.tokens
@@ -367,8 +369,9 @@ class UpdateWalk:
                 self.release(i)
             elif s.sharded:
                 self.release(i)  # FSDP2's post-backward reshards the layer, then reduces it
-                # its shard is 1/S of the layer (the experts' 1/(S/ep) of E/ep experts)
-                self.reduce(gathered, rs_buffer if mb.kept else self.unit_of(i), mb, m.params_of(i))
+                # its shard: 1/S of the layer, 1/moe_shard of a sparse one's router and experts
+                # (the experts' 1/(moe_shard/ep) of E/ep experts)
+                self.reduce(gathered, rs_buffer if mb.kept else self.unit_of(i), mb, sharded_params(m, s, [i]))
         L.sub("activations", rope_table_bytes(m, s))
         L.sub("document_mask", self.shared_mask)
 
@@ -388,22 +391,23 @@ class UpdateWalk:
             if not mb.kept and self.reduce_bytes != elem:
                 L.add("unsharded_gradients", self.root_rs - m.root_params * elem)
         elif s.sharded:
-            self.reduce(m.root_params, self.root_rs if mb.kept else m.root_params * elem, mb)
+            self.reduce(m.root_params, self.root_rs if mb.kept else m.root_params * elem, mb, m.root_params / s.shard)
             # the end of backward: the last reduce-scatter input and the all-reduced shards go
             L.sub("unsharded_gradients", self.in_flight)
             L.sub("gradients", self.all_reduced)
             self.in_flight = self.all_reduced = 0
 
-    def reduce(self, params, unsharded, mb: MicroBatch, sharded_params=None):
+    def reduce(self, params, unsharded, mb: MicroBatch, shard_params):
         """FSDP2's reduction of one unit's gradients after its backward (post-backward's
         foreach_reduce): the previous unit's reduce-scatter input is let go, the gradients
         (`unsharded` bytes) are copied into a flat input in the reduce dtype and freed, and
-        the reduce-scatter's output, this rank's shard of it, is cast to fp32 where the
-        reduce dtype is lower; that fp32 shard becomes the sharded gradient (on the host
-        under --cpu-offload) or, in a later micro-batch, is added into it. The input stays
-        while the collective runs, behind the next unit's backward; under hybrid_shard the
-        output, all-reduced across replicas, until the end of backward where it is not itself
-        the gradient (FSDP2 holds it there against reuse while the all-reduce runs)."""
+        the reduce-scatter's output, this rank's shard of it (`shard_params` parameters), is
+        cast to fp32 where the reduce dtype is lower; that fp32 shard becomes the sharded
+        gradient (on the host under --cpu-offload) or, in a later micro-batch, is added into
+        it. The input stays while the collective runs, behind the next unit's backward; under
+        hybrid_shard the output, all-reduced across replicas, until the end of backward where
+        it is not itself the gradient (FSDP2 holds it there against reuse while the all-reduce
+        runs)."""
         L, s = self.ledger, self.s
         rs_input = params * self.reduce_bytes
         if not self.kept_by_gloo:
@@ -411,8 +415,7 @@ class UpdateWalk:
         L.add("unsharded_gradients", rs_input)
         L.sub("unsharded_gradients", unsharded + (self.in_flight if self.kept_by_gloo else 0))
         self.in_flight = rs_input
-        sharded_params = params if sharded_params is None else sharded_params
-        output, fp32 = sharded_params * self.reduce_bytes / s.shard, 4 * sharded_params / s.shard
+        output, fp32 = shard_params * self.reduce_bytes, 4 * shard_params
         cast = fp32 if self.reduce_bytes != 4 else 0
         kept = mb.first_reduce and not self.offload
         held = output if s.backend == "hybrid_shard" and (cast or not kept) else 0

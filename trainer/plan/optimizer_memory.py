@@ -13,7 +13,7 @@ work is the rank that has it. Torch-free.
 from dataclasses import dataclass
 
 from trainer.parallel.owner_packing import owners_by_work
-from trainer.plan.shapes import ModelShape, Setup
+from trainer.plan.shapes import ModelShape, Setup, sharded_params
 
 # fp32 tensors of a parameter's size kept per parameter: adam's exp_avg and exp_avg_sq,
 # adamax's exp_avg and exp_inf, adadelta's square_avg and acc_delta, lamb's two moments,
@@ -92,11 +92,14 @@ def newton_schulz_bytes(rows, cols):
 
 
 def state_bytes(m: ModelShape, s: Setup):
-    """(sharded, replicated) bytes of optimizer state per rank."""
-    P, S = m.params, s.shard
+    """(sharded, replicated) bytes of optimizer state per rank. Sharded state is the
+    parameters' share (under tensor parallelism a mixture's experts are sharded over more
+    ranks than the rest: shapes.sharded_params), exact for elementwise state."""
+    P = m.params
+    share = sharded_params(m, s) / P if P else 0.0  # of every parameter: 1/shard without a TP mixture
     if s.optimizer == "muon":
         matrices = sum(r * c for r, c in muon_matrices(m))
-        return (FP32 * matrices + 2 * FP32 * (P - matrices)) / S, 0.0  # momentum; AdamW of the rest
+        return (FP32 * matrices + 2 * FP32 * (P - matrices)) * share, 0.0  # momentum; AdamW of the rest
     if s.optimizer == "adafactor":
         weights = layer_weights(m) * m.layers + root_matrices(m)
         vectors = P - sum(r * c for r, c in weights)
@@ -104,8 +107,8 @@ def state_bytes(m: ModelShape, s: Setup):
         # every rank keeps them whole, per logical matrix (qkv_proj's q, k, v; a gated fc1's two)
         columns = sum(c for _, c in muon_matrices(m) + root_matrices(m))
         first_moment = P if s.first_moment else 0
-        return FP32 * (rows + vectors + first_moment) / S, float(FP32 * columns)
-    return FP32 * s.optimizer_states * P / S, 0.0
+        return FP32 * (rows + vectors + first_moment) * share, float(FP32 * columns)
+    return FP32 * s.optimizer_states * sharded_params(m, s), 0.0
 
 
 def largest_param(m: ModelShape):
@@ -119,19 +122,19 @@ def step_moments(m: ModelShape, s: Setup):
     buffers ("optimizer_step") and, for Muon, the owner's whole matrices
     ("muon_owner_workspace"). Elementwise temporaries of one parameter at a time are
     counted at the largest parameter's shard."""
-    P, S = m.params, s.shard
+    held, S = sharded_params(m, s), s.shard  # this rank's parameters
     one = FP32 * largest_param(m) / S  # one fp32 temporary of the largest parameter's shard
     foreach = s.device == "cuda"  # torch's adagrad/adadelta take their foreach path on a GPU only
     temps = {
         # the updates of every parameter, kept until the clipping by the update's RMS; the
         # row × column factor of the largest one
-        "adafactor": FP32 * P / S + one,
+        "adafactor": FP32 * held + one,
         # the updates of every parameter, kept until the trust ratios; one parameter's
         # clipped gradient and denominator
-        "lamb": FP32 * P / S + 2 * one,
-        "adamax": FP32 * P / S,  # _foreach_add(exp_infs, eps): one list the model's size
-        "adagrad": FP32 * P / S if foreach else one,  # sqrt of the sums
-        "adadelta": 2 * FP32 * P / S if foreach else 2 * one,  # std and delta
+        "lamb": FP32 * held + 2 * one,
+        "adamax": FP32 * held,  # _foreach_add(exp_infs, eps): one list the model's size
+        "adagrad": FP32 * held if foreach else one,  # sqrt of the sums
+        "adadelta": 2 * FP32 * held if foreach else 2 * one,  # std and delta
     }
     if s.optimizer == "muon":
         return muon_moments(m, s)

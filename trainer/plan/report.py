@@ -81,7 +81,7 @@ def as_json(plan):
 def expert_rows_of(m, s):
     if not m.sparse_layers:
         return None
-    rows = s.tokens * m.top_k
+    rows = s.routed_tokens * m.top_k  # activations.expert_rows
     return {"balanced": rows, "worst_case": s.ep * rows}
 
 

@@ -237,11 +237,10 @@ def fsdp_shard(distributed, world, ranks_per_host, tp):
 def model_parallel_ok(cfg):
     """Whether tensor parallelism can split this model
     (trainer/config/checks/parallel_dims.py's rules, less the degree's own; a mixture of
-    experts takes neither tensor nor context parallelism yet, only expert parallelism)."""
+    experts takes it: its router and experts stay whole, each rank routing its own positions)."""
     model = cfg.model
     return not (
         cfg.common.compile
-        or moe_layers(model)
         or model.adaptive_input
         or model.adaptive_softmax_cutoff is not None
         or model.quant_noise_pq > 0

@@ -97,9 +97,14 @@ class ModelShape:
         return self.experts * 3 * self.dim * self.expert_ffn
 
     @property
+    def moe_params(self):
+        """One sparse layer's mixture of experts (layer.moe): the router (E×d) and the experts."""
+        return self.experts * self.dim + self.expert_params
+
+    @property
     def sparse_layer_params(self):
         """A sparse layer: the dense layer's attention and norms, the router and the experts."""
-        return self.layer_params - self.ffn_params + self.experts * self.dim + self.expert_params
+        return self.layer_params - self.ffn_params + self.moe_params
 
     def is_sparse(self, i):
         return i in self.sparse_layers
@@ -129,7 +134,9 @@ class ModelShape:
 def tensor_parallel_share(m: ModelShape, tp: int):
     """The model one rank of a tensor-parallel group holds (trainer/parallel/tensor_parallel.py):
     1/tp of the query and key/value heads, of the feed-forward's width and of the vocabulary's
-    rows; the norms, the width d and learned positions whole. Its parameter count is the rank's.
+    rows; the norms, the width d, learned positions and a mixture of experts' router and experts
+    whole (each rank routes its own positions through whole experts; FSDP shards them over the
+    TP ranks too: sharded_params). Its parameter count is the rank's before FSDP shards it.
     With fewer key/value heads than ranks, a rank attends with one whole head (gathered from
     the pieces of it the ranks sharing it hold): counted as one head's rows, a few more than
     the rank holds."""
@@ -182,12 +189,28 @@ class Setup:
     tp: int = 1
     cp: int = 1
     # --expert-parallel-size (trainer/parallel/experts.py): each sparse layer's experts split
-    # over ep consecutive ranks of the shard group, FSDP-sharded over the shard // ep ranks
-    # that hold the same ones. Per rank that is still 1/shard of them; gathered, E/ep experts.
+    # over ep consecutive ranks of the MoE's shard group (moe_shard), FSDP-sharded over the
+    # moe_shard // ep ranks that hold the same ones. Per rank that is still 1/moe_shard of
+    # them; gathered, E/ep experts.
     ep: int = 1
     # the model and optimizer are ones tensor parallelism splits (no adaptive bands, Quant-Noise,
     # --scale-fc, whole-matrix optimizer or --compile): the search may try tp > 1
     model_parallel_ok: bool = True
+
+    @property
+    def moe_shard(self):
+        """Ranks FSDP shards a sparse layer's mixture of experts over (its own unit under tensor
+        parallelism: trainer/parallel/parallelize.py token_mesh): the shard group's data-parallel
+        and tensor-parallel ranks together; under expert parallelism the experts split over ep of
+        them and are sharded over the moe_shard // ep others."""
+        return self.shard * self.tp
+
+    @property
+    def routed_tokens(self):
+        """Tokens a rank routes through its sparse layers per micro-batch: its own positions of
+        the micro-batch's (sequence parallelism gives each TP rank its T/tp of every row, the
+        first ranks one more where T does not split evenly)."""
+        return self.rows * -(-self.local_seq_len // self.tp)
 
     @property
     def data_parallel(self):
@@ -223,3 +246,15 @@ class Setup:
     @property
     def compute_bytes(self):
         return 4 if self.precision == "fp32" else 2
+
+
+def sharded_params(m: ModelShape, s: Setup, layers=None):
+    """Parameters one rank holds of `m` (under tensor parallelism the rank's share), or of
+    the layers `layers` only: FSDP's 1/shard of them, a sparse layer's router and experts
+    1/moe_shard (their own unit under tensor parallelism, sharded over its ranks too)."""
+    if layers is None:
+        total, sparse = m.params, len(m.sparse_layers)
+    else:
+        total, sparse = sum(m.params_of(i) for i in layers), sum(1 for i in layers if m.is_sparse(i))
+    moe = sparse * m.moe_params
+    return (total - moe) / s.shard + moe / s.moe_shard
