@@ -167,8 +167,8 @@ class IPQ:
     def kmeans(self, weight, block, k, draws):
         """(centroids, assignments) of `weight`'s blocks: rank 0's, on every rank."""
         n_blocks = weight.numel() // block
-        if self.env.rank == 0:
-            centroids, assignments = quantize(weight.float(), block, k, **draws)
+        if self.env.rank == 0:  # on the rank's device, as fairseq's (a GPU's k-means takes seconds, a host's minutes)
+            centroids, assignments = quantize(weight.to(self.env.device).float(), block, k, **draws)
         else:
             centroids, assignments = torch.empty(k, block), torch.empty(n_blocks, dtype=torch.long)
         if self.env.world_size > 1:
