@@ -130,9 +130,10 @@ def quantize(weight, block_size, n_centroids, n_iter=15, eps=1e-6, max_tentative
     return kmeans(blocks_of(weight.detach(), block_size), n_centroids, n_iter, eps, max_tentatives, **draws)
 
 
-def _counts(assignments, centroids):
-    # torch.bincount without minlength, as fairseq: a trailing centroid no block uses
-    # (possible after an unresolved empty cluster) has no count
+def block_counts(assignments, centroids):
+    """The blocks assigned to each centroid, as fairseq's PQ layers keep them: a bincount
+    without minlength, so a trailing centroid no block uses (possible after an unresolved
+    empty cluster) has no count."""
     return torch.bincount(assignments).type_as(centroids)
 
 
@@ -140,7 +141,7 @@ class PQLinear(nn.Module):
     """fairseq's PQLinear: nn.Linear's forward with its weight rebuilt from the centroids
     (the parameter), the assignments and the counts (buffers); the bias as it was."""
 
-    def __init__(self, centroids, assignments, bias, in_features, out_features):
+    def __init__(self, centroids, assignments, bias, in_features, out_features, counts=None):
         super().__init__()
         self.block_size, self.n_centroids = centroids.shape[1], centroids.shape[0]
         self.in_features, self.out_features = in_features, out_features
@@ -148,7 +149,7 @@ class PQLinear(nn.Module):
             raise ValueError("Wrong PQ sizes")
         self.centroids = nn.Parameter(centroids, requires_grad=True)
         self.register_buffer("assignments", assignments)
-        self.register_buffer("counts", _counts(assignments, centroids))
+        self.register_buffer("counts", block_counts(assignments, centroids) if counts is None else counts)
         self.bias = nn.Parameter(bias) if bias is not None else None
 
     @property
@@ -180,6 +181,7 @@ class PQEmbedding(nn.Module):
         norm_type=2.0,
         scale_grad_by_freq=False,
         sparse=False,
+        counts=None,
     ):
         super().__init__()
         self.block_size, self.n_centroids = centroids.shape[1], centroids.shape[0]
@@ -197,7 +199,7 @@ class PQEmbedding(nn.Module):
             raise ValueError("Wrong PQ sizes")
         self.centroids = nn.Parameter(centroids, requires_grad=True)
         self.register_buffer("assignments", assignments)
-        self.register_buffer("counts", _counts(assignments, centroids))
+        self.register_buffer("counts", block_counts(assignments, centroids) if counts is None else counts)
 
     @property
     def weight(self):
@@ -267,15 +269,15 @@ def set_submodule(model, name, module):
     setattr(attrgetter(".".join(head))(model) if head else model, tail, module)
 
 
-def quantized_module(module, centroids, assignments):
+def quantized_module(module, centroids, assignments, counts=None):
     """The PQ counterpart of an nn.Linear or nn.Embedding, as quantize_model_ builds it:
     the bias copied; the embedding's padding_idx, max_norm and the rest not (fairseq
     passes only the sizes to PQEmbedding)."""
     if isinstance(module, nn.Linear):
         bias = module.bias.detach().clone() if module.bias is not None else None
-        return PQLinear(centroids, assignments, bias, module.in_features, module.out_features)
+        return PQLinear(centroids, assignments, bias, module.in_features, module.out_features, counts)
     if isinstance(module, nn.Embedding):
-        return PQEmbedding(centroids, assignments, module.num_embeddings, module.embedding_dim)
+        return PQEmbedding(centroids, assignments, module.num_embeddings, module.embedding_dim, counts=counts)
     raise ValueError(f"Module {module} not yet supported for quantization")
 
 
@@ -347,11 +349,9 @@ def empty_pq_module(module, spec, device):
     """The PQ counterpart of `module` (an nn.Linear or nn.Embedding) with uninitialized
     centroids and zero assignments of the shapes `spec` ({"centroids": (k, block),
     "assignments": (n,), "counts": (m,)}) says: the place a checkpoint's values load into."""
-    # built on the host (the counts' bincount has no meta kernel), then given its place
-    pq = quantized_module(module, torch.empty(spec["centroids"]), torch.zeros(spec["assignments"], dtype=torch.long))
-    pq.centroids = nn.Parameter(torch.empty(spec["centroids"], device=device))
-    pq.assignments = torch.zeros(spec["assignments"], dtype=torch.long, device=device)
-    pq.counts = torch.zeros(spec["counts"], device=device)
+    centroids = torch.empty(spec["centroids"], device=device)
+    assignments = torch.zeros(spec["assignments"], dtype=torch.long, device=device)
+    pq = quantized_module(module, centroids, assignments, torch.zeros(spec["counts"], device=device))
     if isinstance(module, nn.Linear) and module.bias is not None:
         pq.bias = nn.Parameter(torch.empty(module.bias.shape, device=device))
     return pq

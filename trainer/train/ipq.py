@@ -31,6 +31,7 @@ from models.pq import (
     PQLinear,
     SizeTracker,
     StackedLinear,
+    block_counts,
     pq_param,
     quantize,
     quantized_specs,
@@ -150,13 +151,14 @@ class IPQ:
             k = pq_param(stand_in, fairseq_name, self.schedule.n_centroids_config)
             centroids, assignments = self.kmeans(weight, block, k, draws)
             state[name + ".centroids"], state[name + ".assignments"] = centroids, assignments
-            state[name + ".counts"] = torch.bincount(assignments).to(centroids.dtype)
+            state[name + ".counts"] = block_counts(assignments, centroids)
             tracker.update(weight, block, k)
         specs = quantized_specs({name: tuple(t.shape) for name, t in state.items()})
         new_model, grad_sync = self.make_model(specs)
         set_model_state_dict(new_model, state, options=StateDictOptions(full_state_dict=True))
         trainer.replace_model(new_model, grad_sync)
-        checkpointer.follow(trainer)
+        if checkpointer is not None:
+            checkpointer.follow(trainer)
         if self.env.is_master:
             log.info(
                 f"iterative PQ stage {stage + 1}/{len(self.schedule.layers_to_quantize)} at update "
