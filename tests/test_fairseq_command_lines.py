@@ -468,6 +468,8 @@ def test_quant_noise_then_ipq_readme_lines(data_bin, tmp_path, capfd):
     }
     assert specs["layers.0.fc1.centroids"][0] == (256, 8) and specs["layers.0.out_proj.centroids"][0] == (256, 4)
     assert not any(name.endswith(".weight") for name in specs if name.split(".weight")[0] in quantized)
-    # the checkpoint scores: eval-lm builds its quantized layers from its tensors
+    # the checkpoint scores and generates: eval-lm and generate build its quantized layers from its tensors
     _, r = _run("eval-lm {DATA} --path " + str(saved), data_bin, tmp_path, "--tokens-per-sample 32", capfd=capfd)
     assert "Loss (base 2)" in r.stdout + r.stderr
+    _, r = _run(f"generate --path {saved} --prompt 'a b c' --max-new-tokens 4", data_bin, tmp_path, capfd=capfd)
+    assert len(r.stdout.split()) >= 4, r.stdout
