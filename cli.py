@@ -231,7 +231,9 @@ def export_model_main(argv=None):
         )
         from trainer.inference.export import export_model
 
-        out = export_model(args.path, args.out, args.format, args.dtype, args.max_shard_size, ema=args.ema)
+        out = export_model(
+            args.path, args.out, args.format, args.dtype, args.max_shard_size, ema=args.ema, compact=args.pq_compact
+        )
     except UsageError as e:
         return _fail("export-model", e, 2)
     except DataError as e:

@@ -26,6 +26,7 @@ from models.layer import ACTIVATION_FNS, DecoderLayer, dropout
 from models.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_per_row
 from models.norms import RMSNorm, _RMSNormFunction, make_norm
 from models.positions import apply_rope, rope_inverse_frequencies, rope_tables, sinusoidal_positions
+from models.pq import PQEmbedding, PQLinear, StackedLinear, apply_quantized
 from models.quant_noise import embedding, linear, noisy_linear, noisy_modules, quantized_output, set_noise_seeds
 
 # Names other modules (trainer/, tests/, bench/) import from here, as before the model's
@@ -159,13 +160,32 @@ class TransformerLM(nn.Module):
             nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=g)
         elif kind in ("norm_weight", "scale"):  # NormFormer's scales start at 1, as fairseq's
             tensor.fill_(1.0)
+        elif kind == "quantized":  # iPQ's centroids: k-means or a checkpoint gives their values
+            tensor.zero_()
         else:  # biases
             tensor.zero_()
+
+    def quantize_structure(self, specs, device):
+        """iPQ (models/pq.py): the modules `specs` names become PQ modules of those shapes,
+        uninitialized (a checkpoint's or k-means' values load into them); the attention's
+        qkv_proj, quantized by parts, stacks fairseq's q_proj, k_proj and v_proj."""
+        apply_quantized(self, specs, self.stacked_rows, device)
+        self._param_kinds = self._kinds()
+
+    def stacked_rows(self, owner):
+        """{part: rows} of a weight that stacks several of fairseq's (a layer's qkv_proj)."""
+        layer = self.layers[int(owner.split(".")[1])]
+        q, k, v = layer.weight_blocks()["qkv_proj.weight"]
+        return {"q": q, "k": k, "v": v}
 
     @torch.no_grad()
     def init_buffers(self, device=None):
         """The buffers' initial values (auxiliary-loss-free balancing's router biases: 0), on
         `device` (where the forward runs; default where they are)."""
+        for module in self.modules():  # iPQ's assignments and counts: a checkpoint's values load into them
+            if isinstance(module, (PQLinear, PQEmbedding)):
+                module.assignments = torch.zeros(module.assignments.shape, dtype=torch.long, device=device)
+                module.counts = torch.zeros(module.counts.shape, device=device)
         for layer in self.sparse_layers:
             for name in ("router_bias", "update_load"):
                 buffer = getattr(layer.moe, name)
@@ -190,6 +210,8 @@ class TransformerLM(nn.Module):
             if isinstance(module, DecoderLayer):
                 kinds[prefix + "c_attn"] = kinds[prefix + "w_resid"] = "scale"
                 kinds[prefix + "moe.experts.fc1"] = kinds[prefix + "moe.experts.fc2"] = "experts"
+            if isinstance(module, (PQLinear, PQEmbedding, StackedLinear)):  # iPQ: values from k-means
+                kinds[prefix + "centroids"], kinds[prefix + "bias"] = "quantized", "bias"
             if isinstance(module, nn.Linear) and module is not self.output_projection:
                 kinds[prefix + "weight"], kinds[prefix + "bias"] = "linear", "bias"
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from test_sft_dpo import chat, dpo_argv, sft_argv  # noqa: F401 (chat: the module's fixture)
@@ -16,6 +17,7 @@ from helpers import DUMMY, compose
 from trainer.dryrun.command import collective_mismatch, command_job, job_of, rank_reports, tp_groups_across_nodes
 
 BASE = DUMMY + ["--batch-size", "2", "--dry-run"]
+IPQ_CONFIG = Path(__file__).parent / "fixtures" / "ipq" / "small_config.yaml"
 FSDP = ["--ddp-backend", "fully_sharded"]
 TINY_LLAMA = ["--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-attention-heads", "4"]
 TINY_LLAMA += ["--decoder-kv-heads", "2", "--decoder-ffn-embed-dim", "128"]
@@ -113,6 +115,9 @@ GRID = {
         + TINY_LLAMA,
         16,
     ),
+    # fairseq's iPQ: its first stage (the feed-forwards) gathered, rank 0's centroids sent to
+    # every rank, the model sharded again, a new fp16 optimizer, and an update after it
+    "ipq_fp16": (FSDP + ["--fp16", "--quantization-config-path", str(IPQ_CONFIG), "--max-update", "3"], 8),
     **{name: (flags, 16) for name, (flags, _) in TP.items()},
 }
 

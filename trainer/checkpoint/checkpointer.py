@@ -117,6 +117,13 @@ class Checkpointer:
             # from interleaving with training's.
             self.group = dist.new_group(backend="gloo")
 
+    def follow(self, trainer):
+        """The trainer's model, optimizer and loss scaler after iPQ replaced them
+        (trainer/train/ipq.py): what the next save writes."""
+        self.model, self.optimizer = trainer.model, trainer.optimizer
+        if "loss_scaler" in self.pieces:
+            self.pieces["loss_scaler"] = trainer.scaler
+
     def register(self, name, piece, with_optimizer=False):
         """Save and restore `piece` (state_dict / load_state_dict, JSON-able) under `name`;
         with_optimizer: only along with the optimizer's state (--no-save-optimizer-state,

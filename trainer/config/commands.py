@@ -180,6 +180,11 @@ class ExportModelConfig:
         "--format hf: split the weights into files of at most this size, "
         "as save_pretrained does (e.g. 500MB, 2GiB; default: 5GB)",
     )
+    pq_compact: bool = _f(
+        False,
+        "a model iPQ quantized (train --quantization-config-path): write its layers as their checkpoint holds "
+        "them, centroids, assignments and counts, as fairseq's PQ layers (default: each weight rebuilt)",
+    )
 
 
 @dataclass

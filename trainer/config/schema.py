@@ -89,6 +89,12 @@ class CommonConfig:
         "sequence's positions (a chunk from each end, which balances causal attention) and attention "
         "gathers the others' keys and values; with --model-parallel-size, ranks are data × context × tensor",
     )
+    quantization_config_path: Optional[str] = _f(
+        None,
+        "iterative product quantization (fairseq's iPQ, examples/quant_noise): a YAML of n_centroids, block_sizes "
+        "and layers_to_quantize (one regex of fairseq's layer names per stage); each stage quantizes its layers "
+        "with k-means and trains their centroids, the stages spread over --max-epoch or --max-update",
+    )
     expert_parallel_size: int = _f(
         1,
         "expert parallelism: split each mixture-of-experts layer's experts over N consecutive data-parallel "

@@ -211,6 +211,8 @@ class DryRank:
         pinned = [fake.is_pinned(b["src_tokens"]) for b in samples]
         if not ddp:
             trainer.train_step(samples)
+        if trainer.quantizer is not None:  # iPQ's first stage, and the quantized model's update after it
+            trainer.quantizer.quantize(0, trainer, None)
         first = len(fake.collectives)
         peak = self.tracked_peak(trainer, lambda: trainer.train_step(samples), env)
         trainer.finish()

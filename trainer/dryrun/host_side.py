@@ -25,6 +25,7 @@ from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import trainer.inference.load as inference_load
+import trainer.train.ipq as ipq
 from data.iterator import EpochBatchIterator
 from data.mixture_batches import MixtureBatchIterator
 from trainer.formats.fairseq.reader import FairseqReader
@@ -47,6 +48,26 @@ HOST_SIDE = (
     # parameters could not be swapped for the device's by to_empty
     (inference_load, "build_model"),
 )
+# iPQ's stage (trainer/train/ipq.py): the k-means and the counts of its assignments are
+# computed from the weights' values, which fake tensors do not have; they give zeros of their
+# shapes (as a fake host read gives 0), and the rest of the stage runs as on GPUs: the whole
+# tensors gathered, rank 0's centroids and assignments broadcast, the model built and sharded
+# again, a new optimizer.
+VALUE_STAND_INS = (
+    (
+        ipq,
+        "quantize",
+        lambda weight, block, k, **_: (
+            torch.zeros(k, block, dtype=weight.dtype, device=weight.device),
+            torch.zeros(weight.numel() // block, dtype=torch.long, device=weight.device),
+        ),
+    ),
+    (
+        ipq,
+        "block_counts",
+        lambda assignments, centroids: torch.zeros(centroids.shape[0], dtype=centroids.dtype, device=centroids.device),
+    ),
+)
 SKIPPED = (
     (ddp, "_verify_param_shape_across_processes"),
     (ddp, "_sync_module_states"),
@@ -58,9 +79,14 @@ SKIPPED = (
 def unfaked_host_side():
     """Patch each of HOST_SIDE to run outside fake mode, SKIPPED to do nothing and
     torch.tensor to copy to a GPU in sight; returns a function that restores them."""
-    saved = [(module, name, getattr(module, name)) for module, name in HOST_SIDE + SKIPPED + ((torch, "tensor"),)]
+    stand_ins = tuple((module, name) for module, name, _ in VALUE_STAND_INS)
+    saved = [
+        (module, name, getattr(module, name)) for module, name in HOST_SIDE + SKIPPED + stand_ins + ((torch, "tensor"),)
+    ]
     for module, name, fn in saved:
         setattr(module, name, _unfaked(fn) if (module, name) in HOST_SIDE else _skipped)
+    for module, name, stand_in in VALUE_STAND_INS:
+        setattr(module, name, stand_in)
     torch.tensor = _tensor_then_copy(saved[-1][2])
 
     def restore():

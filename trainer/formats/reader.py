@@ -46,17 +46,37 @@ class ModelReader:
         return f"{self.kind} {self.path}"
 
     def band_tables(self):
-        """An adaptive input's tables (models/adaptive.py), band by band; [] for a plain embedding."""
+        """An adaptive input's tables (models/adaptive.py), band by band, each as the name of its
+        weight or, quantized by iPQ (models/pq.py), of its module; [] for a plain embedding."""
         tables, band = [], 0
-        while f"embed_tokens.embeddings.{band}.0.weight" in self.specs:
-            tables.append(f"embed_tokens.embeddings.{band}.0.weight")
+        while True:
+            table = f"embed_tokens.embeddings.{band}.0"
+            if table + ".weight" in self.specs:
+                tables.append(table + ".weight")
+            elif table + ".centroids" in self.specs:
+                tables.append(table)
+            else:
+                return tables
             band += 1
-        return tables
+
+    def table_rows(self, name, width):
+        """Rows of an embedding table: `name`'s, a weight, or a module iPQ quantized, whose
+        blocks of its `width`-wide rows its assignments count."""
+        if name in self.specs:
+            return self.specs[name][0][0]
+        blocks, block_size = self.specs[name + ".assignments"][0][0], self.specs[name + ".centroids"][0][1]
+        return blocks * block_size // width
 
     def vocab_size(self):
-        if "embed_tokens.weight" in self.specs:
-            return self.specs["embed_tokens.weight"][0][0]
-        return sum(self.specs[name][0][0] for name in self.band_tables())  # the bands cover the vocabulary
+        model = self.cfg.model
+        width = model.get("decoder_input_dim") or model.decoder_embed_dim
+        if "embed_tokens.weight" in self.specs or "embed_tokens.centroids" in self.specs:
+            return self.table_rows(
+                "embed_tokens.weight" if "embed_tokens.weight" in self.specs else "embed_tokens", width
+            )
+        # the bands cover the vocabulary, band i dim // factor**i wide (models/config.py adaptive_bands)
+        factor = model.get("adaptive_input_factor", 4)
+        return sum(self.table_rows(name, int(width // factor**i)) for i, name in enumerate(self.band_tables()))
 
     def close(self):
         pass

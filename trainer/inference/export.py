@@ -19,6 +19,7 @@ from trainer.formats.hf.generation_config import id_list, model_generation_confi
 from trainer.formats.hf.shards import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, parse_shard_size
 from trainer.formats.registry import model_kind
 from trainer.formats.safetensors_file import write_safetensors
+from trainer.formats.shardlm.dequantized import DequantizedReader
 from trainer.formats.shardlm.export_dir import EXPORT_FILE
 from trainer.inference.load import SIDE_FILES, max_positions, open_run_model
 
@@ -27,12 +28,19 @@ _MODEL_FILES = (EXPORT_FILE, INDEX_FILE, "config.json")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype's names
 
 
-def export_model(path, out, fmt="safetensors", dtype=None, max_shard_size=None, ema=False):
+def export_model(path, out, fmt="safetensors", dtype=None, max_shard_size=None, ema=False, compact=False):
     """Write `out/model.safetensors` (or a Hugging Face directory) from a checkpoint, one
     tensor at a time. Refuses to write into a directory that already holds a model, or over
     any file there. Everything is written in a temporary directory first, so a checkpoint
     that cannot be read leaves `out` as it was. dtype: a torch dtype or one of DTYPES' names;
-    None keeps the saved one. ema: a checkpoint's moving average of the weights (--ema)."""
+    None keeps the saved one. ema: a checkpoint's moving average of the weights (--ema).
+    A model iPQ quantized (train --quantization-config-path) is written with each layer's
+    weight rebuilt from its centroids, or with compact (--pq-compact, safetensors only) as
+    its checkpoint holds it: centroids, assignments and counts, as fairseq's PQ layers."""
+    if compact and fmt == "hf":
+        raise UsageError(
+            "--pq-compact writes iPQ's centroids, which no Hugging Face model reads; drop it for --format hf"
+        )
     dtype = DTYPES.get(dtype, dtype)
     if max_shard_size is not None and fmt != "hf":
         raise UsageError("--max-shard-size splits a --format hf export; --format safetensors writes one file")
@@ -43,6 +51,8 @@ def export_model(path, out, fmt="safetensors", dtype=None, max_shard_size=None, 
             "(from --save-dir) or an export (from export-model)"
         )
     src = open_run_model(path, ema)
+    if not compact and any(name.endswith(".centroids") for name in src.specs):  # iPQ's layers, rebuilt
+        src = DequantizedReader(src, build_model(src.cfg.model, src.vocab_size(), max_positions(src), device="meta"))
     out = Path(out)
     _check_out(out)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=_nearest_existing(out)))

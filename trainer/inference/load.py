@@ -13,6 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.tokenizer import TOKENIZER_FILES, has_tokenizer, load_tokenizer
 from models.config import TransformerLMConfig
+from models.pq import quantized_specs
 from models.transformer_lm import build_model
 from trainer.checkpoint.tensors import renumber_layers, saved_layer_ids
 from trainer.config.checks import _check_model_features
@@ -63,6 +64,9 @@ def load_model(path, device="cpu", model_overrides=None, pad=None, dtype=None, e
             device="meta",
             padding_idx=pad if pad is not None else src.cfg.get("padding_idx", 1),
         )
+        quantized = quantized_specs({name: spec[0] for name, spec in src.specs.items()})
+        if quantized:  # iPQ's layers (models/pq.py): centroids and assignments in their weights' place
+            model.quantize_structure(quantized, "meta")
         split = env is not None and env.tp > 1
         if split:
             check_model_splits(src.cfg.model, env.tp, f"--model-parallel-size {env.tp}")

@@ -332,7 +332,8 @@ def vocab_parallel_loss(model, mesh):
 def row_orders(model):
     """{parameter name: row order} of the parameters whose rows tensor parallelism reorders
     (tp_row_order), in a model split by apply_tensor_parallel; {} in any other."""
-    weight = model.layers[0].qkv_proj.weight if len(model.layers) else None
+    # a parameter of qkv_proj (iPQ's stacked parts hold no weight of their own: models/pq.py)
+    weight = next(model.layers[0].qkv_proj.parameters(), None) if len(model.layers) else None
     mesh = getattr(weight, "device_mesh", None)
     names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
     if "tp" not in names or mesh.size(names.index("tp")) == 1:

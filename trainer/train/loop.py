@@ -22,8 +22,10 @@ class TrainLoop:
     """Its checkpointed state (state_dict): the data position, the epoch's meters and the
     best validation loss."""
 
-    def __init__(self, cfg, trainer, task, progress, env, flops_per_token, checkpointer, preemption):
+    def __init__(self, cfg, trainer, task, progress, env, flops_per_token, checkpointer, preemption, quantizer=None):
+        """quantizer: --quantization-config-path's (trainer/train/ipq.py), or None."""
         self.cfg, self.trainer, self.task, self.progress, self.env = cfg, trainer, task, progress, env
+        self.quantizer = quantizer
         self.flops_per_token = flops_per_token
         self.checkpointer, self.preemption = checkpointer, preemption
         self.start = time.perf_counter()
@@ -124,6 +126,8 @@ class TrainLoop:
             batches = self.itr.next_epoch_itr()
             epoch = self.itr.epoch
             self.trainer.begin_epoch(epoch)
+            if self.quantizer is not None:  # after the lr's epoch step, as fairseq's trainer.begin_epoch
+                self.quantizer.begin_epoch(epoch, self.trainer, self.checkpointer)
             updates_per_epoch = math.ceil(len(self.itr) / optimization.update_freq)  # each shard of DATA has its own
             if not resumed:
                 self.epoch_meters.reset()
@@ -143,6 +147,8 @@ class TrainLoop:
                 if self.boundary_after(self.trainer.num_updates) and not self.trainer.settle():
                     continue
                 n = self.trainer.num_updates
+                if self.quantizer is not None:
+                    self.quantizer.step_update(self.trainer, self.checkpointer)
                 if n % self.cfg.common.log_interval == 0:
                     self.log_train("train_inner", interval, epoch, step / updates_per_epoch, step)
                     interval.reset()
@@ -186,6 +192,8 @@ class TrainLoop:
             return "validation"
         if self.itr.end_of_epoch():
             return "epoch end"
+        if self.quantizer is not None and self.quantizer.due_after(n):
+            return "quantization"
         return None
 
     def stop_for_preemption(self, epoch, finished=False):

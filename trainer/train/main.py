@@ -9,17 +9,20 @@ import torch
 from omegaconf import OmegaConf
 
 from data.atomic_file import write_atomically
+from models.pq import quantized_specs
 from models.transformer_lm import build_model, num_parameters
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.files import remove_unfinished_saves
+from trainer.checkpoint.files import remove_unfinished_saves, restore_choice
 from trainer.checkpoint.model_weights import load_model_weights
 from trainer.checkpoint.save_dir_lock import SaveDirLock
 from trainer.config.checks import check_adaptive_vocab
 from trainer.config.schema import model_positions, uses_fsdp
 from trainer.errors import RankStopped, UsageError
+from trainer.formats.shardlm import checkpoint_dir
 from trainer.parallel.lost_peer import peer_lost
 from trainer.parallel.parallelize import freeze, parallelize, sharded_bytes
 from trainer.parallel.ranks import all_reduce_sum, collective_timeout, init_rank, teardown
+from trainer.train.ipq import IPQ
 from trainer.train.loop import TrainLoop
 from trainer.train.meters import flops_per_token
 from trainer.train.objectives import build_objective
@@ -54,6 +57,9 @@ def build(cfg, env):
     # Sharded models start on the meta device: no rank ever holds the whole model.
     device = "meta" if uses_fsdp(cfg) else env.device
     model = build_model(cfg.model, vocab_size, max_positions, device=device, padding_idx=task.pad, seed=cfg.common.seed)
+    quantized = quantized_specs_to_restore(cfg)
+    if quantized:  # iPQ: the checkpoint to resume holds layers quantized already
+        model.quantize_structure(quantized, device)
     n_params = num_parameters(model)
     log.info(
         f"model {cfg.model._name}, {len(model.layers)} layers x {cfg.model.decoder_embed_dim}, vocabulary {vocab_size}"
@@ -77,7 +83,29 @@ def build(cfg, env):
     if cfg.task._name == "dpo":
         reference = build_reference(cfg, env, vocab_size, max_positions, task.pad)
         fpt = fpt * 4 / 3  # and the reference's forward: a third of a training step's FLOPs
-    return task, Trainer(cfg, model, env, task.pad, grad_sync, build_objective(cfg, reference, env)), fpt
+    trainer = Trainer(cfg, model, env, task.pad, grad_sync, build_objective(cfg, reference, env))
+    if cfg.common.quantization_config_path:
+
+        def make_model(specs):
+            model = build_model(
+                cfg.model, vocab_size, max_positions, device=device, padding_idx=task.pad, seed=cfg.common.seed
+            )
+            model.quantize_structure(specs, device)
+            return parallelize(model, cfg, env)
+
+        trainer.quantizer = IPQ(cfg, env, make_model)
+    return task, trainer, fpt
+
+
+def quantized_specs_to_restore(cfg):
+    """iPQ's quantized layers ({module: shapes}, models/pq.py) of the shardlm checkpoint the
+    run starts from, or {}."""
+    if not cfg.common.quantization_config_path:
+        return {}
+    path, _ = restore_choice(cfg.checkpoint)[:2]
+    if path is None or checkpoint_dir.resolve(path) is None:
+        return {}
+    return quantized_specs({name: shape for name, (shape, _) in checkpoint_dir.tensor_specs(path).items()})
 
 
 def build_reference(cfg, env, vocab_size, max_positions, pad):
@@ -125,12 +153,16 @@ def train(cfg, env):
             cfg, env, trainer.model, trainer.optimizer, getattr(task, "data_dir", None), trainer.ema
         )
         preemption = Preemption(env, collective_timeout(cfg), cfg.checkpoint)
-        loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer, preemption)
+        loop = TrainLoop(
+            cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer, preemption, trainer.quantizer
+        )
         # The training state besides the tensors, each piece saved under its name.
         checkpointer.register("trainer", trainer)
         checkpointer.register("loop", loop)
         if trainer.scaler is not None:
             checkpointer.register("loss_scaler", trainer.scaler, with_optimizer=True)
+        if trainer.quantizer is not None:
+            checkpointer.register("quantizer", trainer.quantizer)
         checkpointer.restore()
         # Only now, with every input checked, does the save directory change.
         if lock is not None:

@@ -46,22 +46,10 @@ class Trainer:
         # --context-parallel-size: each batch cut to this rank's positions before it is counted
         per_document = getattr(self.objective, "per_document", False)
         self.context = ContextSplit(env, per_document, pad) if env.cp > 1 else None
-        self.optimizer = build_muon(model, cfg) if cfg.optimizer._name == "muon" else build_optimizer(model, cfg)
-        if cfg.optimizer._name == "cpu_adam" and env.is_master:
-            log.info(CPU_ADAM)
-        if cfg.optimizer._name == "muon" and env.is_master:
-            log.info(self.optimizer.describe())
-        # An update's step steps the parameters of the next forward's first all-gathers
-        # first, then starts those gathers (EarlyGather); nothing to pass where none is.
-        early = grad_sync.early_gather
-        self.step_kwargs = {}
-        if early is not None and isinstance(self.optimizer, (ShardLocalAdamW, NAG)):
-            self.step_kwargs = dict(first=early.param_ids(), then=early.start)
         self.schedule = LRSchedule(cfg)
         self.num_updates = 0
         # --reset-lr-scheduler on resume: the schedule counts updates from this one.
         self.lr_updates_offset = 0
-        self.lr = self.schedule.apply(self.optimizer, 0)
         dtype = mixed_precision_dtype(cfg.common)
         # FSDP2 casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does.
         self.autocast = (
@@ -69,13 +57,43 @@ class Trainer:
             if dtype is not None and not uses_fsdp(cfg)
             else contextlib.nullcontext()
         )
-        self.scaler = loss_scaler(cfg, env) if cfg.common.fp16 else None
-        self.deferred = DeferredRead(self.optimizer, self.scaler, cfg.common.min_loss_scale, env.is_master)
+        self.build_optimizer()
         # --store-ema: from the weights built; a checkpoint restored replaces it (checkpointer.py).
         self.ema = WeightsEMA(cfg, model) if cfg.ema.store_ema else None
         self.ema_pending = None  # --fp16: the update whose average waits for its overflow flag
+        self.quantizer = None  # --quantization-config-path's (trainer/train/ipq.py; build sets it)
         if self.ema is not None and env.is_master:
             log.info(self.ema.describe())
+
+    def build_optimizer(self):
+        """The optimizer of self.model, fp16's loss scaler and the lr of the schedule's first
+        update: at the start, and after iPQ replaced the model (replace_model)."""
+        cfg, env, model = self.cfg, self.env, self.model
+        self.optimizer = build_muon(model, cfg) if cfg.optimizer._name == "muon" else build_optimizer(model, cfg)
+        if cfg.optimizer._name == "cpu_adam" and env.is_master:
+            log.info(CPU_ADAM)
+        if cfg.optimizer._name == "muon" and env.is_master:
+            log.info(self.optimizer.describe())
+        # An update's step steps the parameters of the next forward's first all-gathers
+        # first, then starts those gathers (EarlyGather); nothing to pass where none is.
+        early = self.grad_sync.early_gather
+        self.step_kwargs = {}
+        if early is not None and isinstance(self.optimizer, (ShardLocalAdamW, NAG)):
+            self.step_kwargs = dict(first=early.param_ids(), then=early.start)
+        self.lr = self.schedule.apply(self.optimizer, 0)
+        self.scaler = loss_scaler(cfg, env) if cfg.common.fp16 else None
+        self.deferred = DeferredRead(self.optimizer, self.scaler, cfg.common.min_loss_scale, env.is_master)
+
+    def replace_model(self, model, grad_sync):
+        """iPQ's stage (trainer/train/ipq.py): go on training `model` (the model with more
+        layers quantized) as fairseq's trainer.reinitialize does: a new optimizer, its state
+        empty for every parameter, fp16's loss scale at its start, and the next update at the
+        lr scheduler's first lr (fairseq builds a new scheduler, stepped to update 0); the
+        update count goes on."""
+        self.settle()
+        self.finish()
+        self.model, self.grad_sync = model, grad_sync
+        self.build_optimizer()
 
     def state_dict(self):
         return {

@@ -14,7 +14,13 @@ from trainer.config.checks.lr_scheduler import check_lr_scheduler
 from trainer.config.checks.model import _check_model_features, check_adaptive_vocab, check_model, parse_model_overrides
 from trainer.config.checks.optim import check_optimization, check_optimizer
 from trainer.config.checks.parallel_dims import check_parallel_dims
-from trainer.config.checks.run import check_checkpoint, check_common, check_distributed, check_ema
+from trainer.config.checks.run import (
+    check_checkpoint,
+    check_common,
+    check_distributed,
+    check_ema,
+    check_quantization,
+)
 from trainer.config.checks.values import check_fields
 
 # Imported from here by cli.py, trainer/launch/sweep.py, trainer/plan/search.py,
@@ -35,6 +41,7 @@ GROUP_CHECKS = (
     check_dataset,
     check_ema,
     check_parallel_dims,
+    check_quantization,
 )
 
 

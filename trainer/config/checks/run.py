@@ -1,7 +1,8 @@
-"""Checks of the run's own groups: common (precision, seed, logging), distributed_training
-(backend, ranks, rendezvous, --auto-tune), checkpoint and ema."""
+"""Checks of the run's own groups: common (precision, seed, logging, --quantization-config-path),
+distributed_training (backend, ranks, rendezvous, --auto-tune), checkpoint and ema."""
 
 import importlib.util
+from pathlib import Path
 
 from trainer.config.checks.values import non_negative, positive
 from trainer.config.schema import uses_fsdp
@@ -110,3 +111,23 @@ def check_ema(cfg):
     ]
     if given:
         raise UsageError(f"{given[0]} acts on the moving average of the weights: add --store-ema (or drop {given[0]})")
+
+
+def check_quantization(cfg):
+    """--quantization-config-path (trainer/train/ipq.py): the file, and what iPQ does not
+    compose with here."""
+    common = cfg.common
+    path = common.quantization_config_path
+    if not path:
+        return
+    if not Path(path).is_file():
+        raise UsageError(f"--quantization-config-path {path}: no such file")
+    if common.model_parallel_size > 1 or common.context_parallel_size > 1 or common.expert_parallel_size > 1:
+        raise UsageError(
+            "--quantization-config-path quantizes whole weights; use it with --model-parallel-size, "
+            "--context-parallel-size and --expert-parallel-size 1"
+        )
+    if cfg.ema.store_ema:
+        raise UsageError("--quantization-config-path replaces the weights by centroids; drop --store-ema")
+    if cfg.optimizer._name == "muon":
+        raise UsageError("--quantization-config-path trains centroids, not matrices: use another --optimizer than muon")

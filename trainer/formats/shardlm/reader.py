@@ -20,7 +20,11 @@ class ShardlmReader(ModelReader):
     def __init__(self, path, specs):
         super().__init__(path)
         self.specs = specs
-        if "embed_tokens.weight" not in self.specs and not self.band_tables():
+        if (
+            "embed_tokens.weight" not in self.specs
+            and "embed_tokens.centroids" not in self.specs
+            and not self.band_tables()
+        ):
             raise UsageError(
                 f"{self.path} holds no shardlm model (no embed_tokens.weight); pass a checkpoint "
                 "written by train or an export-model output"
