@@ -30,6 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.pq_config import layer_param
+
 # The largest broadcast (centroids × block_size × blocks) one distance chunk makes. fairseq
 # doubles its chunk count whenever a chunk raises (an out-of-memory error on GPU); a host
 # may swap or be killed instead of raising, so the chunks are sized beforehand. Each
@@ -226,28 +228,9 @@ def layer_type(module):
 
 
 def pq_param(module, name, config):
-    """fairseq's get_param: a layer's block size or centroid count from `config` ({type:
-    (key, {value: param})}). key "fuzzy_name": the first value (in the config's order)
-    that is a substring of the layer's name; any other key: str(module.<key>). "*" is the
-    fallback; no match and no "*" raises KeyError, as in fairseq."""
-    kind = layer_type(module)
-    if kind not in config:
-        raise KeyError(f"Layer type {kind} not in config for layer {name}")
-    feature, params = config[kind]
-    if feature != "fuzzy_name":
-        value = str(getattr(module, feature))
-        if value not in params:
-            if "*" not in params:
-                raise KeyError(f"{feature}={value} not in config for layer {name}")
-            value = "*"
-    else:
-        values = [key for key in params if key in name]
-        if not values:
-            if "*" not in params:
-                raise KeyError(f"name={name} not in config for layer {name}")
-            values = ["*"]
-        value = values[0]
-    return params[value]
+    """fairseq's get_param on a module (models/pq_config.py layer_param, its type as
+    layer_type names it)."""
+    return layer_param(layer_type(module), module, name, config)
 
 
 def layers_matching(model, regex, prefix="", remove_weights=False):

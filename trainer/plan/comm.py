@@ -27,7 +27,7 @@ def fsdp_units(m: ModelShape, s: Setup):
     for i in range(m.layers):
         layer_again = again if i < m.layers - 1 else 0
         if not m.is_sparse(i):
-            units.append((m.layer_params, S, 1 + layer_again))
+            units.append((m.params_of(i), S, 1 + layer_again))
             continue
         router, experts = m.experts * m.dim, m.expert_params // ep
         own = []  # (parameters, ranks) of the units of their own

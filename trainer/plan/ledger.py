@@ -5,7 +5,8 @@ the loss, backward in reverse, the optimizer step — and keeps a ledger of ever
 that is alive: sharded parameters, gradients and optimizer state; the layers FSDP has
 gathered (with prefetch); the activations autograd saves (all of them, only each
 layer's input under --checkpoint-activations, on the host under --offload-activations);
-the loss's chunk of logits and the gradients it keeps; autocast's weight copies. The
+the loss's chunk of logits and the gradients it keeps; autocast's weight copies; iPQ's
+assignments and the weights its layers rebuild from their centroids. The
 peak of that ledger plus the runtime's own memory is the prediction; the ledger at the
 peak is the breakdown. Torch-free: `plan` answers in a fraction of a second.
 
@@ -16,6 +17,7 @@ per-row loss are trainer/plan/dpo_reference.py's. What the model's layer saves f
 is trainer/plan/activations.py's; the shapes it reads are trainer/plan/shapes.py's.
 """
 
+import re
 from dataclasses import dataclass, field
 
 from models import chunks  # the kernels' chunk sizes (torch-free): the model's and the prediction's are one
@@ -81,7 +83,13 @@ COMPONENTS = (
     "document_mask",
     "reference_model",
     "reference_forward",
+    "pq_buffers",
+    "rebuilt_weights",
 )
+# The linear layers outside the decoder layers that run in forward and keep their (rebuilt)
+# weight for backward (an adaptive input's projections too); the tables keep only their
+# indices, the output layer (or adaptive softmax) is the loss's.
+ROOT_LINEARS = re.compile(r"decoder\.(quant_noise|project_in_dim|project_out_dim|embed_tokens\.embeddings\.\d+\.1)$")
 
 
 @dataclass
@@ -166,7 +174,8 @@ class UpdateWalk:
         self.tp_buffer = s.tokens * m.dim * elem if s.tp > 1 else 0
         kv = 2 * s.rows * s.seq_len * m.kv * m.hd * elem if s.cp > 1 else 0
         self.cp_forward, self.cp_backward = kv, 2 * kv
-        self.low_copies = elem * m.matmul_params  # autocast's copies of one layer's weights
+        self.rebuild_elem = elem if s.sharded else 4  # iPQ: the centroids' dtype where weights are rebuilt
+        self.pq = {p.name: p for p in m.pq}
         self.reduce_bytes = 4 if s.fp32_reduce_scatter else elem
         # also the size of a unit's unsharded gradient kept in the reduce dtype (--defer-grad-sync)
         self.root_rs = m.root_params * self.reduce_bytes
@@ -184,6 +193,52 @@ class UpdateWalk:
         self.root_read_in_backward = m.scalar_noise or s.dpo
         self.shared_mask, self.layer_mask = document_mask_bytes(m, s)
 
+    def low_copies(self, i):
+        """autocast's copies of layer i's weights (it caches parameters' casts only: not
+        iPQ's rebuilt weights)."""
+        return self.elem * (self.m.matmul_params - self.m.pq_weights(i))
+
+    # iPQ (--quantization-config-path; trainer/plan/quantized.py): a quantized layer rebuilds
+    # its weight in every forward (models/pq.py weight_of: the centroids indexed by the
+    # assignments, then copied into the weight's layout), and its matmul keeps the rebuilt
+    # weight for backward as it keeps an activation (in the compute dtype: under autocast its
+    # cast). Its backward makes the weight's gradient and a copy of it in the blocks' layout
+    # before they are added into the centroids'.
+    def rebuilt(self, i):
+        """Bytes of rebuilt weights decoder layer i keeps from its forward to its backward."""
+        return self.elem * self.m.pq_weights(i)
+
+    def largest_rebuilt(self, i):
+        return max((p.weight for p in self.m.pq_of(i)), default=0)
+
+    def rebuild_moment(self, i, kept=True):
+        """Beyond what layer i keeps, at the rebuild of its largest weight: the indexed
+        centroids beside their copy (the copy kept, or under checkpointing both let go)."""
+        w, rebuilt = self.largest_rebuilt(i), self.rebuild_elem
+        return w * (2 * rebuilt - self.elem if kept else 2 * rebuilt)
+
+    def regrad_moment(self, i):
+        """A rebuilt weight's gradient and its copy in the blocks' layout, the largest's."""
+        return 2 * self.largest_rebuilt(i) * self.rebuild_elem
+
+    def pq_grads(self, name, rows, cols, bias):
+        """Bytes of a linear layer's unsharded gradients: its centroids' where quantized."""
+        p = self.pq.get(name)
+        return self.elem * ((p.params if p else rows * cols) + (rows if bias else 0))
+
+    @property
+    def root_rebuilt(self):
+        """What the root's linear layers keep of their rebuilt weights until the root's backward."""
+        return self.elem * sum(p.weight for p in self.m.pq_of(-1) if ROOT_LINEARS.match(p.name))
+
+    @property
+    def output_rebuilt(self):
+        """The output layer's rebuilt weight (the tied table's where it is quantized), which
+        the loss reads: bytes, or 0 where it is not quantized."""
+        m = self.m
+        p = self.pq.get("decoder.embed_tokens" if m.tied else "decoder.output_projection")
+        return p.weight * self.rebuild_elem if p else 0
+
     def gathered_params(self, i):
         """Layer i's parameters as FSDP gathers them: a sparse layer's experts under expert
         parallelism are their own unit, gathered over the ranks holding the same E/ep experts;
@@ -191,7 +246,7 @@ class UpdateWalk:
         and norms, with the whole router and E/ep whole experts)."""
         m = self.m
         if not m.is_sparse(i):
-            return m.layer_params
+            return m.params_of(i)
         return m.sparse_layer_params - m.expert_params + m.expert_params // self.s.ep
 
     def unit_of(self, i):
@@ -230,17 +285,23 @@ class UpdateWalk:
             self.host += 4 * held  # the sharded gradients
         if s.dpo:
             reference_model(self)
+        L.add("pq_buffers", m.pq_buffer_bytes)  # buffers: whole on every rank, on the device
         if s.ddp_buckets:
             L.add("gradients", 4 * m.params)  # DDP's buckets: a flat copy of every gradient
 
     def forward(self):
         m, s, L, elem, n = self.m, self.s, self.ledger, self.elem, self.s.tokens
         if self.autocast:
-            L.add("mixed_precision_copies", m.layers * self.low_copies)  # autocast's weight cache
+            L.add("mixed_precision_copies", sum(self.low_copies(i) for i in range(m.layers)))  # autocast's cache
         if s.sharded:
             L.add("gathered_parameters", m.root_params * elem)  # the root, gathered until the loss
         L.add("activations", rope_table_bytes(m, s))  # --rope: alive until the first layer's backward
         L.add("document_mask", self.shared_mask)  # read by every layer, kept for their backward
+        # iPQ's root: a rebuilt table lives while it is looked up; its linear layers keep theirs
+        # (the output layer's is the loss's)
+        root = max((p.weight for p in m.pq_of(-1) if p.name != "decoder.output_projection"), default=0)
+        L.transient("rebuilt_weights", 2 * root * self.rebuild_elem)
+        L.add("rebuilt_weights", self.root_rebuilt)
         for i in range(m.layers):
             self.gather(i)
             if self.prefetch:
@@ -252,6 +313,7 @@ class UpdateWalk:
                 # holds about what it would save
                 L.transient("activations", self.act_of(i) if sparse else n * elem * 2 * (m.fc1_width + m.dim))
                 L.transient("document_mask", self.layer_mask)
+                L.transient("rebuilt_weights", self.rebuild_moment(i, kept=False))
                 if self.offload_acts:
                     self.host += self.layer_input
                 else:
@@ -260,6 +322,8 @@ class UpdateWalk:
                 L.add("activations", self.act_of(i))
                 L.transient("activations", self.sparse_forward if sparse else 0)
                 L.add("document_mask", self.layer_mask)
+                L.add("rebuilt_weights", self.rebuilt(i))
+                L.transient("rebuilt_weights", self.rebuild_moment(i))
             if s.reshard_after_forward and i + 1 < m.layers:  # the last layer's backward is next
                 self.release(i)
         L.add("activations", n * m.dim * self.resid / s.tp)  # the final norm's input
@@ -280,14 +344,21 @@ class UpdateWalk:
         # one chunk's buffers (fp32 logits, their low-precision product and gradient) and
         # W's gradient in low precision, added into the fp32 one (a CPU: a block at a time)
         rows = min(n, chunks.loss_chunk_rows(m.vocab, s.device))
+        # iPQ: a quantized output layer's weight, rebuilt for the loss (its indexed centroids
+        # beside it for a moment)
+        L.transient("rebuilt_weights", 2 * self.output_rebuilt)
+        L.add("rebuilt_weights", self.output_rebuilt)
         # under tensor parallelism, beside them: the hidden states gathered over every position
         L.transient("logits_and_loss", rows * m.vocab * (4 + low) + m.vocab * m.dim * low + self.tp_buffer)
+        L.sub("rebuilt_weights", self.output_rebuilt)
         if self.autocast:
             L.sub("mixed_precision_copies", m.vocab * m.dim * elem)
         if s.sharded and not m.scalar_noise:  # the root's weights are not read in backward: given back
             L.sub("gathered_parameters", m.root_params * elem)  # (trainer/parallel/parallelize.py)
         # backward: the kept gradients are scaled in place and handed on
         L.transient("logits_and_loss", m.vocab * m.dim * low)
+        # iPQ: the kept gradient for a rebuilt output weight, in its dtype and in the blocks' layout
+        L.transient("rebuilt_weights", 2 * self.output_rebuilt)
         L.sub("logits_and_loss", n * m.dim * elem + m.vocab * m.dim * 4)
 
     def int8_logits_loss(self):
@@ -326,8 +397,6 @@ class UpdateWalk:
         # fc2's (so the first node holds only those); fc1's node, fc1's, when the feed-forward's
         # other saved tensors are freed and the gradients for fc1's output and input are alive
         # with the one coming in; the attention's by the layer's end, its activations freed.
-        dense_fc2 = elem * (m.dim * m.ffn + (m.dim if m.bias else 0))
-        dense_fc1 = elem * (m.dim * m.fc1_width + (m.fc1_width if m.bias else 0))
         dense_at_fc1 = n * (2 * m.dim + m.fc1_width) * elem - n * elem * ffn_saved_width(m)
         # A sparse layer's: the gathered experts' down projections, then their gate and up with
         # the router; its dispatch's backward buffers in place of fc2's and fc1's nodes'.
@@ -337,7 +406,11 @@ class UpdateWalk:
         for i in reversed(range(m.layers)):
             sparse = m.is_sparse(i)
             act = self.act_of(i)
-            fc2_grads, fc1_grads = (sparse_fc2, sparse_fc1) if sparse else (dense_fc2, dense_fc1)
+            if sparse:
+                fc2_grads, fc1_grads = sparse_fc2, sparse_fc1
+            else:  # iPQ: a quantized one's are its centroids'
+                fc2_grads = self.pq_grads(f"decoder.layers.{i}.fc2", m.dim, m.ffn, m.bias)
+                fc1_grads = self.pq_grads(f"decoder.layers.{i}.fc1", m.fc1_width, m.dim, m.bias)
             first_node = self.sparse_backward if sparse else act_grads
             at_fc1 = 0 if sparse else dense_at_fc1
             self.gather(i)
@@ -346,21 +419,25 @@ class UpdateWalk:
             if s.checkpoint_activations:  # recomputed; the input was kept (or comes back)
                 L.add("activations", act - (0 if self.offload_acts else self.layer_input))
                 L.add("document_mask", self.layer_mask)
+                L.add("rebuilt_weights", self.rebuilt(i))
             grads = s.sharded and not mb.kept  # this backward makes the layer's unsharded gradients
             if grads:
                 L.add("unsharded_gradients", fc2_grads)
             elif not s.sharded and mb.first:
                 L.add("gradients", 4 * m.params_of(i))
+            L.add("rebuilt_weights", self.regrad_moment(i))
             L.transient("activations", max(first_node, attention_grads))
+            L.sub("rebuilt_weights", self.regrad_moment(i))
             if grads:
                 L.add("unsharded_gradients", fc1_grads)
                 L.transient("activations", at_fc1)
             L.sub("activations", act)
+            L.sub("rebuilt_weights", self.rebuilt(i))
             if grads:
                 L.add("unsharded_gradients", self.unit_of(i) - fc2_grads - fc1_grads)
             L.sub("document_mask", self.layer_mask)
             if self.autocast:
-                L.sub("mixed_precision_copies", self.low_copies)
+                L.sub("mixed_precision_copies", self.low_copies(i))
             gathered = self.gathered_params(i)
             rs_buffer = gathered * self.reduce_bytes
             if mb.deferring:
@@ -378,7 +455,11 @@ class UpdateWalk:
     def backward_root(self, mb: MicroBatch):
         """The embedding's backward, then (FSDP) the root's reduce-scatter."""
         m, s, L, elem = self.m, self.s, self.ledger, self.elem
-        if m.tied:
+        L.sub("rebuilt_weights", self.root_rebuilt)
+        table = self.pq.get("decoder.embed_tokens")
+        if table:  # iPQ: the table's dense gradient and its copy in the blocks' layout, for its centroids
+            L.transient("rebuilt_weights", 2 * table.weight * self.rebuild_elem)
+        elif m.tied:
             # the embedding's backward makes a dense V×d gradient of its own (under tensor
             # parallelism of the rank's V/N rows: m is its share), added into the one the loss
             # made for the same (tied) weight: both are alive for a moment

@@ -2,6 +2,7 @@
 
 import json
 
+from trainer.plan import quantized
 from trainer.plan.ledger import COMPONENTS, predict
 from trainer.plan.search import choose, fits, flags_of, model_shape, setup_of, vocab_size
 
@@ -22,7 +23,10 @@ LABELS = {
     "document_mask": "packed documents' attention masks",
     "reference_model": "reference model (dpo: frozen fp32 parameters)",
     "reference_forward": "reference forward (gathered layers, temporaries)",
+    "pq_buffers": "iPQ: assignments and counts (whole)",
+    "rebuilt_weights": "iPQ: weights rebuilt from centroids",
 }
+IPQ_COMPONENTS = ("pq_buffers", "rebuilt_weights")  # printed for a run under --quantization-config-path
 
 
 def make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab=None, model_name=None):
@@ -30,7 +34,9 @@ def make_plan(cfg, device, device_gb, host_gb, ranks_per_host, vocab=None, model
     (size, where it comes from) when not the data's (`train`'s own), as `plan` finds it
     without DATA (search.published_vocab, search.apply_hf_config)."""
     size, source = vocab or (vocab_size(cfg), None)
-    m = model_shape(cfg, size)
+    # --quantization-config-path: the model as the run's last stage holds it (the run starts
+    # unquantized: the launcher's preflight and the dry run count it so)
+    m = quantized.with_quantization(cfg, model_shape(cfg, size))
     given = setup_of(cfg, device, ranks_per_host)
     p = predict(m, given)
     tried, choice = choose(m, given, device_gb, host_gb)
@@ -128,6 +134,8 @@ def as_text(cfg, plan):
         "per rank, at the peak of an update:",
     ]
     for k in COMPONENTS:
+        if k in IPQ_COMPONENTS and not m.pq:
+            continue
         lines.append(f"  {LABELS[k]:<50} {p.components[k]:9.3f} GB")
     verdict = "fits" if p.per_rank_gb <= plan["device_gb"] else "does NOT fit"
     lines.append(f"  {'total':<50} {p.per_rank_gb:9.3f} GB of {plan['device_gb']:.1f} GB: {verdict}")
@@ -147,6 +155,8 @@ def as_text(cfg, plan):
     )
     if m.sparse_layers:
         lines.append(expert_note(m, s))
+    if m.pq:
+        lines.append(quantized.summary(m, s.shard))
     lines += ["", "flag sets, fastest first (per-rank GB, host GB):"]
     for label, t, q, ok in plan["tried"]:
         extra = flags_of(t, s) or "(as given)"

@@ -7,6 +7,40 @@ from typing import Optional
 from trainer.config.schema import SHARDED_BACKENDS
 
 
+@dataclass(frozen=True)
+class PQLayer:
+    """A layer iPQ has quantized by the run's last stage (trainer/plan/quantized.py): its
+    weight (rows × cols) is gone; it holds `centroids` × `block` centroids (a parameter,
+    sharded and optimized as any) and, whole on every rank (FSDP does not shard buffers), one
+    int64 assignment per block and a float count per centroid, and rebuilds the weight in
+    every forward (models/pq.py)."""
+
+    name: str  # fairseq's (decoder.layers.0.fc1, decoder.embed_tokens)
+    layer: int  # the decoder layer holding it; -1: the root (tables, projections)
+    rows: int
+    cols: int
+    block: int
+    centroids: int
+
+    @property
+    def weight(self):
+        return self.rows * self.cols
+
+    @property
+    def params(self):
+        return self.centroids * self.block
+
+    @property
+    def saved(self):
+        """Parameters fewer than the layer had: its weight, less its centroids."""
+        return self.weight - self.params
+
+    @property
+    def buffer_bytes(self):
+        """Its assignments (int64, one per block) and counts (fp32, at most one per centroid)."""
+        return 8 * self.weight // self.block + 4 * self.centroids
+
+
 @dataclass
 class ModelShape:
     layers: int
@@ -47,6 +81,20 @@ class ModelShape:
     top_k: int = 0
     norm_topk: bool = False  # --moe-norm-topk-prob: the top-k weights renormalized
     sparse_layers: tuple = ()  # their ids (models/config.py moe_layers)
+    pq: tuple = ()  # --quantization-config-path: the layers quantized at the last stage (PQLayer)
+
+    def pq_of(self, i):
+        """The quantized layers of decoder layer i (-1: the root's)."""
+        return [p for p in self.pq if p.layer == i]
+
+    def pq_weights(self, i):
+        """Elements of the weights decoder layer i (-1: the root) rebuilds in every forward."""
+        return sum(p.weight for p in self.pq_of(i))
+
+    @property
+    def pq_buffer_bytes(self):
+        """iPQ's assignments and counts: whole on every rank."""
+        return sum(p.buffer_bytes for p in self.pq)
 
     @property
     def hd(self):
@@ -110,8 +158,9 @@ class ModelShape:
         return i in self.sparse_layers
 
     def params_of(self, i):
-        """Layer i's parameters (FSDP's unit)."""
-        return self.sparse_layer_params if self.is_sparse(i) else self.layer_params
+        """Layer i's parameters (FSDP's unit): iPQ's centroids in its quantized weights' place."""
+        dense = self.sparse_layer_params if self.is_sparse(i) else self.layer_params
+        return dense - sum(p.saved for p in self.pq_of(i))
 
     @property
     def root_params(self):
@@ -123,12 +172,19 @@ class ModelShape:
             + self.learned_positions * dim
             + self.norms_outside_layers * self.norm_params(dim)
             + self.projection_params
+            - sum(p.saved for p in self.pq_of(-1))
         )
 
     @property
     def params(self):
         sparse = len(self.sparse_layers)
-        return (self.layers - sparse) * self.layer_params + sparse * self.sparse_layer_params + self.root_params
+        quantized = sum(p.saved for p in self.pq if p.layer >= 0)  # the root's are root_params'
+        return (
+            (self.layers - sparse) * self.layer_params
+            + sparse * self.sparse_layer_params
+            + self.root_params
+            - quantized
+        )
 
 
 def tensor_parallel_share(m: ModelShape, tp: int):

@@ -17,6 +17,7 @@ Under FSDP the centroids are sharded as any parameter (by rows); the assignments
 are buffers, whole on every rank, as FSDP keeps buffers.
 """
 
+import gc
 import logging
 import random
 import re
@@ -37,7 +38,9 @@ from models.pq import (
     quantized_specs,
     split_stacked,
 )
-from trainer.train.quantization import QuantizationSchedule, check_stage_matches, load_config
+from trainer.config.quantization import check_stage_matches, load_config, stage_matches
+from trainer.cpu import host_allocator
+from trainer.train.quantization import QuantizationSchedule
 
 log = logging.getLogger("shardlm")
 _ATTENTION = re.compile(r"layers\.(\d+)\.(qkv_proj|out_proj)$")
@@ -73,26 +76,28 @@ def fairseq_layers(model):
 
 def stage_layers(model, stage, regex):
     """The layers (fairseq_layers' entries) the stage's regex names, as fairseq's get_layers
-    matches (at the start of the name). fairseq's own example config writes its regexes in
-    plain YAML scalars with their backslashes doubled, which match no layer in fairseq (its
-    run then quantizes nothing): such a regex is read with single backslashes, and said so."""
+    matches (trainer/config/quantization.py stage_matches: a regex with its backslashes
+    doubled is read with single ones, and said so)."""
     layers = fairseq_layers(model)
+    names, read = stage_matches(regex, [fairseq for fairseq, _, _ in layers])
+    if read != regex:
+        log.warning(
+            f"quantization config: layers_to_quantize[{stage}] = {regex} has its backslashes doubled (a plain "
+            f"YAML scalar keeps both), which matches no layer (fairseq then quantizes nothing); read as {read}"
+        )
+    check_stage_matches(stage, regex, names)
+    return [entry for entry in layers if entry[0] in names]
 
-    def matching(pattern):
-        compiled = re.compile("(module\\.)?(" + pattern + ")")
-        return [entry for entry in layers if compiled.match(entry[0])]
 
-    found = matching(regex)
-    if not found and "\\\\" in regex:
-        found = matching(regex.replace("\\\\", "\\"))
-        if found:
-            log.warning(
-                f"quantization config: layers_to_quantize[{stage}] = {regex} has its backslashes doubled (a plain "
-                "YAML scalar keeps both), which matches no layer (fairseq then quantizes nothing); read as "
-                + regex.replace("\\\\", "\\")
-            )
-    check_stage_matches(stage, regex, found)
-    return found
+def give_back_pages():
+    """After a stage, the host pages the old model, its optimizer state, the whole tensors
+    and k-means freed go back to the OS: the caching host allocator (trainer/cpu/
+    host_allocator.py) would keep them, and the quantized model, smaller, would not reuse
+    them all, so a CPU rank's resident memory (mem_gb) would stay the old model's, not the
+    one `plan` predicts for the last stage. The old model's modules may hold each other
+    (hooks): collected first."""
+    gc.collect()
+    host_allocator.release_cached()
 
 
 class IPQ:
@@ -117,6 +122,7 @@ class IPQ:
         stage = self.schedule.begin_epoch(epoch)
         if stage is not None:
             self.quantize(stage, trainer, checkpointer)
+            give_back_pages()
 
     def due_after(self, n):
         """Whether a stage is quantized after update n (the loop then makes its count exact)."""
@@ -131,6 +137,7 @@ class IPQ:
         stage = self.schedule.step_update(trainer.num_updates)
         if stage is not None:
             self.quantize(stage, trainer, checkpointer)
+            give_back_pages()
 
     def quantize(self, stage, trainer, checkpointer):
         """Quantize stage `stage`'s layers of the trainer's model, and train the new model."""
