@@ -233,14 +233,7 @@ def shard_model(model, sharding, env):
                 "--cpu-offload: parameters already live in host memory on a CPU-only host; "
                 "it runs, with no memory effect here"
             )
-    experts = []
-    moe_mesh = token_mesh(mesh, tp_mesh, env)
-    if sharding.expert_parallel_size > 1:
-        ep_mesh, expert_mesh = expert_meshes(moe_mesh, sharding.expert_parallel_size, env)
-        experts = apply_expert_parallel(model, ep_mesh)
-        for unit in experts:  # each layer's experts, sharded over the ranks that hold the same ones
-            fully_shard(unit, **{**kwargs, "mesh": expert_mesh})
-    experts += shard_routers(model, moe_mesh, tp_mesh, kwargs)
+    experts = shard_experts(model, sharding.expert_parallel_size, mesh, tp_mesh, kwargs, env)
     units = [
         layer for layer in model.layers if sum(p.numel() for p in layer.parameters()) >= sharding.min_params_to_wrap
     ]
@@ -298,18 +291,26 @@ def shard_model(model, sharding, env):
     return model, background, early, prefetch
 
 
-def shard_routers(model, moe_mesh, tp_mesh, kwargs):
-    """Under tensor parallelism, each mixture-of-experts layer (its router; its experts too
-    unless expert parallelism sharded them already) as an FSDP unit of its own on token_mesh:
-    its gradients are summed over the tensor-parallel ranks too, whose positions it routed.
-    Without, they stay in their layer's unit. Returns the units."""
-    if tp_mesh is None:
-        return []
+def shard_experts(model, ep, mesh, tp_mesh, kwargs, env):
+    """The mixture-of-experts layers' FSDP units, before their layers' (the policy's and dpo's
+    reference alike); returns them. Under --expert-parallel-size ep each layer's experts are
+    split over ep ranks and sharded over the ranks that hold the same ones. Under tensor
+    parallelism each layer's router (and its experts, unless split already) is a unit of its
+    own on token_mesh: its gradients are summed over the tensor-parallel ranks too, whose
+    positions it routed. Otherwise the router and experts stay in their layer's unit."""
     from torch.distributed.fsdp import fully_shard
 
-    units = [layer.moe for layer in model.layers if layer.moe is not None]
-    for unit in units:
-        fully_shard(unit, **{**kwargs, "mesh": moe_mesh})
+    units, moe_mesh = [], token_mesh(mesh, tp_mesh, env)
+    if ep > 1:
+        ep_mesh, expert_mesh = expert_meshes(moe_mesh, ep, env)
+        units = apply_expert_parallel(model, ep_mesh)
+        for unit in units:
+            fully_shard(unit, **{**kwargs, "mesh": expert_mesh})
+    if tp_mesh is not None:
+        routers = [layer.moe for layer in model.layers if layer.moe is not None]
+        for unit in routers:
+            fully_shard(unit, **{**kwargs, "mesh": moe_mesh})
+        units += routers
     return units
 
 
@@ -402,12 +403,7 @@ def freeze(model, cfg, env):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=sharding.param_dtype)
         if sharding.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
-        moe_mesh = token_mesh(mesh, tp_mesh, env)
-        if sharding.expert_parallel_size > 1:
-            ep_mesh, expert_mesh = expert_meshes(moe_mesh, sharding.expert_parallel_size, env)
-            for unit in apply_expert_parallel(model, ep_mesh):
-                fully_shard(unit, **{**kwargs, "mesh": expert_mesh})
-        shard_routers(model, moe_mesh, tp_mesh, kwargs)
+        shard_experts(model, sharding.expert_parallel_size, mesh, tp_mesh, kwargs, env)
         for layer in model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)

@@ -20,7 +20,7 @@ def fsdp_units(m: ModelShape, s: Setup):
     last), again in backward. A sparse layer's router and experts are units of their own under
     tensor parallelism (over moe_shard ranks, the TP ranks too), its experts under expert
     parallelism (E/ep of them over moe_shard // ep ranks): resharded after forward, the last
-    layer's too (trainer/parallel/parallelize.py shard_routers, expert_meshes)."""
+    layer's too (trainer/parallel/parallelize.py shard_experts, expert_meshes)."""
     S, M, ep = s.shard, s.moe_shard, s.ep
     again = 1 if s.reshard_after_forward else 0
     units = [(m.root_params, S, 1)]
