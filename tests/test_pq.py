@@ -16,8 +16,9 @@ import torch.nn.functional as F
 import yaml
 
 from models import pq
+from trainer.config.quantization import check_stage_matches, load_config, parse_config
 from trainer.errors import UsageError
-from trainer.train.quantization import QuantizationSchedule, check_stage_matches, load_config, parse_config
+from trainer.train.quantization import QuantizationSchedule
 
 README_CONFIG = Path(__file__).parent / "fixtures" / "ipq" / "transformer_quantization_config.yaml"
 

@@ -11,11 +11,7 @@ after update s * (max_update / stages), counted as the run counts its updates (a
 restored from a checkpoint included, as fairseq's).
 """
 
-from trainer.config.quantization import check_stage_matches, load_config, parse_config
 from trainer.errors import UsageError
-
-# the file's readers, importable from here as before they moved to trainer/config/
-__all__ = ["QuantizationSchedule", "check_stage_matches", "load_config", "parse_config"]
 
 
 class QuantizationSchedule:
