@@ -22,10 +22,9 @@ class TrainLoop:
     """Its checkpointed state (state_dict): the data position, the epoch's meters and the
     best validation loss."""
 
-    def __init__(self, cfg, trainer, task, progress, env, flops_per_token, checkpointer, preemption, quantizer=None):
-        """quantizer: --quantization-config-path's (trainer/train/ipq.py), or None."""
+    def __init__(self, cfg, trainer, task, progress, env, flops_per_token, checkpointer, preemption):
         self.cfg, self.trainer, self.task, self.progress, self.env = cfg, trainer, task, progress, env
-        self.quantizer = quantizer
+        self.quantizer = trainer.quantizer  # --quantization-config-path's (trainer/train/ipq.py), or None
         self.flops_per_token = flops_per_token
         self.checkpointer, self.preemption = checkpointer, preemption
         self.start = time.perf_counter()

@@ -102,7 +102,7 @@ def quantized_specs_to_restore(cfg):
     run starts from, or {}."""
     if not cfg.common.quantization_config_path:
         return {}
-    path, _ = restore_choice(cfg.checkpoint)[:2]
+    path = restore_choice(cfg.checkpoint)[0]
     if path is None or checkpoint_dir.resolve(path) is None:
         return {}
     return quantized_specs({name: shape for name, (shape, _) in checkpoint_dir.tensor_specs(path).items()})
@@ -153,9 +153,7 @@ def train(cfg, env):
             cfg, env, trainer.model, trainer.optimizer, getattr(task, "data_dir", None), trainer.ema
         )
         preemption = Preemption(env, collective_timeout(cfg), cfg.checkpoint)
-        loop = TrainLoop(
-            cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer, preemption, trainer.quantizer
-        )
+        loop = TrainLoop(cfg, trainer, task, Progress(cfg, env.is_master), env, fpt, checkpointer, preemption)
         # The training state besides the tensors, each piece saved under its name.
         checkpointer.register("trainer", trainer)
         checkpointer.register("loop", loop)
